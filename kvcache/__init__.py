@@ -1,0 +1,13 @@
+"""KV-cache bookkeeping: blocks, the free queue, block hashing, the block pool and the manager.
+
+Pure CPU bookkeeping: imports nothing but stdlib, xxhash and numpy (never torch or ray).
+"""
+from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, KVCacheBlock
+from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.hashing import HASH_ALGORITHMS, BlockHasher, encode_extra_keys
+from tierserve.kvcache.manager import KVCacheManager, PrefixCacheStats
+
+__all__ = [
+    "BlockHash", "BlockId", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockPool",
+    "BlockHasher", "HASH_ALGORITHMS", "encode_extra_keys", "KVCacheManager", "PrefixCacheStats",
+]

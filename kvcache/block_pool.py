@@ -1,0 +1,145 @@
+"""The block pool: every KVCacheBlock, the free queue, and the prefix-cache hash map.
+
+Partitions (invariant 4): each usable block is exactly one of
+  free        ref_cnt 0, no hash, in the free queue
+  cached      ref_cnt 0, hashed, in the free queue (evictable, LRU by queue position)
+  referenced  ref_cnt > 0, not in the queue (hashed or not)
+The null block is the last block id; it pads block tables and is in no partition.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, KVCacheBlock
+
+__all__ = ["BlockPool", "EvictCallback"]
+
+# Called with (block_id, block_hash) when a cached block loses its hash because its slot is reused.
+EvictCallback = Callable[[int, BlockHash], None]
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, verify_hits: bool = True,
+                 on_evict: EvictCallback | None = None) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.verify_hits = verify_hits
+        self.on_evict = on_evict
+        self.blocks = [KVCacheBlock(BlockId(i)) for i in range(num_blocks)]
+        self.null_block = self.blocks[-1]
+        self.null_block.is_null = True
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[:-1])
+        # Several blocks may share a hash: block tables are append-only, so a request that
+        # computed a block another request also cached keeps its own copy (seed 002).
+        # Value: one block, or {block_id: block} when duplicated.
+        self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.num_evictions = 0
+        self.num_collisions = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash, key: bytes | None) -> KVCacheBlock | None:
+        """A cached block for this hash whose stored key equals `key` (when verifying)."""
+        entry = self._cached.get(block_hash)
+        if entry is None:
+            return None
+        candidates = (entry,) if isinstance(entry, KVCacheBlock) else entry.values()
+        if not self.verify_hits:
+            return next(iter(candidates))
+        for block in candidates:
+            if block.hash_key == key:
+                return block
+        self.num_collisions += 1
+        return None
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash],
+                          keys: Sequence[bytes] | None, start: int, end: int) -> None:
+        """Gives blocks[start:end] their hashes and enters them in the map."""
+        for i in range(start, end):
+            block = blocks[i]
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            block.block_hash = hashes[i]
+            if keys is not None:
+                block.hash_key = keys[i]
+            self._insert(block)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pops n blocks from the queue head, evicting cached ones lazily."""
+        blocks = self.free_queue.popleft_n(n)
+        for block in blocks:
+            assert block.ref_cnt == 0
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes a reference on prefix hits, pulling free cached ones out of the queue."""
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference each; blocks reaching 0 join the queue tail in the given order."""
+        released = []
+        for block in ordered:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_queue.append_n(released)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every hash; refused (False) while any block is referenced."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.blocks:
+            block.reset_hash()
+        self._cached.clear()
+        return True
+
+    def num_cached_blocks(self) -> int:
+        return sum(1 if isinstance(e, KVCacheBlock) else len(e) for e in self._cached.values())
+
+    def iter_cached_blocks(self) -> Iterable[KVCacheBlock]:
+        for entry in self._cached.values():
+            if isinstance(entry, KVCacheBlock):
+                yield entry
+            else:
+                yield from entry.values()
+
+    def _insert(self, block: KVCacheBlock) -> None:
+        entry = self._cached.get(block.block_hash)
+        if entry is None:
+            self._cached[block.block_hash] = block
+        elif isinstance(entry, KVCacheBlock):
+            self._cached[block.block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        entry = self._cached[block_hash]
+        if isinstance(entry, KVCacheBlock):
+            del self._cached[block_hash]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                self._cached[block_hash] = next(iter(entry.values()))
+        block.reset_hash()
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block_hash)

@@ -1,0 +1,105 @@
+"""Per-request sampling parameters, request status codes and finish reasons.
+
+SamplingParams is a msgspec Struct so it travels on the wire unchanged (once per request, inside
+NewRequestData) and is validated where it is built: a bad value raises ValueError naming the field.
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+__all__ = ["SamplingParams", "RequestStatus", "FinishReason"]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished; is_finished() relies on the ordering.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:  # vLLM's user-facing strings
+        return self.name.lower()
+
+
+_STATUS_TO_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def finish_reason_of(status: RequestStatus) -> FinishReason | None:
+    return _STATUS_TO_REASON.get(status)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, gc=False):
+    """vLLM's names and defaults. temperature 0 is greedy; top_k 0 or -1 disables top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.temperature, "temperature", lambda v: v >= 0.0, "must be >= 0")
+        _check(self.top_p, "top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+        _check(self.top_k, "top_k", lambda v: v >= -1, "must be -1, 0 (disabled) or >= 1")
+        _check(self.min_p, "min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens, "max_tokens", lambda v: v >= 1, "must be >= 1")
+        _check(self.presence_penalty, "presence_penalty", lambda v: -2.0 <= v <= 2.0,
+               "must be in [-2, 2]")
+        _check(self.frequency_penalty, "frequency_penalty", lambda v: -2.0 <= v <= 2.0,
+               "must be in [-2, 2]")
+        _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
+        if self.logprobs is not None:
+            _check(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+
+def _check(value, name: str, ok, requirement: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        isinstance(value, float) and math.isnan(value)
+    ) or not ok(value):
+        raise ValueError(f"SamplingParams.{name} {requirement}, got {value!r}")

@@ -1,0 +1,333 @@
+"""The unified scheduler: one token budget shared by prefill chunks and decodes.
+
+Each step serves running requests first (in admission order), preempting from the tail (FCFS)
+or the lowest priority when blocks run out, then admits waiting requests with a prefix-cache
+lookup, but only in a step that preempted nobody (admitting while evicting would thrash).
+A request is a "prefill" or a "decode" only by how far num_computed_tokens trails num_tokens.
+"""
+from __future__ import annotations
+
+import array
+import itertools
+from dataclasses import dataclass, field
+
+from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager
+from tierserve.scheduler.messages import (
+    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+)
+from tierserve.scheduler.params import RequestStatus, SamplingParams, finish_reason_of
+from tierserve.scheduler.queues import make_waiting_queue
+from tierserve.scheduler.request import Request
+
+__all__ = ["Scheduler"]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    budget: int
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, group: list[Request], req: Request, n: int, blocks: list[int]) -> None:
+        group.append(req)
+        self.num_tokens[req.request_id] = n
+        self.block_ids[req.request_id] = blocks
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        """Undoes a request scheduled earlier this step (it was just preempted)."""
+        n = self.num_tokens.pop(req.request_id, None)
+        if n is None:
+            return
+        self.budget += n
+        del self.block_ids[req.request_id]
+        self.cached_reqs.remove(req)
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs",
+                 vocab_size: int | None = None) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
+        pool_tokens = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
+        if max_model_len > pool_tokens:
+            raise ValueError(f"max_model_len {max_model_len} does not fit the KV pool "
+                             f"({pool_tokens} tokens); lower it or give the cache more memory")
+        self.kv = kv_cache_manager
+        self.hasher = hasher if kv_cache_manager.enable_caching else None
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = policy
+        self.vocab_size = vocab_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(policy)
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._step_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, *, eos_token_id: int | None = None,
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_id: int | None = None, arrival_time: float | None = None) -> Request:
+        """Validates and queues a request; bad input raises ValueError and changes nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
+        self._validate_prompt(prompt_token_ids)
+        req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=eos_token_id,
+                      arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                      lora_id=lora_id, hasher=self.hasher,
+                      keep_keys=self.kv.pool.verify_hits)
+        room = self.max_model_len - req.num_prompt_tokens
+        limit = sampling_params.max_tokens
+        req.max_output_tokens = max(room, 1) if limit is None else limit
+        self.requests[request_id] = req
+        self.waiting.add(req)
+        return req
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len "
+                             f"{self.max_model_len}")
+        try:
+            array.array("q", prompt)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"prompt token ids must be ints: {e}") from None
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
+        """Finishes requests from outside a step (abort, stop string); returns those found."""
+        assert status.is_finished()
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(rid)
+        return done
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        out = self._build_output(plan)
+        for req in itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs):
+            req.num_computed_tokens += plan.num_tokens[req.request_id]
+        return out
+
+    def _chunk(self, num_new_tokens: int, budget: int) -> int:
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return num_new_tokens if num_new_tokens <= budget else budget
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            req = self.running[i]
+            n = self._chunk(len(req.all_token_ids) - req.num_computed_tokens, plan.budget)
+            blocks = self.kv.allocate_slots(req, n)
+            if blocks is None:
+                blocks = self._preempt_until_fits(req, n, plan)
+                if blocks is None:
+                    break  # it preempted itself: nothing behind it can fit either
+            plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks])
+            # A priority preemption may have removed a request ahead of this one.
+            i = self.running.index(req) + 1 if plan.preempted else i + 1
+
+    def _preempt_until_fits(self, req: Request, n: int,
+                            plan: _StepPlan) -> list[KVCacheBlock] | None:
+        while True:
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is req:
+                return None
+            blocks = self.kv.allocate_slots(req, n)
+            if blocks is not None:
+                return blocks
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, plan: _StepPlan) -> None:
+        """Recompute preemption: free every block, go back to the front of the waiting queue.
+        Its full blocks stay cached, so resuming is mostly prefix hits."""
+        self.running.remove(req)
+        plan.drop(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+        plan.preempted.append(req)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._admit(self.waiting.peek(), plan):
+                break  # head-of-line: later requests wait their turn
+
+    def _admit(self, req: Request, plan: _StepPlan) -> bool:
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        n = self._chunk(req.num_tokens - num_hit, plan.budget)
+        blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
+        plan.add(group, req, n, self.kv.get_block_ids(req.request_id))
+        return True
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_data = []
+        for req in plan.new_reqs:
+            new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
+                                           req.sampling_params, plan.block_ids[req.request_id],
+                                           req.num_computed_tokens))
+            req.num_sent_tokens = req.num_tokens
+        cached = CachedRequestData()
+        for req in itertools.chain(plan.cached_reqs, plan.resumed_reqs):
+            cached.req_ids.append(req.request_id)
+            cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens:])
+            cached.new_block_ids.append(plan.block_ids[req.request_id])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_sent_tokens = req.num_tokens
+        first_resumed = len(plan.cached_reqs)
+        cached.resumed = list(range(first_resumed, first_resumed + len(plan.resumed_reqs)))
+        num_tokens = plan.num_tokens
+        scheduled = itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step_id=next(self._step_ids), scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
+            finished_req_ids=finished,
+            preempted_req_ids=[r.request_id for r in plan.preempted])
+
+    # ---------------------------------------------------------------- after the forward
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, finishes stopped requests and frees their blocks."""
+        outputs = []
+        any_finished = False
+        logprobs = runner_output.logprobs or itertools.repeat(None)
+        for rid, token, lp in zip(scheduler_output.scheduled_req_ids(),
+                                  runner_output.sampled_token_ids, logprobs):
+            req = self.requests.get(rid)
+            if token < 0 or req is None or req.status != RequestStatus.RUNNING:
+                continue  # a partial prefill chunk, or aborted while the step ran
+            req.append_output_token(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+                any_finished = True
+            reason = finish_reason_of(status) if status is not None else None
+            outputs.append(EngineCoreOutput(rid, [token], reason, [lp] if lp else [],
+                                            req.num_cached_tokens))
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if (token == req.eos_token_id and not params.ignore_eos) or (
+                params.stop_token_ids and token in params.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_output_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---------------------------------------------------------------- introspection
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_worker_updates(self) -> bool:
+        return bool(self._finished_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        pool, pc = self.kv.pool, self.kv.stats
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_usage": pool.usage(),
+            "num_free_blocks": pool.num_free_blocks,
+            "num_total_blocks": pool.num_usable_blocks,
+            "prefix_cache_requests": pc.requests,
+            "prefix_cache_queried_tokens": pc.queried_tokens,
+            "prefix_cache_hit_tokens": pc.hit_tokens,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "prefix_cache_evictions": pool.num_evictions,
+            "prefix_cache_collisions": pool.num_collisions,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running) <= self.max_num_seqs
+        assert not running_ids & waiting_ids
+        assert running_ids | waiting_ids == set(self.requests), "requests lost or leaked"
+        assert set(self.kv.req_to_blocks) <= running_ids, "a non-running request holds blocks"
+        bs = self.kv.block_size
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            assert len(self.kv.req_to_blocks.get(req.request_id, ())) * bs >= req.num_computed_tokens
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.num_computed_tokens == 0
