@@ -69,7 +69,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.temperature, "temperature", lambda v: v >= 0.0, "must be >= 0")
+        _check(self.temperature, "temperature", lambda v: 0.0 <= v < math.inf,
+               "must be finite and >= 0")
         _check(self.top_p, "top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
         _check(self.top_k, "top_k", lambda v: v >= -1, "must be -1, 0 (disabled) or >= 1")
         _check(self.min_p, "min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
@@ -82,8 +83,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
         if self.logprobs is not None:
             _check(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise ValueError(f"SamplingParams.seed must be an int in [0, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -41,7 +41,7 @@ def test_from_worker_round_trip(msg):
 
 def test_client_outputs_round_trip():
     codec = ClientChannelCodec()
-    msg = EngineCoreOutputs([EngineCoreOutput("a", [1], 0, [], 16),
+    msg = EngineCoreOutputs([EngineCoreOutput("a", [1], "x", 0, [], 16),
                              EngineCoreOutput("b", error="prompt is empty", finish_reason=3)])
     assert codec.decode(codec.encode(msg)) == msg
 
@@ -73,7 +73,8 @@ def test_decode_step_costs_a_few_bytes_per_request():
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("max_tokens", 0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("temperature", float("nan")),
-    ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 1.5)])
+    ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 1.5), ("seed", True), ("seed", 2**64),
+    ("seed", -1), ("temperature", float("inf"))])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
