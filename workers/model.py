@@ -1,0 +1,201 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV pool, built from TP layers.
+
+Module names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`, so
+`load_weights` maps checkpoint names with a small table.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tierserve.workers.attention import AttentionMetadata, paged_attention
+from tierserve.workers.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    copy_checked,
+    partition_heads,
+)
+from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.parallel import get_tp_size
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF projection name -> (fused module name, shard id inside it)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _shards_of(param_name: str) -> tuple:
+    """Shard ids a parameter is loaded in: one per fused HF projection, else (None,)."""
+    module = param_name.split(".")[-2]
+    shards = tuple(shard for fused, shard in _FUSED.values() if fused == module)
+    return shards or (None,)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, config.attention_bias, dtype, device,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size,
+            config.attention_output_bias, dtype, device,
+        )
+        self.rotary = rotary
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
+        qk_heads = self.num_heads + self.num_kv_heads
+        # q and k share one rotation call: [T, heads + kv_heads, D]
+        qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, attn, self.scale)  # [T, heads * D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, dtype, device
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(self, hidden, residual, cos, sin, kv_cache: KVCache, attn: AttentionMetadata):
+        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        # One rotary table for all layers; its inv_freq stays float32 like HF's.
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling_dict, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache]):
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        # Fails early, with the reason, when the head counts cannot be split at this TP size.
+        partition_heads(config.num_attention_heads, config.num_key_value_heads, get_tp_size())
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> float32 logits [n, vocab_size], full vocab on every rank."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face named tensors; each layer keeps only this rank's shard.
+
+        Raises ValueError on unknown names and on parameters the checkpoint never provided.
+        """
+        params = dict(self.named_parameters())
+        pending = {(name, shard) for name in params for shard in _shards_of(name)}
+        for hf_name, tensor in named_tensors:
+            key = self._load_one(params, hf_name, tensor)
+            if key is not None:
+                pending.discard(key)
+        if pending:
+            missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in pending)
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+    def _load_one(self, params: dict, hf_name: str, tensor: torch.Tensor):
+        """Load one HF tensor; returns the (param name, shard id) it filled, or None if skipped."""
+        if "rotary_emb." in hf_name:
+            return None
+        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # the head is the embedding; some checkpoints store a copy anyway
+        parts = hf_name.split(".")
+        shard_id = None
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard_id = _FUSED[parts[-2]]
+            parts[-2] = fused
+        name = ".".join(parts)
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"unexpected checkpoint tensor {hf_name!r} for {self.config.architecture}")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if shard_id is not None:
+                loader(param, tensor, shard_id)
+            elif loader is not None:
+                loader(param, tensor)
+            else:
+                copy_checked(param.data, tensor)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"cannot load checkpoint tensor {hf_name!r}: {exc}") from exc
+        return name, shard_id
