@@ -21,7 +21,7 @@ from tierserve.scheduler.params import SamplingParams
 __all__ = [
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "ResetWorkerCache",
     "ShutdownWorker", "SampleLogprobs", "ModelRunnerOutput", "WorkerError", "EngineCoreOutput",
-    "EngineCoreOutputs", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
+    "EngineCoreOutputs", "EngineCoreRequest", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
     "EngineChannelCodec", "ClientChannelCodec",
 ]
 
@@ -104,13 +104,33 @@ class WorkerError(msgspec.Struct, tag=12, **_WIRE):
 
 
 class EngineCoreOutput(msgspec.Struct, **_WIRE):
+    """One request's delta for one step, as streamed to its client."""
+
     req_id: str
     new_token_ids: list[int] = []
+    # Detokenized text of new_token_ids (filled by the EngineCore; may lag behind the tokens
+    # while a stop string could still be forming).
+    new_text: str = ""
     # A FinishReason value once the request has finished.
     finish_reason: int | None = None
     logprobs: list[SampleLogprobs] = []
     num_cached_tokens: int = 0
     error: str = ""
+    # Set on a request's first output only.
+    prompt_token_ids: list[int] = []
+
+
+class EngineCoreRequest(msgspec.Struct, **_WIRE):
+    """A client's request. Exactly one of prompt, prompt_token_ids, messages is set."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    # Chat messages ({"role", "content"}), rendered with the model's chat template.
+    messages: list[dict[str, str]] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

@@ -62,7 +62,9 @@ class Scheduler:
                 raise ValueError(f"{name} must be positive, got {value}")
         if long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
-        pool_tokens = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
+        # A prompt must fit beside the admission watermark, or it could never be admitted.
+        pool_tokens = (kv_cache_manager.pool.num_usable_blocks
+                       - kv_cache_manager.watermark_blocks) * kv_cache_manager.block_size
         if max_model_len > pool_tokens:
             raise ValueError(f"max_model_len {max_model_len} does not fit the KV pool "
                              f"({pool_tokens} tokens); lower it or give the cache more memory")
@@ -273,8 +275,9 @@ class Scheduler:
                 self._finish(req, status)
                 any_finished = True
             reason = finish_reason_of(status) if status is not None else None
-            outputs.append(EngineCoreOutput(rid, [token], reason, [lp] if lp else [],
-                                            req.num_cached_tokens))
+            outputs.append(EngineCoreOutput(rid, [token], finish_reason=reason,
+                                            logprobs=[lp] if lp else [],
+                                            num_cached_tokens=req.num_cached_tokens))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -1,0 +1,4 @@
+import sys
+from tierserve.deploy.cli import main
+
+sys.exit(main())

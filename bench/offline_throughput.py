@@ -1,0 +1,121 @@
+"""Offline throughput and time-to-first-token on the default SmolLM2-135M-Instruct GGUF.
+
+64 chat prompts of 20-200 tokens, 128 new tokens each, greedy, EOS ignored. The same workload
+runs through tierserve and through transformers' batched generate (all 64 prompts in one
+left-padded batch) on the same dequantized weights, in the same process, per dtype.
+TTFT: a 512-token prompt, cold, then again with all but its last block in the prefix cache.
+
+Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+from tierserve import LLM, SamplingParams
+from tierserve.workers.loader import default_model_path
+
+NUM_PROMPTS, NEW_TOKENS = 64, 128
+WORDS = ("the model serves requests with a paged cache of keys and values so that many "
+         "sequences share memory while the scheduler keeps one token budget for prefill and "
+         "decode every step and evicts the least recently used blocks first").split()
+
+
+def make_chat_prompts(tokenizer, n: int = NUM_PROMPTS, lo: int = 20, hi: int = 200) -> list:
+    """Chat-templated prompts whose token counts spread evenly over [lo, hi]."""
+    rng = random.Random(0)
+    prompts = []
+    for i in range(n):
+        target = lo + (hi - lo) * i // (n - 1)
+        words: list[str] = []
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+        while len(ids) < target:
+            words.append(rng.choice(WORDS))
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(words)}])
+        prompts.append(ids[:target] if len(ids) > target else ids)
+    return prompts
+
+
+def bench_tierserve(dtype: str, prompts: list[list[int]]) -> float:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(dtype=dtype, enable_prefix_caching=False) as llm:
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+    return NUM_PROMPTS * NEW_TOKENS / elapsed
+
+
+def bench_transformers(dtype: str, prompts: list[list[int]]) -> float:
+    from transformers import AutoModelForCausalLM
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path),
+        dtype=getattr(torch, dtype)).eval()
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        model.generate(ids[:4, -8:], attention_mask=mask[:4, -8:], max_new_tokens=4,
+                       do_sample=False, pad_token_id=pad)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
+        elapsed = time.perf_counter() - t0
+    assert out.shape[1] == width + NEW_TOKENS
+    return NUM_PROMPTS * NEW_TOKENS / elapsed
+
+
+def bench_ttft(prompt_len: int = 512) -> tuple[float, float]:
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with LLM() as llm:
+        llm.generate([[5, 6, 7]], one, use_tqdm=False)
+        t0 = time.perf_counter()
+        cold = llm.generate([prompt], one, use_tqdm=False)[0]
+        cold_ms = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        warm = llm.generate([prompt], one, use_tqdm=False)[0]
+        cached_ms = (time.perf_counter() - t0) * 1e3
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == prompt_len - 16
+    assert cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    return cold_ms, cached_ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--skip-hf", action="store_true", help="tierserve only (no ratio)")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    with LLM() as llm:
+        prompts = make_chat_prompts(llm.tokenizer)
+    result: dict[str, float] = {}
+    for dtype in args.dtypes.split(","):
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+        result[f"tierserve_tok_s_{short}"] = bench_tierserve(dtype, prompts)
+        if not args.skip_hf:
+            result[f"transformers_tok_s_{short}"] = bench_transformers(dtype, prompts)
+            result[f"ratio_{short}"] = (result[f"tierserve_tok_s_{short}"]
+                                        / result[f"transformers_tok_s_{short}"])
+    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft()
+    result["ttft_speedup"] = result["ttft_cold_ms"] / result["ttft_cached_ms"]
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'metric':<28} {'value':>10}")
+    for key, value in result.items():
+        print(f"{key:<28} {value:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

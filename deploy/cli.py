@@ -1,0 +1,209 @@
+"""The `tierserve` command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tierserve.runtime import envs
+
+__all__ = ["main", "build_parser"]
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                   default=1)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+
+
+_ENGINE_KEYS = ("model", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes",
+                "enable_prefix_caching")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _ENGINE_KEYS}
+
+
+def sampling_params(args: argparse.Namespace):
+    from tierserve.scheduler.params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                          stop=args.stop)
+
+
+def _deployment_flags(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--name", required=required, default=None,
+                   help="the deployment's name" + ("" if required else
+                                                   " (run against a running deployment)"))
+    p.add_argument("--namespace", default=None,
+                   help=f"Ray namespace (default: {envs.default_namespace()})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    _deployment_flags(gen, required=False)
+    _engine_flags(gen)
+    _sampling_flags(gen)
+    srv = sub.add_parser("serve", help="start (or reuse) a named deployment on Ray")
+    _deployment_flags(srv, required=True)
+    srv.add_argument("--placement-strategy", default="PACK",
+                     choices=["PACK", "STRICT_PACK", "SPREAD"])
+    srv.add_argument("--cpus-per-worker", type=int, default=None)
+    _engine_flags(srv)
+    for cmd, text in (("status", "a deployment's requests, KV usage and prefix hit rate"),
+                      ("stop", "stop a deployment: engine, workers, placement group")):
+        p = sub.add_parser(cmd, help=text)
+        p.add_argument("name")
+        p.add_argument("--namespace", default=None)
+    chat = sub.add_parser("chat", help="chat with the model (one message, or a REPL)")
+    chat.add_argument("message", nargs="?", default=None,
+                      help="one user message; without it, read messages from stdin")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _engine_flags(chat)
+    _sampling_flags(chat)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tierserve.deploy.ray_engine import serve
+    options = engine_options(args)
+    options.update(placement_strategy=args.placement_strategy,
+                   cpus_per_worker=args.cpus_per_worker)
+    handle = serve(args.name, args.namespace, **options)
+    info = handle.info()
+    ns = args.namespace or envs.default_namespace()
+    print(f"tierserve deployment {args.name!r} is running (namespace {ns!r}, "
+          f"TP={info['tensor_parallel_size']}, max_model_len={info['max_model_len']}, "
+          f"engine on {info['node_ip']}).")
+    print(f"  python: handle = tierserve.connect({args.name!r}, namespace={ns!r})")
+    print(f"  shell:  tierserve generate --name {args.name} \"PROMPT\"")
+    print(f"  stop:   tierserve stop {args.name}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from tierserve.runtime.client import connect
+    stats = connect(args.name, args.namespace).stats()
+    print(f"deployment {args.name!r}: " + ("DEAD: " + stats["dead"] if stats["dead"]
+                                            else "running"))
+    print(f"  running requests   {stats['num_running']}")
+    print(f"  waiting requests   {stats['num_waiting']}")
+    print(f"  KV usage           {stats['kv_usage']:.1%} of {stats['num_total_blocks']} blocks")
+    print(f"  prefix hit rate    {stats['prefix_cache_hit_rate']:.1%} "
+          f"({stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} tokens)")
+    print(f"  preemptions        {stats['num_preemptions']}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from tierserve.deploy.ray_engine import stop
+    if not stop(args.name, args.namespace):
+        print(f"no deployment named {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"stopped {args.name!r}")
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    import asyncio
+    from tierserve.runtime.client import connect
+    handle = connect(args.name, args.namespace)
+
+    async def run() -> str | None:
+        async for delta in handle.generate(args.prompt, sampling_params(args)):
+            if delta.error:
+                return delta.error
+            print(delta.outputs[0].text, end="", flush=True)
+        print()
+        return None
+
+    error = asyncio.run(run())
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.name is not None:
+        return _generate_remote(args)
+    from tierserve.runtime.llm import LLM
+    with LLM(**engine_options(args)) as llm:
+        out = llm.generate(args.prompt, sampling_params(args), use_tqdm=False)[0]
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tierserve.runtime.llm import LLM
+    params = sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    with LLM(**engine_options(args)) as llm:
+        messages = [args.message] if args.message is not None else _read_messages()
+        for message in messages:
+            history.append({"role": "user", "content": message})
+            out = llm.chat(history, params, use_tqdm=False)[0]
+            if out.error:
+                print(f"error: {out.error}", file=sys.stderr)
+                return 1
+            reply = out.outputs[0].text
+            history.append({"role": "assistant", "content": reply})
+            print(reply, flush=True)
+    return 0
+
+
+def _read_messages():
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.strip()
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+            "status": cmd_status, "stop": cmd_stop}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Every environment variable tierserve reads, in one place."""
+from __future__ import annotations
+
+import os
+
+__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace"]
+
+
+def cache_dir() -> str:
+    """Where converted tokenizers and the SSD tier live by default."""
+    return os.environ.get("TIERSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tierserve")
+
+
+def log_level() -> str:
+    return os.environ.get("TIERSERVE_LOG_LEVEL", "WARNING").upper()
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS as Ray itself reads it; None starts or joins a local instance."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def default_namespace() -> str:
+    return os.environ.get("TIERSERVE_NAMESPACE", "tierserve")

@@ -1,0 +1,151 @@
+"""`tierserve.LLM`: offline batched generation, vLLM's shape.
+
+In-process (one device, no Ray) by default; on Ray when tensor_parallel_size > 1 or
+distributed=True, with the same API.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.outputs import RequestOutput
+from tierserve.scheduler.messages import EngineCoreRequest
+from tierserve.scheduler.params import SamplingParams
+
+__all__ = ["LLM", "PromptType"]
+
+PromptType = str | list[int] | dict
+# Batches at least this long show a progress bar (when use_tqdm is on).
+_PROGRESS_MIN = 16
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **options)
+        if self.config.use_ray:
+            # deploy/ builds on runtime/; imported only when Ray is asked for.
+            from tierserve.deploy.ray_engine import RayEngineClient
+            self.engine = RayEngineClient(self.config)
+        else:
+            from tierserve.runtime.engine_core import EngineCore
+            self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. A bad prompt or bad parameters fail
+        that request alone (its output has `error` set and finish_reason "error")."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params, len(batch), "sampling_params")
+        salts = _per_prompt(cache_salt, len(batch), "cache_salt")
+        priorities = _per_prompt(priority, len(batch), "priority")
+        requests = [self._request(p, sp, salt, prio or 0)
+                    for p, sp, salt, prio in zip(batch, params, salts, priorities)]
+        return self._run(requests, use_tqdm and len(batch) >= _PROGRESS_MIN)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | dict | Sequence | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a batch of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([{"messages": list(c)} for c in conversations], sampling_params,
+                             use_tqdm=use_tqdm)
+
+    def _request(self, prompt: PromptType, params, salt,
+                 priority) -> EngineCoreRequest | RequestOutput:
+        rid = str(next(self._ids))
+        fields = _prompt_fields(prompt)
+        try:
+            if isinstance(params, dict):
+                params = SamplingParams(**params)
+            elif params is None:
+                params = SamplingParams()
+            elif not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams or a dict, got "
+                                 f"{type(params).__name__}")
+            if fields is None:
+                raise ValueError(f"a prompt is a string, a list of token ids or a dict, got "
+                                 f"{type(prompt).__name__}")
+        except (ValueError, TypeError) as e:
+            return RequestOutput.failed(rid, prompt if isinstance(prompt, str) else None, [],
+                                        str(e))
+        return EngineCoreRequest(rid, params, priority=priority, cache_salt=salt, **fields)
+
+    def _run(self, requests: list, progress: bool) -> list[RequestOutput]:
+        results = [r if isinstance(r, RequestOutput) else RequestOutput.start(
+            r.req_id, r.prompt, r.sampling_params.logprobs is not None) for r in requests]
+        by_id = {r.request_id: r for r in results if not r.finished}
+        bar = tqdm(total=len(by_id), desc="generating", disable=not progress)
+        try:
+            for outputs in self.engine.stream_batch([r for r in requests
+                                                     if not isinstance(r, RequestOutput)]):
+                for delta in outputs:
+                    result = by_id.get(delta.req_id)
+                    if result is not None:
+                        result.add(delta)
+                        bar.update(int(result.finished))
+        finally:
+            bar.close()
+        return results
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_batch(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _prompt_fields(prompt: PromptType) -> dict | None:
+    """EngineCoreRequest fields for a prompt, or None when it is no kind of prompt."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict):
+        keys = {"prompt", "prompt_token_ids", "messages"}
+        unknown = set(prompt) - keys
+        if unknown or not prompt:
+            return None
+        return dict(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return {"prompt_token_ids": list(prompt)}
+    return None
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if value is None or isinstance(value, (SamplingParams, dict, str, int)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+    return value

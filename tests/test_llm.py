@@ -1,0 +1,130 @@
+"""LLM.generate against transformers' generate on the same tiny random weights, token for
+token, under prefix caching on/off, chunked prefill and forced preemption."""
+import pytest
+
+from tests.checkpoints import (
+    TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2,
+)
+from tierserve import LLM, SamplingParams
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "llama": make_tiny_llama(root / "llama"),
+        "llama3rope": make_tiny_llama(root / "llama3", rope_scaling=TINY_LLAMA3_ROPE,
+                                      tie_word_embeddings=True, seed=3),
+        "qwen2": make_tiny_qwen2(root / "qwen2"),
+    }
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    shared = [(7 * i + 3) % (vocab - 3) + 3 for i in range(37)]
+    return [
+        shared[:5],
+        shared + [11, 12, 13],
+        [(13 * i + 5) % (vocab - 3) + 3 for i in range(61)],
+        shared[:20] + [44],
+        [9, 8, 7],
+        shared + [50, 51],  # shares 37 tokens with the second prompt
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    refs = {}
+    for name, path in checkpoints.items():
+        hf = load_hf(path)
+        refs[name] = [hf_greedy(hf, p, MAX_NEW) for p in _prompts(hf.config.vocab_size)]
+    return refs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+MODES = {
+    "prefix_caching": dict(enable_prefix_caching=True, block_size=4),
+    "no_caching": dict(enable_prefix_caching=False, block_size=8),
+    "chunked": dict(max_num_batched_tokens=16, long_prefill_token_threshold=8, block_size=4),
+    # 40 blocks of 4 tokens cannot hold the batch at once: requests get preempted and resume.
+    "preempted": dict(num_kv_blocks=41, block_size=4, max_model_len=80),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2"])
+def test_greedy_equals_transformers(checkpoints, references, name, mode):
+    options = MODES[mode]
+    with LLM(str(checkpoints[name]), **options) as llm:
+        prompts = _prompts(llm.engine.vocab_size)
+        # Run twice: the second pass hits the prefix cache where it is on.
+        for _ in range(2):
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            for out, ref in zip(outs, references[name]):
+                assert out.error is None
+                assert out.outputs[0].token_ids == ref
+                assert out.outputs[0].finish_reason == "length"
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    if mode == "prefix_caching":
+        assert stats["prefix_cache_hit_tokens"] > 0
+        assert outs[5].num_cached_tokens > 0
+    if mode == "no_caching":
+        assert stats["prefix_cache_hit_tokens"] == 0
+    if mode == "preempted":
+        assert stats["num_preemptions"] > 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
+    with LLM(str(checkpoints["llama"]), block_size=4) as llm:
+        prompts = _prompts(llm.engine.vocab_size)
+        seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, seed=1234,
+                                ignore_eos=True)
+        alone = llm.generate([prompts[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        in_batch = llm.generate(prompts, [GREEDY, seeded] + [GREEDY] * 4,
+                                use_tqdm=False)[1].outputs[0].token_ids
+        other = llm.generate([prompts[1]], SamplingParams(temperature=1.0, top_k=50,
+                                                          max_tokens=12, seed=4321,
+                                                          ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == in_batch
+    assert alone != other
+
+
+def test_bad_requests_fail_alone_and_leak_nothing(checkpoints, references):
+    with LLM(str(checkpoints["llama"]), block_size=4, max_model_len=64) as llm:
+        vocab = llm.engine.vocab_size
+        good = _prompts(vocab)[0]
+        outs = llm.generate(
+            [good, [], list(range(3, 70)), [1, 2, vocab + 5], good, "text without tokenizer"],
+            [GREEDY, GREEDY, GREEDY, GREEDY, {"temperature": -1.0}, GREEDY], use_tqdm=False)
+        errors = [o.error for o in outs]
+        assert errors[0] is None and outs[0].outputs[0].token_ids == references["llama"][0]
+        assert "empty" in errors[1]
+        assert "max_model_len" in errors[2]
+        assert "out of range" in errors[3]
+        assert "temperature" in errors[4]
+        assert "tokenizer" in errors[5]
+        assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_unknown_engine_option_is_an_error(checkpoints):
+    with pytest.raises(ValueError, match="max_num_seq.*did you mean 'max_num_seqs'"):
+        LLM(str(checkpoints["llama"]), max_num_seq=4)
+
+
+def test_logprobs_are_returned_for_the_sampled_token(checkpoints):
+    with LLM(str(checkpoints["qwen2"]), block_size=4) as llm:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4,
+                                                           logprobs=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
+                                                       zip(out.token_ids, out.logprobs)))

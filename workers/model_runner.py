@@ -1,0 +1,73 @@
+"""Runs one SchedulerOutput: apply the diff, build inputs, forward, sample (rank 0)."""
+from __future__ import annotations
+
+import torch
+
+from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from tierserve.workers.attention import AttentionMetadata
+from tierserve.workers.input_batch import InputBatch, StepInputs
+from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list, block_size: int,
+                 device: torch.device, is_driver: bool, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        # Only the driver rank samples; the others run the forward for their collectives.
+        self.is_driver = is_driver
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.apply(out)
+        if not out.num_scheduled_tokens:
+            return ModelRunnerOutput(out.step_id)
+        inputs = self.batch.prepare(out)
+        hidden = self._forward(inputs)
+        sampled = [-1] * len(out.num_scheduled_tokens)
+        if not inputs.sample_rows:
+            return ModelRunnerOutput(out.step_id, sampled)
+        ends = torch.tensor(inputs.query_lens, device=self.device).cumsum(0) - 1
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, ends[rows]))
+        if not self.is_driver:
+            return ModelRunnerOutput(out.step_id)
+        result = self.sampler(logits, self.batch.sampling.make_batch(inputs.sample_req_ids))
+        return self._to_output(out.step_id, inputs, result, sampled)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        attn = AttentionMetadata.build(
+            slot_mapping=inputs.slot_mapping.tolist(), query_lens=inputs.query_lens,
+            seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
+            num_decodes=inputs.num_decodes, block_size=self.block_size, device=self.device)
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        return self.model(input_ids, positions, attn, self.kv_caches)
+
+    def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
+                   sampled: list[int]) -> ModelRunnerOutput:
+        token_ids = result.token_ids.tolist()
+        for row, token in zip(inputs.sample_rows, token_ids):
+            sampled[inputs.order[row]] = token
+        logprobs: list[SampleLogprobs | None] = []
+        if result.logprobs is not None:
+            logprobs = [None] * len(sampled)
+            lp = result.logprobs
+            top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+            chosen, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
+            for j, (row, rid) in enumerate(zip(inputs.sample_rows, inputs.sample_req_ids)):
+                k = self.batch.requests[rid].params.logprobs
+                if k is None:
+                    continue
+                logprobs[inputs.order[row]] = SampleLogprobs(
+                    [token_ids[j]] + top_ids[j][:k], [chosen[j]] + top_lps[j][:k], ranks[j])
+        return ModelRunnerOutput(step_id, sampled, logprobs)

@@ -1,0 +1,182 @@
+"""Worker: one tensor-parallel rank. It holds its model shard and its shard of the KV pool and
+executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tierserve.scheduler.messages import (
+    FromWorker, NewRequestData, ResetWorkerCache, SchedulerOutput, ShutdownWorker, ToWorker,
+    WorkerError,
+)
+from tierserve.scheduler.params import SamplingParams
+from tierserve.workers import parallel
+from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from tierserve.workers.loader import load_model, resolve_dtype
+from tierserve.workers.model_runner import ModelRunner
+
+__all__ = ["WorkerSpec", "Worker", "resolve_device"]
+
+log = logging.getLogger("tierserve.worker")
+
+# CPU pools default to this much (or a fifth of available memory, if less), and to at most
+# this many blocks: a tiny model would otherwise get millions of blocks of bookkeeping.
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_CPU_DEFAULT_MAX_BLOCKS = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Plain values a rank needs; built by the runtime from its EngineConfig."""
+
+    model: str
+    dtype: str  # float32 / bfloat16 / float16 (already resolved from "auto")
+    device: str  # cpu / cuda (already resolved from "auto")
+    block_size: int
+    tensor_parallel_size: int
+    max_num_batched_tokens: int
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    cpu_threads: int | None = None
+    collective_timeout_s: float = 60.0
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return device
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, rank: int = 0, dist_init_method: str | None = None,
+                 local_device_index: int = 0) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.dist_init_method = dist_init_method
+        self.device = torch.device(spec.device, local_device_index) if spec.device == "cuda" \
+            else torch.device("cpu")
+        self.dtype = resolve_dtype(spec.dtype)
+        self.model = None
+        self.runner: ModelRunner | None = None
+
+    # ------------------------------------------------------------------ control plane
+
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        threads = self.spec.cpu_threads or max(
+            1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
+        torch.set_num_threads(threads)
+        if self.spec.tensor_parallel_size > 1:
+            if self.dist_init_method is None:
+                raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
+            parallel.init_distributed(self.rank, self.spec.tensor_parallel_size,
+                                      self.dist_init_method,
+                                      timeout_s=self.spec.collective_timeout_s)
+
+    def load_model(self) -> dict:
+        config, self.model = load_model(self.spec.model, self.dtype, self.device)
+        return {"vocab_size": config.vocab_size,
+                "max_position_embeddings": config.max_position_embeddings,
+                "eos_token_ids": list(config.eos_token_ids)}
+
+    def determine_num_blocks(self) -> int:
+        """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
+        spec = self.spec
+        if spec.num_kv_blocks is not None:
+            return spec.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
+                                             spec.block_size, self.dtype)
+        budget = spec.kv_cache_memory_bytes or self._default_budget()
+        num_blocks = budget // per_block
+        if spec.kv_cache_memory_bytes is None and self.device.type == "cpu":
+            num_blocks = min(num_blocks, _CPU_DEFAULT_MAX_BLOCKS)
+        if num_blocks < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                             f"{per_block} bytes; give it more memory")
+        return int(num_blocks)
+
+    def _default_budget(self) -> int:
+        if self.device.type == "cuda":
+            return self._profile_cuda_budget()
+        available = _available_memory_bytes()
+        return min(_CPU_DEFAULT_KV_BYTES, available // 5)
+
+    def _profile_cuda_budget(self) -> int:
+        """Free memory times utilisation, less the peak a max-size forward needs."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dummy_forward(self.spec.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free
+        budget = int(total * self.spec.gpu_memory_utilization) - used_by_others - activation_peak
+        return max(budget, 0)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        bs = self.spec.block_size
+        num_blocks = -(-num_tokens // bs) + 1
+        runner = self._make_runner(num_blocks)
+        prompt = [0] * num_tokens
+        new = NewRequestData("profile", prompt, SamplingParams(temperature=0),
+                             list(range(num_blocks - 1)))
+        out = SchedulerOutput(0, scheduled_new_reqs=[new], num_scheduled_tokens=[num_tokens])
+        runner.execute(out)
+        del runner
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner = self._make_runner(num_blocks)
+        log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
+                 self.spec.block_size)
+
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        cfg = self.model.config
+        kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, self.spec.block_size,
+                               self.model.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device)
+        return ModelRunner(self.model, kv, self.spec.block_size, self.device,
+                           is_driver=self.rank == 0, seed=self.spec.seed)
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.model = None
+        parallel.destroy_distributed()
+
+    # ------------------------------------------------------------------ data plane
+
+    def handle(self, msg: ToWorker) -> FromWorker | None:
+        """Executes one message; returns the reply for the driver rank (None elsewhere)."""
+        if isinstance(msg, SchedulerOutput):
+            try:
+                result = self.runner.execute(msg)
+            except Exception as e:  # reported as data: the engine fails the step's requests
+                log.exception("rank %d: step %d failed", self.rank, msg.step_id)
+                return WorkerError(msg.step_id, self.rank, f"{type(e).__name__}: {e}")
+            return result if self.rank == 0 else None
+        if isinstance(msg, ResetWorkerCache):
+            self.runner.batch.clear()
+            return None
+        if isinstance(msg, ShutdownWorker):
+            self.shutdown()
+            return None
+        raise RuntimeError(f"unexpected message {type(msg).__name__}")
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
