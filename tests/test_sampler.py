@@ -318,13 +318,16 @@ def test_different_seeds_give_different_streams():
     assert a != b
 
 
-def test_seeds_wider_than_64_bits_do_not_break_the_worker():
+def test_the_widest_valid_seed_works_in_the_worker_and_wider_ones_are_rejected():
     table = SamplingStateTable(1000)
-    table.add_request("wide", SamplingParams(seed=2**64 + 5), [1])
-    table.add_request("narrow", SamplingParams(seed=5), [1])
+    table.add_request("widest", SamplingParams(temperature=1.0, seed=2**64 - 1), [1])
     logits = torch.zeros(1, 1000)
-    tokens = [Sampler()(logits, table.make_batch([r])).token_ids.item() for r in ("wide", "narrow")]
-    assert tokens[0] == tokens[1]
+    first = Sampler()(logits, table.make_batch(["widest"])).token_ids.item()
+    table.remove_request("widest")
+    table.add_request("widest", SamplingParams(temperature=1.0, seed=2**64 - 1), [1])
+    assert Sampler()(logits, table.make_batch(["widest"])).token_ids.item() == first
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64 + 5)
 
 
 def test_unseeded_rows_depend_on_the_shared_generator_and_are_independent():

@@ -68,8 +68,8 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     """A request's private generator when it has a seed; None means "use the shared one"."""
     if seed is None:
         return None
-    # manual_seed takes 64 bits and raises on wider ints, which SamplingParams does not reject.
-    return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    # SamplingParams bounds seeds to [0, 2**64), which is what manual_seed takes.
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass

@@ -1,0 +1,190 @@
+"""The distributed runtime on a real local Ray instance: TP on Ray equals TP=1 in-process,
+named deployments and streaming from other processes, cancellation, worker death."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tierserve
+from tests.checkpoints import make_tiny_llama
+from tierserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 121))]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-ckpt")
+    return {"llama": str(make_tiny_llama(root / "llama")),
+            # 6 heads and 3 KV heads divide by TP=3 (and by 1).
+            "llama6": str(make_tiny_llama(root / "llama6", hidden_size=96, num_heads=6,
+                                          num_kv_heads=3, seed=5))}
+
+
+def tokens(llm, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    ref = {}
+    for name, path in tiny.items():
+        with LLM(path, block_size=4) as llm:
+            ref[name] = tokens(llm, PROMPTS)
+    return ref
+
+
+@pytest.mark.parametrize("name,tp", [("llama", 1), ("llama", 2), ("llama6", 3)])
+def test_tp_on_ray_equals_tp1_in_process(tiny, reference, name, tp):
+    with LLM(tiny[name], tensor_parallel_size=tp, distributed=True, block_size=4) as llm:
+        assert tokens(llm, PROMPTS) == reference[name]
+        info = llm.engine.info()
+        assert len(info["worker_names"]) == tp
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_default_smollm2_tp3_on_ray_equals_in_process():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    with LLM() as llm:
+        ref = tokens(llm, prompts)
+    with LLM(tensor_parallel_size=3) as llm:
+        assert tokens(llm, prompts) == ref
+        answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in answer.outputs[0].text
+
+
+async def _collect(handle, prompt, params=GREEDY):
+    toks = []
+    async for delta in handle.generate(prompt, params):
+        assert delta.error is None
+        toks.extend(delta.outputs[0].token_ids)
+    return toks
+
+
+def _driver_env():
+    import ray
+    env = dict(os.environ)
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    env["PYTHONPATH"] = REPO
+    return env
+
+
+SECOND_DRIVER = """
+import asyncio, json, sys
+import tierserve
+from tierserve import SamplingParams
+handle = tierserve.connect(sys.argv[1], namespace=sys.argv[2])
+async def main():
+    out = []
+    for prompt in json.loads(sys.argv[3]):
+        toks = []
+        async for d in handle.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                              ignore_eos=True)):
+            toks.extend(d.outputs[0].token_ids)
+        out.append(toks)
+    print(json.dumps(out))
+asyncio.run(main())
+"""
+
+
+def _wait_idle(handle, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = handle.stats()
+        if stats["num_running"] == stats["num_waiting"] == 0 and (
+                stats["num_free_blocks"] == stats["num_total_blocks"]):
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"engine never went idle: {handle.stats()}")
+
+
+def test_named_deployment_streams_to_other_drivers_tasks_and_many_callers(tiny, reference):
+    import ray
+    ns = "tierserve-tests"
+    handle = tierserve.serve("t-stream", namespace=ns, model=tiny["llama"],
+                             tensor_parallel_size=2, block_size=4)
+    try:
+        # The same deployment is reused, not started twice.
+        assert tierserve.serve("t-stream", namespace=ns).actor == handle.actor
+        # A second driver process.
+        run = subprocess.run([sys.executable, "-c", SECOND_DRIVER, "t-stream", ns,
+                              json.dumps(PROMPTS)], env=_driver_env(), capture_output=True,
+                             text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(run.stdout.strip().splitlines()[-1]) == reference["llama"]
+
+        # The handle pickles into a Ray task.
+        @ray.remote
+        def use(h, prompt):
+            return asyncio.run(_collect(h, prompt))
+        assert ray.get(use.remote(handle, PROMPTS[1]), timeout=120) == reference["llama"][1]
+
+        # 32 concurrent streams share the engine.
+        async def many():
+            return await asyncio.gather(*[_collect(handle, PROMPTS[i % 4]) for i in range(32)])
+        results = asyncio.run(many())
+        assert results == [reference["llama"][i % 4] for i in range(32)]
+
+        # Leaving a stream early aborts the request and frees its blocks.
+        async def cancel_early():
+            stream = handle.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400,
+                                                                ignore_eos=True))
+            got = 0
+            async for _ in stream:
+                got += 1
+                if got == 2:
+                    break
+            await stream.aclose()
+        asyncio.run(cancel_early())
+        _wait_idle(handle)
+    finally:
+        assert tierserve.stop("t-stream", namespace=ns)
+    with pytest.raises(ValueError, match="no tierserve deployment"):
+        tierserve.connect("t-stream", namespace=ns)
+
+
+def test_killing_a_worker_fails_every_in_flight_request_within_10s(tiny):
+    import ray
+    llm = tierserve.AsyncLLM(tiny["llama"], tensor_parallel_size=2, block_size=4)
+    try:
+        victim = ray.get_actor(llm.info()["worker_names"][1])
+        long = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+
+        async def stream(prompt, started):
+            try:
+                async for _ in llm.generate(prompt, long):
+                    started.set()
+            except tierserve.EngineDeadError:
+                return time.monotonic()
+            return None
+
+        async def scenario():
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(stream(PROMPTS[i], started)) for i in range(3)]
+            await asyncio.wait_for(started.wait(), 60)
+            killed_at = time.monotonic()
+            ray.kill(victim, no_restart=True)
+            failed_at = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return killed_at, failed_at
+
+        killed_at, failed_at = asyncio.run(scenario())
+        assert all(t is not None and t - killed_at < 10 for t in failed_at), failed_at
+        # Later calls fail at once with the same error.
+        t0 = time.monotonic()
+        with pytest.raises(tierserve.EngineDeadError):
+            asyncio.run(_collect(llm, PROMPTS[0]))
+        assert time.monotonic() - t0 < 5
+    finally:
+        llm.shutdown()
