@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import ray
 
-from tierserve.deploy.ray_executor import RayExecutor
+from tierserve.deploy.ray_executor import RayExecutor, restore_priority
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore
 from tierserve.runtime.executor import EngineDeadError
@@ -33,6 +33,7 @@ _IDLE_WAIT_S = 0.1
 
 class EngineActor:
     def __init__(self, config: EngineConfig, pg, bundles: list[int], name: str) -> None:
+        restore_priority()
         self.config = config
         self.name = name
         self.core = EngineCore(config, lambda spec: RayExecutor(spec, pg, bundles,

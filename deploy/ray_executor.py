@@ -1,25 +1,26 @@
 """The Ray + ZMQ executor: TP worker actors in a placement group.
 
 Control plane (start, load, profile, health, shutdown): Ray actor calls, submitted to every rank
-and collected with one ray.get. Data plane: each step's SchedulerOutput is encoded once and
-published on a ZMQ XPUB socket every rank subscribes to; replies (rank 0's ModelRunnerOutput, or
-any rank's WorkerError) come back on one PULL socket. Sockets bind to this node's address only.
+and collected with one ray.get. Data plane (deploy/dataplane.py): each step's SchedulerOutput is encoded once
+and broadcast over ZMQ to every rank; rank 0's ModelRunnerOutput (or any rank's WorkerError)
+comes back on one socket.
 """
 from __future__ import annotations
 
 import logging
+import os
 import socket
-import threading
 import time
 
 import ray
-import zmq
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tierserve.deploy.dataplane import (
+    DataPlaneClient, DataPlaneServer, DataPlaneTimeout, Endpoints,
+)
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import (
-    EngineChannelCodec, FromWorker, MalformedFrameError, SchedulerOutput, ShutdownWorker,
-    ToWorker, WorkerChannelCodec, WorkerError,
+    FromWorker, SchedulerOutput, ShutdownWorker, ToWorker, WorkerError,
 )
 from tierserve.workers.worker import Worker, WorkerSpec
 
@@ -29,6 +30,18 @@ log = logging.getLogger("tierserve.ray_executor")
 
 # How often a waiting step checks that every worker actor is still alive.
 _LIVENESS_POLL_S = 0.5
+
+
+def restore_priority() -> None:
+    """Ray starts worker processes at nice 15. A rank's OpenMP threads stall at every barrier
+    when one of them is preempted, so the whole forward slows whenever any normal-priority
+    process wakes; run ranks and the engine at normal priority where we may."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError as e:  # lowering niceness needs CAP_SYS_NICE
+        log.warning("could not restore normal scheduling priority (%s); ranks may run slower "
+                    "on busy machines", e)
 
 
 def _free_port(host: str) -> int:
@@ -41,10 +54,10 @@ class WorkerActor:
     """Ray actor around one Worker rank; its data-plane loop runs in `run_loop`."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        restore_priority()
         self.rank = rank
         self.worker = Worker(spec, rank, local_device_index=0)
-        self._ctx = zmq.Context()
-        self._stop = threading.Event()
+        self._plane: DataPlaneClient | None = None
 
     def node_address(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
@@ -53,15 +66,10 @@ class WorkerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def init(self, dist_init_method: str, pub_address: str, pull_address: str) -> None:
+    def init(self, dist_init_method: str, endpoints: Endpoints) -> None:
         self.worker.dist_init_method = dist_init_method
         self.worker.init_device()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(pub_address)
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(pull_address)
+        self._plane = DataPlaneClient(endpoints, self.node_id())
 
     def load_model(self) -> dict:
         return self.worker.load_model()
@@ -76,23 +84,7 @@ class WorkerActor:
         return self.rank
 
     def run_loop(self) -> None:
-        """Receives, executes, replies, until ShutdownWorker. A frame that does not decode is
-        dropped with a logged error (every rank receives the same bytes, so all drop it)."""
-        to_worker, from_worker = WorkerChannelCodec(), EngineChannelCodec()
-        while not self._stop.is_set():
-            frame = self._sub.recv(copy=False)
-            try:
-                msg = to_worker.decode(frame.buffer)
-            except MalformedFrameError as e:
-                log.error("rank %d: dropped a frame: %s", self.rank, e)
-                continue
-            reply = self.worker.handle(msg)
-            if reply is not None:  # rank 0's output, or any rank's WorkerError
-                self._push.send(from_worker.encode(reply), copy=False)
-            if isinstance(msg, ShutdownWorker):
-                self._stop.set()
-        self._sub.close(linger=0)
-        self._push.close(linger=0)
+        self._plane.serve(self.worker.handle, self.rank)
 
 
 class RayExecutor:
@@ -106,8 +98,7 @@ class RayExecutor:
         self.workers: list = []
         self.worker_nodes: list[str] = []
         self._loops: list = []
-        self._ctx = zmq.Context()
-        self._to_worker, self._from_worker = WorkerChannelCodec(), EngineChannelCodec()
+        self._plane: DataPlaneServer | None = None
 
     # ------------------------------------------------------------------ control plane
 
@@ -124,24 +115,14 @@ class RayExecutor:
     def worker_name(self, rank: int) -> str:
         return f"{self.name_prefix}-rank{rank}"
 
-    def _bind_sockets(self) -> tuple[str, str]:
-        ip = ray.util.get_node_ip_address()
-        self._pub = self._ctx.socket(zmq.XPUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        pub_port = self._pub.bind_to_random_port(f"tcp://{ip}")
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        pull_port = self._pull.bind_to_random_port(f"tcp://{ip}")
-        return f"tcp://{ip}:{pub_port}", f"tcp://{ip}:{pull_port}"
-
     def start(self) -> WorkerInfo:
         self._spawn_workers()
         self.worker_nodes = ray.get([w.node_id.remote() for w in self.workers])
-        pub_address, pull_address = self._bind_sockets()
+        self._plane = DataPlaneServer(ray.util.get_node_ip_address(),
+                                      ray.get_runtime_context().get_node_id())
         host, port = ray.get(self.workers[0].node_address.remote())
         init_method = f"tcp://{host}:{port}"
-        ray.get([w.init.remote(init_method, pub_address, pull_address) for w in self.workers])
+        ray.get([w.init.remote(init_method, self._plane.endpoints) for w in self.workers])
         infos = ray.get([w.load_model.remote() for w in self.workers])
         num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
         ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
@@ -151,55 +132,49 @@ class RayExecutor:
         return WorkerInfo(num_blocks, info["vocab_size"], info["max_position_embeddings"],
                           tuple(info["eos_token_ids"]))
 
-    def _await_subscribers(self, timeout_s: float = 60.0) -> None:
-        """XPUB reports each subscription; publishing before every rank joined would lose
-        frames (ZMQ's slow-joiner problem)."""
-        deadline = time.monotonic() + timeout_s
-        joined = 0
-        while joined < len(self.workers):
-            if not self._pub.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
-                raise EngineDeadError(f"only {joined} of {len(self.workers)} workers subscribed "
-                                      f"within {timeout_s:.0f} s")
-            if self._pub.recv()[:1] == b"\x01":
-                joined += 1
+    def _await_subscribers(self) -> None:
+        try:
+            self._plane.await_subscribers(len(self.workers))
+        except DataPlaneTimeout as e:
+            raise EngineDeadError(str(e)) from None
 
     def shutdown(self) -> None:
         if self.workers:
             try:
-                self._pub.send(self._to_worker.encode(ShutdownWorker()))
+                self._plane.broadcast(ShutdownWorker())
                 ray.wait(self._loops, num_returns=len(self._loops), timeout=5.0)
             except Exception:  # already dead: fall through to kill
                 pass
             for w in self.workers:
                 ray.kill(w, no_restart=True)
             self.workers = []
-        for sock in ("_pub", "_pull"):
-            if hasattr(self, sock):
-                getattr(self, sock).close(linger=0)
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
 
     # ------------------------------------------------------------------ data plane
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
-        self._pub.send(self._to_worker.encode(msg), copy=False)
+        self._plane.broadcast(msg)
         if not isinstance(msg, SchedulerOutput):
             return None
         return self._await_reply(msg.step_id)
 
     def _await_reply(self, step_id: int) -> FromWorker:
+        """Waits in short slices, checking between them that every worker is alive."""
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineDeadError(f"step {step_id} exceeded the {self.step_timeout_s:.0f} s "
                                       f"step timeout; a worker is stuck")
-            if self._pull.poll(int(min(remaining, _LIVENESS_POLL_S) * 1000)):
-                reply = self._decode_reply()
-                if reply is None or reply.step_id != step_id:
-                    continue
-                if isinstance(reply, WorkerError):
-                    self._fail(reply)
-                return reply
-            self._check_alive()
+            reply = self._plane.recv(step_id, min(remaining, _LIVENESS_POLL_S))
+            if reply is None:
+                self._check_alive()
+                continue
+            if isinstance(reply, WorkerError):
+                self._fail(reply)
+            return reply
 
     def _fail(self, error: WorkerError) -> None:
         """One rank failed mid-step: the others may be blocked in a collective it never joined,
@@ -209,14 +184,6 @@ class RayExecutor:
         self._check_alive()
         raise EngineDeadError(f"worker rank {error.rank} failed step {error.step_id}: "
                               f"{error.message}")
-
-    def _decode_reply(self) -> FromWorker | None:
-        frame = self._pull.recv(copy=False)
-        try:
-            return self._from_worker.decode(frame.buffer)
-        except MalformedFrameError as e:
-            log.error("dropped a reply frame: %s", e)
-            return None
 
     def _check_alive(self) -> None:
         done, _ = ray.wait(self._loops, num_returns=1, timeout=0)

@@ -39,18 +39,55 @@ class NewRequestData(msgspec.Struct, **_WIRE):
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
-    """Diffs for requests the workers already hold, as parallel arrays (struct of arrays keeps a
-    decode request at a handful of bytes)."""
+    """Diffs for requests the workers already hold, as flat parallel arrays: no per-request
+    containers, so a decode request costs a few bytes and decodes without allocating."""
 
     req_ids: list[str] = []
-    # Tokens appended since the last message (the previous step's sampled token, usually one).
-    new_token_ids: list[list[int]] = []
-    # Appended to the request's block table; replaces it for resumed requests.
-    new_block_ids: list[list[int]] = []
-    # Tokens whose KV is already in the pool, before this step's tokens.
-    num_computed_tokens: list[int] = []
-    # Indices into req_ids of requests resumed after preemption.
+    # Every request's new tokens (usually last step's one sample), concatenated.
+    new_token_ids: list[int] = []
+    # Tokens per request in new_token_ids; empty when every request has exactly one.
+    num_new_tokens: list[int] = []
+    # Block ids appended to (for resumed requests: replacing) a block table, and the index in
+    # req_ids of the request each one belongs to, in table order.
+    new_block_ids: list[int] = []
+    new_block_owners: list[int] = []
+    # Indices into req_ids of requests resumed after preemption, and how many of their tokens
+    # are in the pool (prefix hits). For every other request the worker knows that count: it
+    # is last step's count plus last step's scheduled tokens.
     resumed: list[int] = []
+    resumed_num_computed: list[int] = []
+
+    def add(self, req_id: str, new_tokens: list[int], new_blocks: list[int],
+            num_computed: int | None = None) -> None:
+        """num_computed is given for resumed requests only."""
+        i = len(self.req_ids)
+        self.req_ids.append(req_id)
+        if self.num_new_tokens or len(new_tokens) != 1:
+            if not self.num_new_tokens:  # every earlier request had exactly one
+                self.num_new_tokens = [1] * i
+            self.num_new_tokens.append(len(new_tokens))
+        self.new_token_ids.extend(new_tokens)
+        if new_blocks:
+            self.new_block_ids.extend(new_blocks)
+            self.new_block_owners.extend([i] * len(new_blocks))
+        if num_computed is not None:
+            self.resumed.append(i)
+            self.resumed_num_computed.append(num_computed)
+
+    def unpack(self) -> list[tuple[str, list[int], list[int], int | None]]:
+        """Per request: (req_id, new token ids, new block ids, num computed if resumed)."""
+        n = len(self.req_ids)
+        counts = self.num_new_tokens or [1] * n
+        blocks: list[list[int]] = [[] for _ in range(n)]
+        for block_id, owner in zip(self.new_block_ids, self.new_block_owners):
+            blocks[owner].append(block_id)
+        resumed = dict(zip(self.resumed, self.resumed_num_computed))
+        out, start = [], 0
+        for i, rid in enumerate(self.req_ids):
+            end = start + counts[i]
+            out.append((rid, self.new_token_ids[start:end], blocks[i], resumed.get(i)))
+            start = end
+        return out
 
 
 class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):

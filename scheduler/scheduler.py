@@ -238,14 +238,14 @@ class Scheduler:
                                            req.num_computed_tokens))
             req.num_sent_tokens = req.num_tokens
         cached = CachedRequestData()
-        for req in itertools.chain(plan.cached_reqs, plan.resumed_reqs):
-            cached.req_ids.append(req.request_id)
-            cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens:])
-            cached.new_block_ids.append(plan.block_ids[req.request_id])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
+        for req in plan.cached_reqs:
+            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
+                       plan.block_ids[req.request_id])
             req.num_sent_tokens = req.num_tokens
-        first_resumed = len(plan.cached_reqs)
-        cached.resumed = list(range(first_resumed, first_resumed + len(plan.resumed_reqs)))
+        for req in plan.resumed_reqs:
+            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
+                       plan.block_ids[req.request_id], req.num_computed_tokens)
+            req.num_sent_tokens = req.num_tokens
         num_tokens = plan.num_tokens
         scheduled = itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs)
         finished, self._finished_ids = self._finished_ids, []

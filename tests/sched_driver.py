@@ -39,18 +39,18 @@ class WorkerMirror:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.blocks[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            self.tokens[rid].extend(cached.new_token_ids[i])
-            if i in cached.resumed:
-                self.blocks[rid] = list(cached.new_block_ids[i])
+        for rid, new_tokens, new_blocks, resumed_computed in out.scheduled_cached_reqs.unpack():
+            self.tokens[rid].extend(new_tokens)
+            if resumed_computed is not None:
+                self.blocks[rid] = list(new_blocks)
+                self.computed[rid] = resumed_computed
             else:
-                self.blocks[rid].extend(cached.new_block_ids[i])
-            self.computed[rid] = cached.num_computed_tokens[i]
+                self.blocks[rid].extend(new_blocks)
         sampled = []
         for rid, n in zip(out.scheduled_req_ids(), out.num_scheduled_tokens):
             toks = self.tokens[rid]
             end = self.computed[rid] + n
+            self.computed[rid] = end
             assert end <= len(toks)
             sampled.append(next_token(toks) if end == len(toks) else -1)
         return sampled
@@ -63,5 +63,6 @@ def step(sched: Scheduler, mirror: WorkerMirror):
         req = sched.requests[rid]
         assert mirror.tokens[rid] == req.all_token_ids
         assert mirror.blocks[rid] == sched.kv.get_block_ids(rid)
+        assert mirror.computed[rid] == req.num_computed_tokens
     outputs = sched.update_from_output(out, ModelRunnerOutput(out.step_id, sampled))
     return out, outputs

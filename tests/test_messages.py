@@ -10,6 +10,24 @@ from tierserve.scheduler import (
 )
 
 
+def _cached(entries) -> CachedRequestData:
+    cached = CachedRequestData()
+    for entry in entries:
+        cached.add(*entry)
+    return cached
+
+
+def test_cached_request_data_packs_and_unpacks_every_shape():
+    entries = [("a", [1], [], None), ("b", [2], [7, 8], None), ("c", [], [4], 0),
+               ("d", [3, 4, 5], [], None), ("e", [6], [11], 13)]
+    cached = _cached(entries)
+    assert cached.unpack() == entries
+    assert WorkerChannelCodec().decode(WorkerChannelCodec().encode(
+        SchedulerOutput(1, scheduled_cached_reqs=cached))).scheduled_cached_reqs.unpack() == entries
+    ones = _cached([("a", [1], []), ("b", [2], [])])
+    assert ones.num_new_tokens == []  # the common decode step carries no counts
+
+
 def _full_scheduler_output():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_tokens=33,
                             stop=["\n\n"], stop_token_ids=[2], ignore_eos=True, seed=7,
@@ -18,8 +36,7 @@ def _full_scheduler_output():
     return SchedulerOutput(
         step_id=41,
         scheduled_new_reqs=[NewRequestData("a", [1, 2, 3, 4, 5], params, [7, 8], 4)],
-        scheduled_cached_reqs=CachedRequestData(["b", "c"], [[9], [10, 11]], [[], [3]],
-                                                [17, 0], [1]),
+        scheduled_cached_reqs=_cached([("b", [9], []), ("c", [10, 11], [3], 0)]),
         num_scheduled_tokens=[1, 1, 2], finished_req_ids=["z"], preempted_req_ids=["y"])
 
 
@@ -62,8 +79,7 @@ def test_invalid_sampling_params_inside_a_frame_is_malformed():
 
 
 def test_decode_step_costs_a_few_bytes_per_request():
-    cached = CachedRequestData([f"r{i}" for i in range(256)], [[40000 + i] for i in range(256)],
-                               [[] for _ in range(256)], [300 + i for i in range(256)])
+    cached = _cached([(f"r{i}", [40000 + i], []) for i in range(256)])
     frame = WorkerChannelCodec().encode(SchedulerOutput(step_id=10**6, scheduled_cached_reqs=cached,
                                                         num_scheduled_tokens=[1] * 256))
     assert len(frame) / 256 <= 24

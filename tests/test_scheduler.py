@@ -101,9 +101,8 @@ def test_resumed_request_reuses_its_cached_blocks():
     sched.add_request("b", list(range(100, 112)), greedy(10), eos_token_id=EOS)
     outs, _ = run_to_completion(sched)
     resume = next(o for o in outs if o.scheduled_cached_reqs.resumed)
-    i = resume.scheduled_cached_reqs.resumed[0]
     # its first full blocks were still cached: it did not recompute from token 0
-    assert resume.scheduled_cached_reqs.num_computed_tokens[i] > 0
+    assert resume.scheduled_cached_reqs.resumed_num_computed[0] > 0
 
 
 def test_length_and_stop_finishing():

@@ -48,23 +48,22 @@ class Oracle:
         return best
 
 
-def check_step(sched, out, oracle, salts, mirror_tokens):
+def check_step(sched, out, oracle, salts, mirror):
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
     no_evictions = sched.kv.pool.num_evictions == 0
     sizes = dict(zip(out.scheduled_req_ids(), out.num_scheduled_tokens))
     cached = out.scheduled_cached_reqs
-    resumed = {cached.req_ids[i] for i in cached.resumed}
+    resumed = dict(zip((cached.req_ids[i] for i in cached.resumed), cached.resumed_num_computed))
     running = [r for r in cached.req_ids if r not in resumed]
-    admitted = ([(r, cached.num_computed_tokens[cached.req_ids.index(r)]) for r in resumed]
+    admitted = (list(resumed.items())
                 + [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs])
-    for rid in running:
-        i = cached.req_ids.index(rid)
-        oracle.record(salts[rid], mirror_tokens[rid], cached.num_computed_tokens[i] + sizes[rid])
+    for rid in running:  # the mirror has already advanced past this step
+        oracle.record(salts[rid], mirror.tokens[rid], mirror.computed[rid])
     for rid, hit in admitted:
         if no_evictions and sched.kv.enable_caching:
-            assert hit == oracle.expected_hit(salts[rid], mirror_tokens[rid]), rid
-        oracle.record(salts[rid], mirror_tokens[rid], hit + sizes[rid])
+            assert hit == oracle.expected_hit(salts[rid], mirror.tokens[rid]), rid
+        oracle.record(salts[rid], mirror.tokens[rid], hit + sizes[rid])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +81,7 @@ def test_random_streams_keep_every_invariant(stream, num_blocks, budget, max_seq
         out, _ = step(sched, mirror)
         sched.check_integrity()
         if policy == "fcfs":
-            check_step(sched, out, oracle, salts, mirror.tokens)
+            check_step(sched, out, oracle, salts, mirror)
 
     for event in stream:
         if event[0] == "add":

@@ -105,14 +105,13 @@ def test_seed_003_walkthrough_through_the_scheduler():
     assert out.num_scheduled_tokens == [15]
     # one decode: P fills block 3.
     out = _step(sched, {"req0": ord("Q")})
-    assert out.scheduled_cached_reqs.new_block_ids == [[]]
-    assert out.scheduled_cached_reqs.new_token_ids == [[ord("P")]]
+    assert out.scheduled_cached_reqs.unpack() == [("req0", [ord("P")], [], None)]
     assert kv.pool.blocks[3].block_hash is not None
 
     # step 4: req1 = ABCD | EFGH | IJkl | mn hits two blocks; req0's next token takes block 4.
     sched.add_request("req1", toks("ABCDEFGHIJklmn"), params, eos_token_id=EOS)
     out = _step(sched, {"req0": EOS, "req1": ord("o")})
-    assert out.scheduled_cached_reqs.new_block_ids == [[4]]
+    assert out.scheduled_cached_reqs.unpack() == [("req0", [ord("Q")], [4], None)]
     new = out.scheduled_new_reqs[0]
     assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("req1", [0, 1, 5, 6], 8)
     assert out.num_scheduled_tokens == [6, 1]

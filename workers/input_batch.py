@@ -69,21 +69,18 @@ class InputBatch:
         self._apply_cached(out)
 
     def _apply_cached(self, out: SchedulerOutput) -> None:
-        cached = out.scheduled_cached_reqs
-        resumed = set(cached.resumed)
         counted_ids, counted_tokens = [], []
-        for i, rid in enumerate(cached.req_ids):
+        for rid, new_tokens, new_blocks, resumed_computed in out.scheduled_cached_reqs.unpack():
             state = self.requests[rid]
-            new_tokens = cached.new_token_ids[i]
             if new_tokens:
                 state.token_ids.extend(new_tokens)
                 counted_ids.extend([rid] * len(new_tokens))
                 counted_tokens.extend(new_tokens)
-            if i in resumed:
-                state.block_ids = list(cached.new_block_ids[i])
-            elif cached.new_block_ids[i]:
-                state.block_ids.extend(cached.new_block_ids[i])
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if resumed_computed is not None:
+                state.block_ids = list(new_blocks)
+                state.num_computed_tokens = resumed_computed
+            elif new_blocks:
+                state.block_ids.extend(new_blocks)
         if counted_ids:
             self.sampling.append_tokens(counted_ids, counted_tokens)
 
@@ -92,7 +89,8 @@ class InputBatch:
             self.sampling.remove_request(rid)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Inputs for this step; O(scheduled tokens + their block tables)."""
+        """Inputs for this step (O(scheduled tokens + their block tables)); advances each
+        scheduled request's computed-token count past this step's tokens."""
         ids = out.scheduled_req_ids()
         sizes = out.num_scheduled_tokens
         order = [i for i, n in enumerate(sizes) if n == 1] + [
@@ -118,6 +116,8 @@ class InputBatch:
                 slots.append(np.asarray(state.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
             seq_lens.append(end)
             tables.append(state.block_ids)
+            # The scheduler advances its count the same way; it resends it only on resume.
+            state.num_computed_tokens = end
             if end == len(state.token_ids):
                 sample_rows.append(row)
                 sample_ids.append(ids[i])
