@@ -1,6 +1,6 @@
 """Offline throughput and time-to-first-token on the default SmolLM2-135M-Instruct GGUF.
 
-64 chat prompts of 20-200 tokens, 128 new tokens each, greedy, EOS ignored. The same workload
+64 chat prompts of 20-200 tokens (the shortest are the template and a word), 128 new tokens each, greedy, EOS ignored. The same workload
 runs through tierserve and through transformers' batched generate (all 64 prompts in one
 left-padded batch) on the same dequantized weights, in the same process, per dtype.
 TTFT: a 512-token prompt, cold, then again with all but its last block in the prefix cache.
@@ -27,23 +27,25 @@ WORDS = ("the model serves requests with a paged cache of keys and values so tha
 
 
 def make_chat_prompts(tokenizer, n: int = NUM_PROMPTS, lo: int = 20, hi: int = 200) -> list:
-    """Chat-templated prompts whose token counts spread evenly over [lo, hi]."""
+    """Complete chat-templated prompts (system, user turn, assistant header) whose token counts
+    spread evenly over [lo, hi]; a prompt never cuts the template short, so the shortest ones
+    are the template plus a word or two."""
     rng = random.Random(0)
     prompts = []
     for i in range(n):
         target = lo + (hi - lo) * i // (n - 1)
-        words: list[str] = []
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+        words = [rng.choice(WORDS)]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": words[0]}])
         while len(ids) < target:
             words.append(rng.choice(WORDS))
             ids = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(words)}])
-        prompts.append(ids[:target] if len(ids) > target else ids)
+        prompts.append(ids)
     return prompts
 
 
 def bench_tierserve(dtype: str, prompts: list[list[int]]) -> float:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(dtype=dtype, enable_prefix_caching=False) as llm:
+    with LLM(dtype=dtype) as llm:  # engine defaults: prefix caching on
         llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
