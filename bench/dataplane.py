@@ -14,7 +14,6 @@ Usage: python bench/dataplane.py [--json] [--steps N] [--skip-e2e]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ from tierserve.scheduler.messages import (  # noqa: E402
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import emit  # noqa: E402
 from scheduler_overhead import build  # noqa: E402
 
 RUNNING = 256
@@ -149,12 +149,7 @@ def main() -> None:
     if not args.skip_e2e:
         result["ray_vs_inprocess"] = measure_e2e()
     ray.shutdown()
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{'metric':<38} {'value':>10}")
-    for key, value in result.items():
-        print(f"{key:<38} {value:>10.2f}")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

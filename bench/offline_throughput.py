@@ -10,13 +10,13 @@ Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
 
 import torch
 
+from report import emit
 from tierserve import LLM, SamplingParams
 from tierserve.workers.loader import default_model_path
 
@@ -111,12 +111,7 @@ def main() -> None:
                                         / result[f"transformers_tok_s_{short}"])
     result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft()
     result["ttft_speedup"] = result["ttft_cold_ms"] / result["ttft_cached_ms"]
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{'metric':<28} {'value':>10}")
-    for key, value in result.items():
-        print(f"{key:<28} {value:>10.2f}")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

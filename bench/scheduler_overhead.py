@@ -13,11 +13,11 @@ Usage: python bench/scheduler_overhead.py [--json] [--steps N]
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
+from report import emit
 from tierserve.kvcache import BlockHasher, KVCacheManager
 from tierserve.scheduler import ModelRunnerOutput, SamplingParams, Scheduler, WorkerChannelCodec
 
@@ -105,13 +105,7 @@ def main() -> None:
         "sha256_ns_per_token": hash_ns_per_token("sha256"),
         "prefix_cache_hit_rate": sched.stats()["prefix_cache_hit_rate"],
     }
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{'metric':<28} {'value':>12}")
-    for key, value in result.items():
-        print(f"{key:<28} {value:>12.2f}" if isinstance(value, float) else
-              f"{key:<28} {value:>12}")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
