@@ -1,9 +1,11 @@
 """Tokenizer loading (Hugging Face folder or GGUF file) behind one small wrapper.
 
 A GGUF file carries its tokenizer in metadata (tokenizer.ggml.*: model type, tokens, merges,
-special ids, chat template). transformers converts it, but reading the metadata of a GGUF with a
-49k-entry vocabulary through gguf.GGUFReader takes seconds, so the converted tokenizer is saved
-under `cache_dir` keyed by the file's absolute path, size and mtime (plus the transformers
+special ids, chat template). transformers' converter turns that into a fast tokenizer; it is fed
+the metadata parsed by workers.gguf_file (shared with the weight loader, so a process parses the
+file once) rather than letting AutoTokenizer re-parse the file through gguf.GGUFReader, which
+takes seconds. Building still costs a few hundred milliseconds, so the converted tokenizer is
+saved under `cache_dir` keyed by the file's absolute path, size and mtime (plus the transformers
 version, whose conversion may change) and later loads read the saved tokenizer.json instead.
 """
 from __future__ import annotations
@@ -14,10 +16,13 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tierserve.workers.gguf_file import GGUFFile, open_gguf
 
 __all__ = ["Tokenizer", "load_tokenizer", "gguf_cache_folder"]
 
@@ -25,6 +30,20 @@ logger = logging.getLogger(__name__)
 
 # Bump when what is written to the cache changes shape.
 _CACHE_FORMAT = 1
+
+# GGUF architectures whose tokenizer AutoTokenizer(gguf_file=...) builds as a plain
+# TokenizersBackend around transformers' converter output, so building that from the shared parse
+# yields the same tokenizer. Other architectures map to a dedicated class (qwen2: Qwen2Tokenizer)
+# and still go through AutoTokenizer.
+_DIRECT_ARCHITECTURES = frozenset({"llama"})
+
+# tokenizer_config kwarg -> metadata key of its token id, as transformers' get_gguf_tokenizer reads them.
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
 
 
 class Tokenizer:
@@ -122,9 +141,65 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
 
 
 def _convert_gguf(gguf_path: str) -> PreTrainedTokenizerBase:
+    gguf_file = open_gguf(gguf_path)
+    converter = _gguf_converter()
+    if converter is not None and _direct_conversion_applies(gguf_file):
+        return _build_gguf_tokenizer(gguf_file, *converter)
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                          gguf_file=os.path.basename(gguf_path),
                                          local_files_only=True)
+
+
+def _gguf_converter():
+    """(GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer, TokenizersBackend), or None on a
+    transformers without this layout (before 5.x); those convert through AutoTokenizer."""
+    try:
+        from transformers import TokenizersBackend
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        return None
+    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer, TokenizersBackend
+
+
+def _direct_conversion_applies(gguf_file: GGUFFile) -> bool:
+    # transformers reads a llama file named after Mistral as a mistral model, with another class.
+    name = str(gguf_file.get("general.name", "")).lower()
+    return gguf_file.get("general.architecture") in _DIRECT_ARCHITECTURES and "mistral" not in name
+
+
+def _build_gguf_tokenizer(gguf_file: GGUFFile, mapping: dict, convert: Callable,
+                          backend_cls: type) -> PreTrainedTokenizerBase:
+    """What TokenizersBackend.from_pretrained(folder, gguf_file=...) builds, without its parse."""
+    architecture, tokenizer_dict, tokenizer_config = _gguf_tokenizer_inputs(gguf_file, mapping)
+    backend, extra_kwargs = convert(architecture, tokenizer_dict)
+    kwargs = {**tokenizer_config, **extra_kwargs}
+    return backend_cls(tokenizer_object=backend,
+                       name_or_path=os.path.dirname(gguf_file.path), **kwargs)
+
+
+def _gguf_tokenizer_inputs(gguf_file: GGUFFile, mapping: dict) -> tuple[str, dict, dict]:
+    """(architecture, tokenizer dict, tokenizer_config kwargs) exactly as transformers'
+    get_gguf_tokenizer derives them; numeric arrays become lists, as its reader returns them."""
+    fields = gguf_file.fields
+    grouped = {
+        group: {name: _plain(fields[f"tokenizer.{key}"])
+                for key, name in renames.items() if f"tokenizer.{key}" in fields}
+        for group, renames in mapping.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    kind = tokenizer.get("tokenizer_type")
+    if kind == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary without the flag
+        config.setdefault("add_bos_token", True)
+    elif kind == "gemma4":  # its chat template writes <bos> itself
+        config["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = fields.get(key)
+        config[name] = None if token_id is None else tokenizer["tokens"][token_id]
+    return fields["general.architecture"], tokenizer, config
+
+
+def _plain(value):
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _store(hf: PreTrainedTokenizerBase, folder: str, gguf_path: str) -> None:

@@ -5,16 +5,16 @@ cut out this rank's shard as each tensor arrives, so a rank never holds a whole 
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from tierserve.workers.gguf_file import GGUFFile, open_gguf
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.model_config import ModelConfig
 
@@ -124,64 +124,56 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------- GGUF
 
 
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str):
-    """Parsing the metadata (the 49k-entry vocabulary) takes ~2 s, so config and weight loading
-    share one reader; tensor data stays memory-mapped."""
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_file(path: str) -> GGUFFile:
+    """Config and weight loading (and the tokenizer, in the same process) share one parse; tensor
+    data stays memory-mapped."""
+    return open_gguf(path)
 
 
 def _gguf_config(path: str) -> ModelConfig:
-    reader = _gguf_reader(path)
-    arch = _field(reader, "general.architecture")
+    gguf_file = _gguf_file(path)
+    arch = gguf_file.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in gguf_file.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    hidden = int(gguf_file.get(f"{arch}.embedding_length"))
+    heads = int(gguf_file.get(f"{arch}.attention.head_count"))
+    head_dim = int(gguf_file.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(gguf_file.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise NotImplementedError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = gguf_file.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", tensors["token_embd.weight"].shape[-1])),
+        vocab_size=int(gguf_file.get(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[0])),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(gguf_file.get(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(gguf_file.get(f"{arch}.block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_key_value_heads=int(gguf_file.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(reader, arch),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(gguf_file.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(gguf_file.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(gguf_file, arch),
+        max_position_embeddings=int(gguf_file.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_output_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors,
-        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        sliding_window=gguf_file.get(f"{arch}.attention.sliding_window"),
+        bos_token_id=gguf_file.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
 
 
-def _gguf_rope_scaling(reader, arch: str):
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+def _gguf_rope_scaling(gguf_file: GGUFFile, arch: str):
+    kind = gguf_file.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
-        return (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
+        return (("factor", float(gguf_file.get(f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
     raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
 
 
@@ -209,9 +201,9 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     config = _gguf_config(path)
-    reader = _gguf_reader(path)
+    gguf_file = _gguf_file(path)
     permute = config.architecture == "llama"  # llama.cpp permutes q/k for llama only
-    for t in reader.tensors:
+    for t in gguf_file.tensors:
         array = dequantize(t.data, t.tensor_type)  # [rows, cols] in HF order, float32
         if permute and ".attn_q." in t.name:
             array = _unpermute_rope_rows(array, config.num_attention_heads)
