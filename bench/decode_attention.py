@@ -6,18 +6,24 @@ own pool, as in a real step, so one step's K/V does not sit in cache from the pr
 a step is `_decode` over all 30 layers, reported per layer. Median of --steps steps per run,
 then the median over --repeats runs.
 
+--model-step also times whole decode steps of SmolLM2-135M (the default GGUF) over the same 64
+sequences, torch path against kernel. There the gather is dearer than in the isolated loop: its
+multi-megabyte outputs land on freshly mapped pages every layer (about 200k minor page faults
+per float32 step, none with the kernel).
+
 Usage: python bench/decode_attention.py [--json] [--dtypes float32,bfloat16] [--repeats 3]
+                                        [--model-step]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
 import torch
 
+from report import emit
 from tierserve.runtime import envs
 from tierserve.workers.attention import AttentionMetadata, _decode
 from tierserve.workers.kernels import build_dir_for, cpu_kernels
@@ -25,24 +31,36 @@ from tierserve.workers.kernels import build_dir_for, cpu_kernels
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
 
 
-def make_step(dtype: torch.dtype, seed: int = 0):
+def make_batch(num_blocks_factor: int = 2, seed: int = 0):
+    """Context lengths, scattered block tables, last-token slots and the pool size."""
     rng = random.Random(seed)
     lens = [rng.randint(40, 330) for _ in range(NUM_SEQS)]
     need = sum(-(-n // BLOCK_SIZE) for n in lens)
-    ids = list(range(2 * need))
+    ids = list(range(num_blocks_factor * need))
     rng.shuffle(ids)
     tables, at = [], 0
     for n in lens:
         k = -(-n // BLOCK_SIZE)
         tables.append(ids[at : at + k])
         at += k
-    shape = (2 * need, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    pools = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
-    q = torch.randn(NUM_SEQS, HEADS, HEAD_DIM).to(dtype)
-    slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, lens)]
+    slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+             for t, n in zip(tables, lens)]
+    return lens, tables, slots, len(ids)
+
+
+def metadata(lens, tables, slots, use_kernel: bool) -> AttentionMetadata:
     attn = AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * NUM_SEQS, seq_lens=lens,
                                    block_tables=tables, num_decodes=NUM_SEQS, block_size=BLOCK_SIZE)
-    return q, pools, attn
+    attn.use_cpu_kernel = use_kernel
+    return attn
+
+
+def make_step(dtype: torch.dtype):
+    lens, tables, slots, num_blocks = make_batch()
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    pools = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+    q = torch.randn(NUM_SEQS, HEADS, HEAD_DIM).to(dtype)
+    return q, pools, (lens, tables, slots)
 
 
 def time_step(q, pools, attn, steps: int) -> float:
@@ -59,38 +77,62 @@ def time_step(q, pools, attn, steps: int) -> float:
 
 
 def run(dtype: torch.dtype, steps: int) -> dict:
-    q, pools, attn = make_step(dtype)
-    attn.use_cpu_kernel = False
-    torch_us = time_step(q, pools, attn, steps)
-    attn.use_cpu_kernel = True
-    kernel_us = time_step(q, pools, attn, steps)
-    return {"torch_us": torch_us, "kernel_us": kernel_us}
+    q, pools, batch = make_step(dtype)
+    return {"attn_torch_us": time_step(q, pools, metadata(*batch, use_kernel=False), steps),
+            "attn_kernel_us": time_step(q, pools, metadata(*batch, use_kernel=True), steps)}
+
+
+def model_step_ms(dtype: torch.dtype, steps: int) -> dict:
+    """Median ms of one SmolLM2-135M decode step (forward + logits), torch path and kernel."""
+    from tierserve.workers.attention import allocate_kv_cache
+    from tierserve.workers.loader import default_model_path, load_model
+
+    config, model = load_model(default_model_path(), dtype, torch.device("cpu"))
+    lens, tables, slots, num_blocks = make_batch(num_blocks_factor=1)
+    kv = allocate_kv_cache(config.num_hidden_layers, num_blocks, BLOCK_SIZE,
+                           model.kv_heads_per_rank, config.head_dim, dtype, "cpu")
+    for k_cache, v_cache in kv:
+        k_cache.normal_()
+        v_cache.normal_()
+    tokens = torch.randint(100, 1000, (NUM_SEQS,))
+    positions = torch.tensor([n - 1 for n in lens])
+    result = {}
+    with torch.inference_mode():
+        for name, use_kernel in (("step_torch_ms", False), ("step_kernel_ms", True)):
+            times = []
+            for i in range(steps + 2):
+                t0 = time.perf_counter()
+                attn = metadata(lens, tables, slots, use_kernel)
+                model.compute_logits(model(tokens, positions, attn, kv))
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            result[name] = statistics.median(times)
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model-step", action="store_true")
     args = parser.parse_args()
     cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
     if not cpu_kernels.available:
         raise SystemExit(f"kernels unavailable: {cpu_kernels.error}")
     torch.manual_seed(0)
-    results = {}
+    result = {"threads": torch.get_num_threads()}
     for name in args.dtypes.split(","):
-        runs = [run(getattr(torch, name), args.steps) for _ in range(args.repeats)]
-        results[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        results[name]["speedup"] = results[name]["torch_us"] / results[name]["kernel_us"]
-    results["threads"] = torch.get_num_threads()
-    if args.json:
-        print(json.dumps(results))
-        return
-    for name, r in results.items():
-        if name != "threads":
-            print(f"{name:9s} torch {r['torch_us']:8.0f} us/layer   kernel {r['kernel_us']:7.0f} "
-                  f"us/layer   x{r['speedup']:.2f}")
+        dtype = getattr(torch, name)
+        runs = [run(dtype, args.steps) for _ in range(args.repeats)]
+        if args.model_step:
+            runs = [r | model_step_ms(dtype, args.steps) for r in runs]
+        for key in runs[0]:
+            result[f"{name}_{key}"] = statistics.median(r[key] for r in runs)
+        result[f"{name}_attn_speedup"] = (result[f"{name}_attn_torch_us"]
+                                          / result[f"{name}_attn_kernel_us"])
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

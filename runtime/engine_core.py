@@ -44,7 +44,8 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
-        collective_timeout_s=config.step_timeout_s)
+        collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
+        cache_dir=envs.cache_dir())
 
 
 def load_model_tokenizer(path: str) -> Tokenizer | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace"]
+__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels"]
 
 
 def cache_dir() -> str:
@@ -23,3 +23,16 @@ def ray_address() -> str | None:
 
 def default_namespace() -> str:
     return os.environ.get("TIERSERVE_NAMESPACE", "tierserve")
+
+
+CPU_KERNEL_MODES = ("background", "sync", "off")
+
+
+def cpu_kernels() -> str:
+    """How workers get the compiled CPU kernels: build in the background and use them once
+    ready (default; the torch path serves meanwhile), build before serving, or never."""
+    mode = os.environ.get("TIERSERVE_CPU_KERNELS", "background")
+    if mode not in CPU_KERNEL_MODES:
+        raise ValueError(f"TIERSERVE_CPU_KERNELS must be one of {', '.join(CPU_KERNEL_MODES)}, "
+                         f"got {mode!r}")
+    return mode

@@ -11,6 +11,8 @@ followed by prefill chunks whose positions continue after a possibly cached pref
 The same torch ops run on CPU and CUDA: decodes are one batched SDPA over K/V gathered block-wise
 through the block tables; prefill chunks are one SDPA each. Grouped-query attention needs no K/V
 expansion: for decodes the query heads sharing a KV head are laid out as that head's query rows.
+On CPU, once the C++ kernels are loaded (workers/kernels.py), decodes instead read K/V in place
+through the block tables, with no gather copy and no padding.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tierserve.workers.kernels import cpu_kernels
 from tierserve.workers.layers import partition_heads
 from tierserve.workers.model_config import ModelConfig
 
@@ -65,12 +68,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with valid block ids
     num_decodes: int
     block_size: int
-    # Batched-decode gather: block ids [num_decodes * decode_blocks] and a padding mask
-    # [num_decodes, 1, 1, decode_blocks * block_size] (True = real token).
-    decode_block_ids: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    # Decode sequences' block tables [num_decodes, decode_blocks] int32, decode_blocks covering
+    # the longest decode context (shorter rows padded with valid ids), and their context lengths
+    # [num_decodes] int32.
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    # Whether this step's decodes run the C++ CPU kernel. Fixed per step, so every layer of a
+    # step takes the same path while a background kernel build completes.
+    use_cpu_kernel: bool = False
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _decode_bias: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _decode_gather: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +98,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             query_start_loc=qsl, seq_lens=list(seq_lens), query_lens=list(query_lens),
             block_tables=table.to(device), num_decodes=num_decodes, block_size=block_size,
+            use_cpu_kernel=torch.device(device).type == "cpu" and cpu_kernels.available,
         )
         if num_decodes:
             md._build_decode(table, device)
@@ -98,12 +106,10 @@ class AttentionMetadata:
         return md
 
     def _build_decode(self, table: torch.Tensor, device) -> None:
-        nd, bs = self.num_decodes, self.block_size
-        lens = torch.tensor(self.seq_lens[:nd])
-        nblocks = -(-int(lens.max()) // bs)
-        self.decode_block_ids = table[:nd, :nblocks].reshape(-1).to(device=device, dtype=torch.int64)
-        positions = torch.arange(nblocks * bs)
-        self.decode_mask = (positions[None, :] < lens[:, None]).view(nd, 1, 1, -1).to(device)
+        lens = self.seq_lens[: self.num_decodes]
+        nblocks = -(-max(lens) // self.block_size)
+        self.decode_block_tables = table[: self.num_decodes, :nblocks].contiguous().to(device)
+        self.decode_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
 
     def _build_prefill(self, i: int, table: torch.Tensor, device) -> PrefillChunk:
         start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
@@ -117,15 +123,21 @@ class AttentionMetadata:
         mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
         return PrefillChunk(start, end, seq_len, block_ids, mask.to(device))
 
-    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive form of decode_mask in `dtype`, built once per step and shared by all layers
-        (the CPU SDPA kernel is faster with an additive mask than a boolean one)."""
-        bias = self._decode_bias.get(dtype)
-        if bias is None:
-            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            bias.masked_fill_(~self.decode_mask, float("-inf"))
-            self._decode_bias[dtype] = bias
-        return bias
+    def decode_gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the gather path: block ids [num_decodes * decode_blocks] int64 and the additive
+        padding mask [num_decodes, 1, 1, decode_blocks * block_size] in `dtype` (0 = real token,
+        -inf = padding), built once per step and shared by all layers (the CPU SDPA kernel is
+        faster with an additive mask than a boolean one)."""
+        cached = self._decode_gather.get(dtype)
+        if cached is None:
+            table, lens = self.decode_block_tables, self.decode_seq_lens
+            positions = torch.arange(table.shape[1] * self.block_size, device=table.device)
+            padding = positions[None, :] >= lens[:, None]
+            bias = torch.zeros(padding.shape, dtype=dtype, device=table.device)
+            bias.masked_fill_(padding, float("-inf"))
+            cached = (table.reshape(-1).long(), bias.view(self.num_decodes, 1, 1, -1))
+            self._decode_gather[dtype] = cached
+        return cached
 
 
 def _check_batch(slot_mapping, query_lens, seq_lens, block_tables, num_decodes, block_size) -> None:
@@ -172,14 +184,18 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             attn: AttentionMetadata, scale: float) -> torch.Tensor:
     """Batched single-token attention -> [num_decodes, heads, D]."""
     nd, heads, head_dim = q.shape
+    if attn.use_cpu_kernel and cpu_kernels.supports_decode(q.dtype, head_dim):
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
+                                                  attn.decode_seq_lens, scale)
     kv_heads = k_cache.shape[2]
+    block_ids, bias = attn.decode_gather(q.dtype)
     # [nd, kv_heads, L, D]; whole-block gathers are large contiguous copies.
-    keys = k_cache.index_select(0, attn.decode_block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, attn.decode_block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache.index_select(0, block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
     # HF GQA maps query head h to KV head h // group, so [nd, kv_heads, group, D] puts each
     # group's queries as the query rows of its KV head.
     q = q.view(nd, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.decode_bias(q.dtype), scale=scale)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(nd, heads, head_dim)
 
 

@@ -15,6 +15,7 @@ from tierserve.scheduler.messages import (
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
 from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from tierserve.workers.kernels import build_dir_for, cpu_kernels
 from tierserve.workers.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 
@@ -44,6 +45,10 @@ class WorkerSpec:
     num_kv_blocks: int | None = None
     cpu_threads: int | None = None
     collective_timeout_s: float = 60.0
+    # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
+    # cache_dir; None cache_dir means no kernels.
+    cpu_kernels: str = "background"
+    cache_dir: str | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -74,6 +79,10 @@ class Worker:
         threads = self.spec.cpu_threads or max(
             1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
         torch.set_num_threads(threads)
+        if self.device.type == "cpu" and self.spec.cpu_kernels != "off" and self.spec.cache_dir:
+            # Started before the weights load, so a first-time compile overlaps it.
+            cpu_kernels.start_build(build_dir_for(self.spec.cache_dir),
+                                    sync=self.spec.cpu_kernels == "sync")
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")

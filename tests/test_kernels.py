@@ -1,0 +1,214 @@
+"""The C++ CPU kernels against the torch path they replace: paged decode attention on ragged
+contexts over scattered pool blocks, its input validation, the build/cache protocol, and greedy
+tokens of the whole engine with the kernel on."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama
+from tierserve import LLM, SamplingParams
+from tierserve.runtime import envs
+from tierserve.workers.attention import AttentionMetadata, _decode
+from tierserve.workers.kernels import CpuKernels, build_dir_for, cpu_kernels
+
+COMPILER = os.environ.get("CXX", "c++")
+pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
+                                reason=f"no C++ compiler ({COMPILER}) to build the CPU kernels")
+
+LENS = [1, 15, 16, 17, 300]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The process-wide kernels, built (or loaded from the user cache) before any test runs."""
+    cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
+    assert cpu_kernels.available, cpu_kernels.error
+    return cpu_kernels
+
+
+def _decode_batch(dtype, group: int, head_dim: int, *, kv_heads: int = 2, block_size: int = 16,
+                  seed: int = 0):
+    """q (a strided slice, as the model's fused qkv gives it), K/V pools with each sequence's
+    blocks scattered over them, and the step's AttentionMetadata."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in LENS]
+    num_blocks = 2 * sum(counts) + 3
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [ids[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(LENS))]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    heads = kv_heads * group
+    q = torch.randn(len(LENS), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for t, n in zip(tables, LENS)]
+    attn = AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * len(LENS), seq_lens=LENS,
+                                   block_tables=tables, num_decodes=len(LENS),
+                                   block_size=block_size)
+    return q, k_cache, v_cache, attn
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel gives a work item all KV heads of a sequence when there are at least 4
+    sequences per thread, else one KV head: the 5 test sequences take the first way on 1 thread
+    and the second on 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, head_dim):
+    q, k_cache, v_cache, attn = _decode_batch(dtype, group, head_dim)
+    scale = head_dim ** -0.5
+    attn.use_cpu_kernel = False
+    expected = _decode(q, k_cache, v_cache, attn, scale)
+    attn.use_cpu_kernel = True
+    got = _decode(q, k_cache, v_cache, attn, scale)
+    direct = kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
+                                            attn.decode_seq_lens, scale)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+    assert torch.equal(got, direct)
+
+
+def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
+    """block_size 4 puts several blocks in one kernel tile; head_dim 16 is the tiny models'."""
+    q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 16, block_size=4, seed=1)
+    attn.use_cpu_kernel = False
+    expected = _decode(q, k_cache, v_cache, attn, 0.25)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
+                                         attn.decode_seq_lens, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def _valid_inputs():
+    q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 64)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=attn.decode_block_tables,
+                seq_lens=attn.decode_seq_lens, scale=0.125)
+
+
+def _bad_table(args):
+    args["block_tables"] = args["block_tables"].clone()
+    args["block_tables"][4, 2] = args["k_cache"].shape[0]
+
+
+def _negative_block(args):
+    args["block_tables"] = args["block_tables"].clone()
+    args["block_tables"][0, 0] = -1
+
+
+def _bad_len(value):
+    def mutate(args):
+        args["seq_lens"] = args["seq_lens"].clone()
+        args["seq_lens"][1] = value
+    return mutate
+
+
+def _head_dim_40(args):
+    nb, bs, kvh, _ = args["k_cache"].shape
+    args["k_cache"], args["v_cache"] = torch.zeros(nb, bs, kvh, 40), torch.zeros(nb, bs, kvh, 40)
+    args["q"] = torch.zeros(args["q"].shape[0], args["q"].shape[1], 40)
+
+
+BAD_INPUTS = {
+    "half dtype": (lambda a: a.update(q=a["q"].half(), k_cache=a["k_cache"].half(),
+                                      v_cache=a["v_cache"].half()), "float32 or bfloat16"),
+    "mixed dtypes": (lambda a: a.update(q=a["q"].bfloat16()), "share a dtype"),
+    "strided pool": (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2).contiguous()
+                                        .transpose(1, 2)), "contiguous"),
+    "pool shapes differ": (lambda a: a.update(v_cache=a["v_cache"][:-1]), "!= k_cache"),
+    "head_dim mismatch": (lambda a: a.update(q=a["q"][..., :32]), "head_dim"),
+    "unsupported head_dim": (_head_dim_40, "unsupported head_dim 40"),
+    "heads not a multiple": (lambda a: a.update(q=a["q"][:, :3]), "multiple of kv_heads"),
+    "int64 tables": (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
+    "table rows": (lambda a: a.update(block_tables=a["block_tables"][:-1]), "block_tables"),
+    "2-d q": (lambda a: a.update(q=a["q"][0]), "q must be"),
+    "zero length": (_bad_len(0), "seq_lens\\[1\\] = 0"),
+    "length past table": (_bad_len(10_000), "seq_lens\\[1\\] = 10000"),
+    "block id past pool": (_bad_table, "block_tables\\[4, 2\\]"),
+    "negative block id": (_negative_block, "block_tables\\[0, 0\\] = -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_decode_kernel_rejects_bad_inputs(kernels, case):
+    mutate, message = BAD_INPUTS[case]
+    args = _valid_inputs()
+    kernels.paged_decode_attention(**args)  # the unmutated inputs are accepted
+    mutate(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.paged_decode_attention(**args)
+
+
+def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
+    """Two builders at once (TP ranks) into an empty folder holding a dead builder's torch baton:
+    one compiles, the other waits and reuses it, and neither waits on the stale baton."""
+    build_dir = tmp_path / "kernels"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()
+    cmd = [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    library = (build_dir / (build_dir / "ready").read_text()).resolve()
+    assert {out.strip().splitlines()[-1] for out in outs} == {str(library)}
+    assert library.is_file() and not (build_dir / "lock").exists()
+    # .ninja_log: one "start end mtime output hash" line per command ninja ran.
+    outputs = [line.split("\t")[3] for line in (build_dir / ".ninja_log").read_text().splitlines()
+               if not line.startswith("#")]
+    assert outputs.count("paged_attention.o") == 1
+
+
+def test_background_build_loads_cached_library(kernels):
+    fresh = CpuKernels()
+    assert not fresh.available and not fresh.wait(0)
+    fresh.start_build(build_dir_for(envs.cache_dir()))
+    assert fresh.wait(60)
+    assert fresh.supports_decode(torch.bfloat16, 64)
+    assert not fresh.supports_decode(torch.float16, 64)
+    assert not fresh.supports_decode(torch.float32, 40)
+
+
+def test_failed_build_falls_back_with_one_warning(kernels, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/bin/false")
+    fresh = CpuKernels()
+    with caplog.at_level(logging.WARNING, logger="tierserve.kernels"):
+        fresh.start_build(tmp_path / "broken", sync=True)
+        fresh.start_build(tmp_path / "broken", sync=True)
+    assert not fresh.available and not fresh.wait(0)
+    assert "kernel build failed" in fresh.error
+    assert len(caplog.records) == 1 and "using the torch path" in caplog.records[0].getMessage()
+    assert not (tmp_path / "broken" / "ready").exists()
+
+
+def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypatch):
+    path = make_tiny_llama(tmp_path / "llama")
+    hf = load_hf(path)
+    prompts = [[(7 * i + 3) % 380 + 3 for i in range(n)] for n in (5, 40, 17, 3, 61)]
+    references = [hf_greedy(hf, p, 10) for p in prompts]
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return CpuKernels.paged_decode_attention(kernels, *args)
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", counting)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(path), block_size=4) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references
+    # 3 layers x 9 decode steps, each over the whole batch of 5.
+    assert len(calls) >= 27 and max(calls) == len(prompts)

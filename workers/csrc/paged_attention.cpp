@@ -1,0 +1,410 @@
+// Paged decode attention for CPU: every decode sequence attends with its one query token over
+// its whole context, read in place from the block-structured KV pool through its block table.
+//
+// For each (sequence, KV head) the whole group of query heads sharing that KV head is scored
+// against each K row while the row is in L1, and each V row is accumulated into the whole
+// group's outputs, so every K/V row of the context is read from memory exactly once. Softmax is
+// online (streaming) over tiles of kTile tokens, in fp32 whatever the storage type. Work items
+// are (sequence, range of KV heads), spread over at::parallel_for's threads (see run_decode).
+//
+// Vectorised with GCC/Clang vector extensions: a Vec is 16 floats, one AVX-512 register (two
+// AVX2 ones elsewhere). Plain loops proved fragile here: g++ turned the V accumulation into
+// gathers and the dot-product reductions into scalar adds. D is a template parameter, so a row is
+// a fixed number of Vecs and a row of accumulators stays in registers.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace tierserve {
+namespace {
+
+constexpr int kLanes = 16;  // floats per Vec; head dims are multiples of it
+constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using U16Vec = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+using U32Vec = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+// Unaligned views for loads and stores. Typed (not memcpy), so that type-based alias analysis
+// knows a store of floats cannot change the pointers and strides the loops read.
+using VecU = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
+using U16VecU = uint16_t
+    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(alignof(uint16_t))));
+
+inline Vec load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
+
+inline void store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
+
+// 16 bf16 values -> fp32: bf16 is the top half of an fp32 bit pattern.
+inline Vec load_bf16(const c10::BFloat16* p) {
+  const U16Vec bits = *reinterpret_cast<const U16VecU*>(p);
+  return reinterpret_cast<Vec>(__builtin_convertvector(bits, U32Vec) << 16);
+}
+
+// Tree reduction of the 16 lanes: 4 shuffle + add steps.
+inline float hsum(Vec v) {
+  using V8 = float __attribute__((vector_size(8 * sizeof(float))));
+  using V4 = float __attribute__((vector_size(4 * sizeof(float))));
+  const V8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
+                __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+inline float hmax(Vec v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// exp(x) for x <= 0 (it is only taken of score - running max). Cephes-style: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (about 1 ulp), 2^n built in the exponent
+// bits. Below -87 the result is exactly 0, so -inf (an empty running max, tile padding) gives 0.
+inline Vec exp_nonpositive(Vec x) {
+  const auto underflow = x < -87.0f;
+  const Vec xc = underflow ? splat(-87.0f) : x;
+  // Round to nearest by the 1.5 * 2^23 trick: exact for |xc * log2e| < 2^22.
+  const Vec n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const Vec r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec y = p * r * r + r + 1.0f;
+  const Vec scale = reinterpret_cast<Vec>((__builtin_convertvector(n, IVec) + 127) << 23);
+  return underflow ? Vec{} : y * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+template <int D>
+inline float dot(const float* a, const float* b) {
+  Vec acc = load(a) * load(b);
+  for (int d = kLanes; d < D; d += kLanes) acc += load(a + d) * load(b + d);
+  return hsum(acc);
+}
+
+template <typename T>
+struct DecodeArgs {
+  const T* q;
+  int64_t q_seq_stride, q_head_stride;
+  const T* k_cache;
+  const T* v_cache;
+  int64_t block_stride;  // bs * kv_heads * D elements
+  int64_t row_stride;    // kv_heads * D elements: one token of one block
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int64_t kv_heads, group, block_size;
+  float scale;
+  T* out;  // [nd, kv_heads * group, D], contiguous
+};
+
+// Per-thread scratch for one work item's query heads (at most all of them), sized once per
+// thread rather than per item.
+struct Scratch {
+  std::vector<float> q;       // [heads, D] scaled queries
+  std::vector<float> acc;     // [heads, D] unnormalised outputs
+  std::vector<float> p;       // [heads, kTile] scores, then probabilities
+  std::vector<float> m, l;    // [heads] running max and running sum of exp
+  std::vector<float> k, v;    // [kTile, D] fp32 copies of one KV head's bf16 rows
+  Scratch(int64_t heads, int D)
+      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads),
+        k(kTile * D), v(kTile * D) {}
+};
+
+// Points rows[j] (j < n) at the fp32 K and V rows of tokens t0 .. t0 + n - 1, converting bf16
+// rows into scratch. Tokens walk their block table without a division per token.
+template <typename T, int D>
+void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n,
+                Scratch& s, const float** krows, const float** vrows) {
+  const T* k_cache = a.k_cache + kv_head * D;
+  const T* v_cache = a.v_cache + kv_head * D;
+  int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t at = table[bi] * a.block_stride + off * a.row_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      krows[j] = k_cache + at;
+      vrows[j] = v_cache + at;
+    } else {
+      float* kf = s.k.data() + j * D;
+      float* vf = s.v.data() + j * D;
+      for (int d = 0; d < D; d += kLanes) {
+        store(kf + d, load_bf16(k_cache + at + d));
+        store(vf + d, load_bf16(v_cache + at + d));
+      }
+      krows[j] = kf;
+      vrows[j] = vf;
+    }
+    if (++off == a.block_size) {
+      off = 0;
+      ++bi;
+    }
+  }
+}
+
+// Asks for the K and V rows of tokens t0 .. t0 + n - 1 ahead of use (one tile ahead). Blocks are
+// scattered over the pool, which the hardware prefetchers cannot follow, and decode attention is
+// bound by memory: measured 2-15% faster with this than without.
+template <typename T, int D>
+void prefetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n) {
+  constexpr int kLine = 64;
+  constexpr int kRowBytes = D * sizeof(T);
+  int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t at = table[bi] * a.block_stride + off * a.row_stride + kv_head * D;
+    const char* k = reinterpret_cast<const char*>(a.k_cache + at);
+    const char* v = reinterpret_cast<const char*>(a.v_cache + at);
+    for (int b = 0; b < kRowBytes; b += kLine) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+    if (++off == a.block_size) {
+      off = 0;
+      ++bi;
+    }
+  }
+}
+
+// p[g][j] <- q[g] . k[j] for j < n, -inf for the tile's padding.
+template <int D>
+void score_tile(const float* q, int64_t group, const float* const* krows, int n, float* p) {
+  for (int j = 0; j < n; ++j)
+    for (int64_t g = 0; g < group; ++g) p[g * kTile + j] = dot<D>(q + g * D, krows[j]);
+  for (int64_t g = 0; g < group; ++g) std::fill(p + g * kTile + n, p + (g + 1) * kTile, kNegInf);
+}
+
+// Folds one tile of scores into the running (max, sum) and turns them into weights relative to
+// the new max; the accumulated outputs are rescaled to the same reference.
+template <int D>
+void softmax_update(int64_t group, float* p, float* m, float* l, float* acc) {
+  static_assert(kTile == 2 * kLanes);
+  for (int64_t g = 0; g < group; ++g) {
+    float* pg = p + g * kTile;
+    const Vec s0 = load(pg), s1 = load(pg + kLanes);
+    const float new_max = std::max(m[g], hmax(s0 > s1 ? s0 : s1));
+    const Vec e0 = exp_nonpositive(s0 - new_max), e1 = exp_nonpositive(s1 - new_max);
+    store(pg, e0);
+    store(pg + kLanes, e1);
+    if (new_max != m[g]) {
+      const float alpha = exp_nonpositive(m[g] - new_max);
+      for (int d = 0; d < D; d += kLanes) store(acc + g * D + d, load(acc + g * D + d) * alpha);
+      l[g] *= alpha;
+      m[g] = new_max;
+    }
+    l[g] += hsum(e0 + e1);
+  }
+}
+
+// acc[g] += sum_j p[g][j] * v[j], with one row of accumulators held in registers per query head.
+template <int D>
+void accumulate_tile(int64_t group, const float* p, const float* const* vrows, int n, float* acc) {
+  constexpr int kVecs = D / kLanes;
+  for (int64_t g = 0; g < group; ++g) {
+    float* ag = acc + g * D;
+    Vec row[kVecs];
+    for (int c = 0; c < kVecs; ++c) row[c] = load(ag + c * kLanes);
+    for (int j = 0; j < n; ++j) {
+      const Vec w = splat(p[g * kTile + j]);
+      for (int c = 0; c < kVecs; ++c) row[c] += w * load(vrows[j] + c * kLanes);
+    }
+    for (int c = 0; c < kVecs; ++c) store(ag + c * kLanes, row[c]);
+  }
+}
+
+// Query heads of KV heads [h0, h1) of one sequence over its whole context. Tiles are the outer
+// loop, so the item's KV heads consume each tile of blocks together while it is in cache.
+template <typename T, int D>
+void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch& s) {
+  const int64_t group = a.group, heads = (h1 - h0) * group;
+  const int len = a.seq_lens[seq];
+  const int32_t* table = a.block_tables + seq * a.table_stride;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* src = a.q + seq * a.q_seq_stride + (h0 * group + h) * a.q_head_stride;
+    for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
+  }
+  std::fill_n(s.acc.begin(), heads * D, 0.0f);
+  std::fill_n(s.m.begin(), heads, kNegInf);
+  std::fill_n(s.l.begin(), heads, 0.0f);
+  const float* krows[kTile];
+  const float* vrows[kTile];
+  for (int64_t kv = h0; kv < h1; ++kv) prefetch_rows<T, D>(a, table, kv, 0, std::min(kTile, len));
+  for (int t0 = 0; t0 < len; t0 += kTile) {
+    const int n = std::min(kTile, len - t0);
+    for (int64_t kv = h0; kv < h1; ++kv) {
+      if (t0 + kTile < len)
+        prefetch_rows<T, D>(a, table, kv, t0 + kTile, std::min(kTile, len - t0 - kTile));
+      const int64_t r = (kv - h0) * group;  // first query head of this KV head's group
+      fetch_rows<T, D>(a, table, kv, t0, n, s, krows, vrows);
+      score_tile<D>(&s.q[r * D], group, krows, n, &s.p[r * kTile]);
+      softmax_update<D>(group, &s.p[r * kTile], &s.m[r], &s.l[r], &s.acc[r * D]);
+      accumulate_tile<D>(group, &s.p[r * kTile], vrows, n, &s.acc[r * D]);
+    }
+  }
+  T* out = a.out + (seq * a.kv_heads + h0) * group * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / s.l[h];  // l >= 1: the max score contributes exp(0)
+    for (int d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(s.acc[h * D + d] * inv);
+  }
+}
+
+// Work item = (sequence, range of KV heads). With enough sequences to keep every thread busy,
+// an item takes all KV heads of its sequence, so each block of the pool is read as one
+// contiguous run; with few sequences it takes one KV head, for parallelism. Items are claimed
+// from a shared counter, longest sequences first, rather than split statically: contexts are
+// ragged, so equal counts of items are far from equal work.
+template <typename T, int D>
+void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
+  static_assert(D % kLanes == 0, "rows are processed in whole vectors of kLanes floats");
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = num_seqs >= 4 * threads ? a.kv_heads : 1;
+  const int64_t chunks = a.kv_heads / heads_per_item;
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return a.seq_lens[x] > a.seq_lens[y]; });
+  const int64_t items = num_seqs * chunks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch(heads_per_item * a.group, D);
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t h0 = (i % chunks) * heads_per_item;
+      attend<T, D>(a, order[i / chunks], h0, h0 + heads_per_item, scratch);
+    }
+  });
+}
+
+// The head dims compiled in, each a multiple of kLanes; one list feeds the dispatch and the
+// decode_head_dims op the Python side asks before choosing the kernel.
+#define TIERSERVE_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(112) X(128) X(192) X(256)
+
+template <typename T>
+void dispatch_head_dim(const DecodeArgs<T>& a, int64_t num_seqs, int64_t head_dim) {
+  switch (head_dim) {
+#define TIERSERVE_CASE(DIM) \
+  case DIM:                 \
+    return run_decode<T, DIM>(a, num_seqs);
+    TIERSERVE_HEAD_DIMS(TIERSERVE_CASE)
+#undef TIERSERVE_CASE
+  }
+  TORCH_CHECK(false, "paged_decode_attention: unsupported head_dim ", head_dim);
+}
+
+std::vector<int64_t> decode_head_dims() {
+#define TIERSERVE_ITEM(DIM) DIM,
+  return {TIERSERVE_HEAD_DIMS(TIERSERVE_ITEM)};
+#undef TIERSERVE_ITEM
+}
+
+// Every block a sequence will read must be a real pool block: the kernel indexes raw memory.
+void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks,
+                  int64_t block_size) {
+  const int64_t nd = block_tables.size(0), width = block_tables.size(1);
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < nd; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * block_size, "paged_decode_attention: seq_lens[",
+                s, "] = ", lens[s], " is outside [1, ", width * block_size, "]");
+    const int64_t used = (lens[s] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = table[s * width + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode_attention: block_tables[", s, ", ", b,
+                  "] = ", id, " is not a block of a pool of ", num_blocks);
+    }
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  const char* op = "paged_decode_attention: ";
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), op, "all inputs must be CPU tensors");
+  TORCH_CHECK(q.dim() == 3, op, "q must be [num_decodes, heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, op,
+              "k_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, "v_cache ", v_cache.sizes(),
+              " != k_cache ", k_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op,
+              "dtype must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              op, "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op,
+              "the KV pool must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), op, "q head_dim ", q.size(2), " != pool head_dim ",
+              k_cache.size(3));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, op, "heads (", q.size(1),
+              ") must be a multiple of kv_heads (", k_cache.size(2), ")");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, op,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  block_tables.is_contiguous(),
+              op, "block_tables must be a contiguous [num_decodes, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(), op,
+              "seq_lens must be a contiguous [num_decodes] tensor");
+}
+
+template <typename T>
+DecodeArgs<T> make_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        at::Tensor& out) {
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  return DecodeArgs<T>{
+      q.data_ptr<T>(), q.stride(0), q.stride(1),
+      k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+      k_cache.size(1) * kv_heads * head_dim, kv_heads * head_dim,
+      block_tables.data_ptr<int32_t>(), block_tables.size(1),
+      seq_lens.data_ptr<int32_t>(),
+      kv_heads, q.size(1) / kv_heads, k_cache.size(1),
+      static_cast<float>(scale),
+      out.data_ptr<T>()};
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens);
+  const int64_t head_dim = k_cache.size(3);
+  check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
+  // Rows of q may be strided (a slice of the fused qkv projection); each head's D values must
+  // be contiguous.
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat)
+    dispatch_head_dim(make_args<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out),
+                      q.size(0), head_dim);
+  else
+    dispatch_head_dim(
+        make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out),
+        q.size(0), head_dim);
+  return out;
+}
+
+}  // namespace
+}  // namespace tierserve
+
+TORCH_LIBRARY(tierserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_head_dims() -> int[]", &tierserve::decode_head_dims);
+}
+
+TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
+  m.impl("paged_decode_attention", &tierserve::paged_decode_attention);
+}
