@@ -13,6 +13,7 @@ import socket
 import time
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tierserve.deploy.dataplane import (
@@ -84,6 +85,9 @@ class WorkerActor:
         return self.rank
 
     def run_loop(self) -> None:
+        # OpenMP's thread count is per calling thread and Ray starts workers with
+        # OMP_NUM_THREADS=1: set it again in the thread that runs every forward.
+        torch.set_num_threads(self.worker.num_threads)
         self._plane.serve(self.worker.handle, self.rank)
 
 

@@ -88,11 +88,48 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(out)
 
 
+class PackedWeight:
+    """A CPU bf16/fp16 weight also kept in oneDNN's blocked layout: with plain weights oneDNN
+    re-lays them out on every call, which doubles the cost of decode-sized (small-M) matmuls.
+    Results are the same kernels' results; fp32 stays on MKL, whose summation order the fp32
+    equality tests against transformers rely on."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    @staticmethod
+    def applies_to(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+                and torch.backends.mkldnn.is_available())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
+    if packed is not None and x.dim() == 2:
+        return packed.linear(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def pack_weights(module: nn.Module) -> None:
+    """Gives every CPU bf16/fp16 linear in `module` its packed weight; call after loading."""
+    for sub in module.modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and (
+                PackedWeight.applies_to(sub.weight)):
+            sub.packed = PackedWeight(sub.weight)
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; logits are gathered to the full vocab on every rank."""
 
+    packed: PackedWeight | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [n, shard_size]
+        logits = linear(hidden, self.weight, None, self.packed)  # [n, shard_size]
         if get_tp_size() > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits
@@ -100,6 +137,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across ranks; no communication."""
+
+    packed: "PackedWeight | None" = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -117,7 +156,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, full.narrow(0, get_tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -175,6 +214,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
+    packed: "PackedWeight | None" = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
         self.input_size_per_rank = _divide(input_size, get_tp_size(), "input size")
@@ -194,8 +235,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        out = tp_all_reduce(linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out + self.bias
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tierserve.workers.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.layers import pack_weights
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.model_config import ModelConfig
 
@@ -106,6 +107,7 @@ def load_model(path: str, dtype: torch.dtype | str = torch.float32,
     config = load_model_config(path)
     model = LlamaForCausalLM(config, resolve_dtype(dtype), device)
     model.load_weights(iter_weights(path))
+    pack_weights(model)
     return config, model.eval()
 
 

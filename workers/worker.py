@@ -70,15 +70,16 @@ class Worker:
         self.dtype = resolve_dtype(spec.dtype)
         self.model = None
         self.runner: ModelRunner | None = None
+        self.num_threads = 1
 
     # ------------------------------------------------------------------ control plane
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        threads = self.spec.cpu_threads or max(
+        self.num_threads = self.spec.cpu_threads or max(
             1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(self.num_threads)
         if self.device.type == "cpu" and self.spec.cpu_kernels != "off" and self.spec.cache_dir:
             # Started before the weights load, so a first-time compile overlaps it.
             cpu_kernels.start_build(build_dir_for(self.spec.cache_dir),
