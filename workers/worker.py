@@ -2,6 +2,7 @@
 executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class Worker:
     # ------------------------------------------------------------------ control plane
 
     def init_device(self) -> None:
+        _keep_freed_memory()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.num_threads = self.spec.cpu_threads or max(
@@ -190,3 +192,17 @@ def _available_memory_bytes() -> int:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_freed_memory() -> None:
+    """Keeps freed heap memory in the process. By default glibc hands large freed blocks back to
+    the OS, and every step's temporaries (several MB in a prefill) page-fault in again."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # the largest glibc accepts
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
