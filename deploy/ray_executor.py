@@ -81,9 +81,6 @@ class WorkerActor:
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 
-    def ping(self) -> int:
-        return self.rank
-
     def run_loop(self) -> None:
         # OpenMP's thread count is per calling thread and Ray starts workers with
         # OMP_NUM_THREADS=1: set it again in the thread that runs every forward.

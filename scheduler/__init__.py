@@ -4,7 +4,7 @@ Pure CPU bookkeeping: imports kvcache and msgspec only (never torch or ray).
 """
 from tierserve.scheduler.messages import (
     CachedRequestData, ClientChannelCodec, EngineChannelCodec, EngineCoreOutput,
-    EngineCoreOutputs, EngineCoreRequest, MalformedFrameError, ModelRunnerOutput, NewRequestData, ResetWorkerCache,
+    EngineCoreOutputs, EngineCoreRequest, MalformedFrameError, ModelRunnerOutput, NewRequestData,
     SampleLogprobs, SchedulerOutput, ShutdownWorker, WorkerChannelCodec, WorkerError,
 )
 from tierserve.scheduler.params import FinishReason, RequestStatus, SamplingParams
@@ -13,8 +13,8 @@ from tierserve.scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData", "ClientChannelCodec", "EngineChannelCodec", "EngineCoreOutput",
-    "EngineCoreOutputs", "EngineCoreRequest", "MalformedFrameError", "ModelRunnerOutput", "NewRequestData",
-    "ResetWorkerCache", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker",
+    "EngineCoreOutputs", "EngineCoreRequest", "MalformedFrameError", "ModelRunnerOutput",
+    "NewRequestData", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker",
     "WorkerChannelCodec", "WorkerError", "FinishReason", "RequestStatus", "SamplingParams",
     "Request", "Scheduler",
 ]

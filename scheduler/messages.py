@@ -2,7 +2,7 @@
 
 Every message is a msgspec Struct encoded as a msgpack array (array_like) with defaults omitted.
 Each channel has one tagged union and one decoder, built once:
-  to workers    ToWorker   = SchedulerOutput | ResetWorkerCache | ShutdownWorker
+  to workers    ToWorker   = SchedulerOutput | ShutdownWorker
   from workers  FromWorker = ModelRunnerOutput | WorkerError
   to clients    EngineCoreOutputs (a batch of per-request deltas)
 
@@ -19,7 +19,7 @@ import msgspec
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = [
-    "NewRequestData", "CachedRequestData", "SchedulerOutput", "ResetWorkerCache",
+    "NewRequestData", "CachedRequestData", "SchedulerOutput",
     "ShutdownWorker", "SampleLogprobs", "ModelRunnerOutput", "WorkerError", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
     "EngineChannelCodec", "ClientChannelCodec",
@@ -109,10 +109,6 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
         return [r.req_id for r in self.scheduled_new_reqs] + self.scheduled_cached_reqs.req_ids
 
 
-class ResetWorkerCache(msgspec.Struct, tag=2, **_WIRE):
-    """Drops every request's state on the workers (after reset_prefix_cache or a restart)."""
-
-
 class ShutdownWorker(msgspec.Struct, tag=3, **_WIRE):
     pass
 
@@ -174,7 +170,7 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
     outputs: list[EngineCoreOutput] = []
 
 
-ToWorker = Union[SchedulerOutput, ResetWorkerCache, ShutdownWorker]
+ToWorker = Union[SchedulerOutput, ShutdownWorker]
 FromWorker = Union[ModelRunnerOutput, WorkerError]
 
 

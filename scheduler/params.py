@@ -91,14 +91,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
 
 def _check(value, name: str, ok, requirement: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (

@@ -4,7 +4,7 @@ import pytest
 
 from tierserve.scheduler import (
     CachedRequestData, ClientChannelCodec, EngineChannelCodec, EngineCoreOutput,
-    EngineCoreOutputs, MalformedFrameError, ModelRunnerOutput, NewRequestData, ResetWorkerCache,
+    EngineCoreOutputs, MalformedFrameError, ModelRunnerOutput, NewRequestData,
     SampleLogprobs, SamplingParams, SchedulerOutput, ShutdownWorker, WorkerChannelCodec,
     WorkerError,
 )
@@ -41,7 +41,7 @@ def _full_scheduler_output():
 
 
 @pytest.mark.parametrize("msg", [_full_scheduler_output(), SchedulerOutput(step_id=0),
-                                 ResetWorkerCache(), ShutdownWorker()])
+                                 ShutdownWorker()])
 def test_to_worker_round_trip(msg):
     codec = WorkerChannelCodec()
     back = codec.decode(codec.encode(msg))

@@ -50,10 +50,6 @@ class InputBatch:
         self.sampling = sampling
         self.requests: dict[str, RequestState] = {}
 
-    def clear(self) -> None:
-        for rid in list(self.requests):
-            self._drop(rid)
-
     def apply(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
             self._drop(rid)

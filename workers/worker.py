@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.scheduler.messages import (
-    FromWorker, NewRequestData, ResetWorkerCache, SchedulerOutput, ShutdownWorker, ToWorker,
+    FromWorker, NewRequestData, SchedulerOutput, ShutdownWorker, ToWorker,
     WorkerError,
 )
 from tierserve.scheduler.params import SamplingParams
@@ -173,9 +173,6 @@ class Worker:
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)
                 return WorkerError(msg.step_id, self.rank, f"{type(e).__name__}: {e}")
             return result if self.rank == 0 else None
-        if isinstance(msg, ResetWorkerCache):
-            self.runner.batch.clear()
-            return None
         if isinstance(msg, ShutdownWorker):
             self.shutdown()
             return None
