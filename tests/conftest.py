@@ -4,6 +4,7 @@ Ray reads its environment when it starts, so the auth, usage-stats and temp-fold
 made here, before any test can start it.
 """
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -23,3 +24,17 @@ def ray_session():
                  _temp_dir=_RAY_TMP, namespace="tierserve-tests", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The process-wide C++ CPU kernels, built (or loaded from the user cache) synchronously;
+    tests that need them are skipped where there is no compiler."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build the CPU kernels")
+    from tierserve.runtime import envs
+    from tierserve.workers.kernels import build_dir_for, cpu_kernels
+    cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
+    assert cpu_kernels.available, cpu_kernels.error
+    return cpu_kernels

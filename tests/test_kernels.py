@@ -16,21 +16,13 @@ from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
 from tierserve.workers.attention import AttentionMetadata, _decode
-from tierserve.workers.kernels import CpuKernels, build_dir_for, cpu_kernels
+from tierserve.workers.kernels import CpuKernels, build_dir_for
 
 COMPILER = os.environ.get("CXX", "c++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
                                 reason=f"no C++ compiler ({COMPILER}) to build the CPU kernels")
 
 LENS = [1, 15, 16, 17, 300]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The process-wide kernels, built (or loaded from the user cache) before any test runs."""
-    cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
-    assert cpu_kernels.available, cpu_kernels.error
-    return cpu_kernels
 
 
 def _decode_batch(dtype, group: int, head_dim: int, *, kv_heads: int = 2, block_size: int = 16,

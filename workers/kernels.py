@@ -34,7 +34,7 @@ log = logging.getLogger("tierserve.kernels")
 
 _NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp",)
+_SOURCES = ("paged_attention.cpp", "linear.cpp")
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.
@@ -146,6 +146,11 @@ class CpuKernels:
         """q [nd, heads, D] over pools [num_blocks, block_size, kv_heads, D], block_tables int32
         [nd, max_blocks], seq_lens int32 [nd] -> [nd, heads, D] in q's dtype."""
         return self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+        """x [M, K] float32 times a weight in panels [ceil(N / 32), K, 32] -> [M, N] (+ bias)."""
+        return self._ops.linear_f32(x, panels, bias, out_features)
 
     def _load(self, build_dir: Path, builder: "_Builder | None") -> None:
         try:

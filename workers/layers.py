@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.workers.kernels import cpu_kernels
 from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -91,8 +92,7 @@ class VocabParallelEmbedding(nn.Module):
 class PackedWeight:
     """A CPU bf16/fp16 weight also kept in oneDNN's blocked layout: with plain weights oneDNN
     re-lays them out on every call, which doubles the cost of decode-sized (small-M) matmuls.
-    Results are the same kernels' results; fp32 stays on MKL, whose summation order the fp32
-    equality tests against transformers rely on."""
+    Results are the same kernels' results."""
 
     __slots__ = ("packed",)
 
@@ -108,25 +108,74 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
-    if packed is not None and x.dim() == 2:
+class PanelWeight:
+    """A CPU fp32 weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of
+    PANEL output features, [ceil(N / PANEL), K, PANEL], the last one zero-padded. It replaces
+    the plain weight. Decode-sized inputs (up to KERNEL_MAX_ROWS rows) run the kernel, ~1.3x
+    MKL there; larger ones run MKL on W^T rebuilt from the panels, a copy that is small next to
+    a prefill-sized product."""
+
+    PANEL = 32
+    KERNEL_MAX_ROWS = 160
+
+    __slots__ = ("panels", "out_features")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        num_panels = -(-n // self.PANEL)
+        padded = F.pad(weight.detach(), (0, 0, 0, num_panels * self.PANEL - n))
+        self.panels = padded.view(num_panels, self.PANEL, k).transpose(1, 2).contiguous()
+        self.out_features = n
+
+    @staticmethod
+    def applies_to(weight: torch.Tensor) -> bool:
+        return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.KERNEL_MAX_ROWS:
+            return cpu_kernels.linear_f32(x, self.panels, bias, self.out_features)
+        k = self.panels.shape[1]
+        w_t = self.panels.transpose(0, 1).reshape(k, -1)[:, : self.out_features]  # [K, N]
+        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+           packed: "PackedWeight | PanelWeight | None") -> torch.Tensor:
+    """x [M, K] -> [M, N]; `weight` may be None once `packed` replaced it."""
+    if packed is not None:
         return packed.linear(x, bias)
     return F.linear(x, weight, bias)
 
 
-def pack_weights(module: nn.Module) -> None:
-    """Gives every CPU bf16/fp16 linear in `module` its packed weight; call after loading."""
+def pack_weights(module: nn.Module) -> bool:
+    """Gives the CPU linears of `module` their packed weights; call after loading.
+
+    bf16/fp16 weights get a oneDNN copy. fp32 weights are re-laid out as panels for the C++
+    kernel, replacing the plain weight (except the LM head's, which may be the embedding's),
+    once the kernels are loaded. Returns True when fp32 weights are left waiting for them: call
+    again after `cpu_kernels` becomes available.
+    """
+    waiting = False
     for sub in module.modules():
-        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and (
-                PackedWeight.applies_to(sub.weight)):
+        if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) \
+                or sub.packed is not None:
+            continue
+        if PackedWeight.applies_to(sub.weight):
             sub.packed = PackedWeight(sub.weight)
+        elif PanelWeight.applies_to(sub.weight):
+            if not cpu_kernels.available:
+                waiting = True
+                continue
+            sub.packed = PanelWeight(sub.weight)
+            if not isinstance(sub, ParallelLMHead):
+                sub.weight = None
+    return waiting
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; logits are gathered to the full vocab on every rank."""
 
-    packed: PackedWeight | None = None
+    packed: "PackedWeight | PanelWeight | None" = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.packed)  # [n, shard_size]
@@ -138,7 +187,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across ranks; no communication."""
 
-    packed: "PackedWeight | None" = None
+    packed: "PackedWeight | PanelWeight | None" = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -214,7 +263,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
-    packed: "PackedWeight | None" = None
+    packed: "PackedWeight | PanelWeight | None" = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
