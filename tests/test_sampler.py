@@ -434,3 +434,16 @@ def test_cuda_matches_cpu_and_keeps_seeded_streams():
     rows = [SamplingParams(temperature=1.0), SEEDED, SamplingParams(temperature=0.0)]
     assert run_steps(rows, 12, target=1, device="cuda") == alone
     assert len(set(alone)) > 5
+
+
+def test_greedy_breaks_ties_like_argmax():
+    """Many ties per row (values 0..4) and NaNs: the first maximal index, as argmax gives it."""
+    from tierserve.workers.sampler import greedy
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (64, 4099), generator=g).float()
+    x[3, 100] = float("nan")
+    x[5, [7, 4000]] = float("nan")
+    got = greedy(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[3] == 100 and got[5] == 7
+    assert all(got[r] == 0 or x[r, : got[r]].max() < 4 for r in range(64) if r not in (3, 5))

@@ -37,7 +37,9 @@ using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
 using U16Vec = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 using U32Vec = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline Vec splat(float x) { return Vec{} + x; }
+// One vbroadcastss (from memory where x is loaded). `Vec{} + x` would add a scalar 0 first
+// (0 + x is not x for x = -0) and broadcast from a register, on the port the FMAs need.
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // Unaligned views for loads and stores. Typed (not memcpy), so that type-based alias analysis
 // knows a store of floats cannot change the pointers and strides the loops read.
