@@ -164,10 +164,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D]."""
+                    scale: float, kv_written: bool = False) -> torch.Tensor:
+    """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D].
+    kv_written: k and v are already in their pool slots (a fused op put them there)."""
     k_cache, v_cache = kv_cache
-    write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
     num_tokens, heads, head_dim = q.shape
     nd = attn.num_decodes
     if nd == num_tokens:

@@ -34,7 +34,7 @@ log = logging.getLogger("tierserve.kernels")
 
 _NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "linear.cpp")
+_SOURCES = ("paged_attention.cpp", "linear.cpp", "fused.cpp")
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.
@@ -151,6 +151,26 @@ class CpuKernels:
                    out_features: int) -> torch.Tensor:
         """x [M, K] float32 times a weight in panels [ceil(N / 32), K, 32] -> [M, N] (+ bias)."""
         return self._ops.linear_f32(x, panels, bias, out_features)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the fused elementwise ops (rms_norm, silu_and_mul, rotary_write_kv) take x."""
+        return self.available and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight, x + residual); without residual (norm(x) * weight, x)."""
+        return self._ops.rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, 2d] -> silu(x[:, :d]) * x[:, d:]."""
+        return self._ops.silu_and_mul(x)
+
+    def rotary_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k of qkv [T, (heads + 2 kv_heads) D] by cos/sin [T, D/2]; write k and v
+        to their pool slots; returns q [T, heads, D] and k [T, kv_heads, D]."""
+        return self._ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads)
 
     def _load(self, build_dir: Path, builder: "_Builder | None") -> None:
         try:

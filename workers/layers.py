@@ -299,6 +299,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when residual is given."""
+        if x.dim() == 2 and cpu_kernels.fuses(x):
+            out, summed = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
         if residual is not None:
             x = x + residual
             residual = x
@@ -312,6 +315,8 @@ class SiluAndMul(nn.Module):
     """[..., 2d] -> silu(x[..., :d]) * x[..., d:], the SwiGLU of a fused gate/up output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_kernels.fuses(x):
+            return cpu_kernels.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tierserve.workers.attention import AttentionMetadata, paged_attention
+from tierserve.workers.kernels import cpu_kernels
 from tierserve.workers.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -66,11 +67,18 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
         qk_heads = self.num_heads + self.num_kv_heads
-        # q and k share one rotation call: [T, heads + kv_heads, D]
-        qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, attn, self.scale)  # [T, heads * D]
+        if cpu_kernels.fuses(qkv):
+            # One pass: rotated q and k out, rotated k and v into their pool slots.
+            q, k = cpu_kernels.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], *kv_cache,
+                                               attn.slot_mapping, self.num_heads)
+            out = paged_attention(q, k, v, kv_cache, attn, self.scale, kv_written=True)
+        else:
+            # q and k share one rotation call: [T, heads + kv_heads, D]
+            qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1),
+                                   cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            out = paged_attention(q, k, v, kv_cache, attn, self.scale)  # [T, heads * D]
         return self.o_proj(out)
 
 
