@@ -1,11 +1,13 @@
 // Paged decode attention for CPU: every decode sequence attends with its one query token over
 // its whole context, read in place from the block-structured KV pool through its block table.
 //
-// For each (sequence, KV head) the whole group of query heads sharing that KV head is scored
-// against each K row while the row is in L1, and each V row is accumulated into the whole
-// group's outputs, so every K/V row of the context is read from memory exactly once. Softmax is
-// online (streaming) over tiles of kTile tokens, in fp32 whatever the storage type. Work items
-// are (sequence, range of KV heads), spread over at::parallel_for's threads (see run_decode).
+// A work item is (sequence, range of KV heads), spread over at::parallel_for's threads (see
+// run_decode). It walks the context in tiles of kTile tokens, token-major: a token's K rows of
+// all the item's KV heads are contiguous in the pool, so each block is read front to back, and
+// every query head sharing a KV head is scored against the row while it is in L1; the tile's V
+// rows are then accumulated into all heads' outputs while in cache. Every K/V row of the context
+// is read from memory exactly once, and the next tile is prefetched a token at a time meanwhile.
+// Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 //
 // Vectorised with GCC/Clang vector extensions: a Vec is 16 floats, one AVX-512 register (two
 // AVX2 ones elsewhere). Plain loops proved fragile here: g++ turned the V accumulation into
@@ -126,19 +128,20 @@ struct Scratch {
   std::vector<float> acc;     // [heads, D] unnormalised outputs
   std::vector<float> p;       // [heads, kTile] scores, then probabilities
   std::vector<float> m, l;    // [heads] running max and running sum of exp
-  std::vector<float> k, v;    // [kTile, D] fp32 copies of one KV head's bf16 rows
-  Scratch(int64_t heads, int D)
+  std::vector<float> k, v;    // [kTile, kv_heads, D] fp32 copies of bf16 rows
+  Scratch(int64_t heads, int64_t kv_heads, int D)
       : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads),
-        k(kTile * D), v(kTile * D) {}
+        k(kTile * kv_heads * D), v(kTile * kv_heads * D) {}
 };
 
-// Points rows[j] (j < n) at the fp32 K and V rows of tokens t0 .. t0 + n - 1, converting bf16
-// rows into scratch. Tokens walk their block table without a division per token.
+// Points rows[j] (j < n) at the fp32 K and V rows of KV heads [h0, h0 + span) of tokens
+// t0 .. t0 + n - 1 ([span, D] each, contiguous in the pool), converting bf16 rows into scratch.
+// Tokens walk their block table without a division per token.
 template <typename T, int D>
-void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n,
-                Scratch& s, const float** krows, const float** vrows) {
-  const T* k_cache = a.k_cache + kv_head * D;
-  const T* v_cache = a.v_cache + kv_head * D;
+void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int64_t span, int t0,
+                int n, Scratch& s, const float** krows, const float** vrows) {
+  const T* k_cache = a.k_cache + h0 * D;
+  const T* v_cache = a.v_cache + h0 * D;
   int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
   for (int j = 0; j < n; ++j) {
     const int64_t at = table[bi] * a.block_stride + off * a.row_stride;
@@ -146,9 +149,9 @@ void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, i
       krows[j] = k_cache + at;
       vrows[j] = v_cache + at;
     } else {
-      float* kf = s.k.data() + j * D;
-      float* vf = s.v.data() + j * D;
-      for (int d = 0; d < D; d += kLanes) {
+      float* kf = s.k.data() + j * span * D;
+      float* vf = s.v.data() + j * span * D;
+      for (int d = 0; d < span * D; d += kLanes) {
         store(kf + d, load_bf16(k_cache + at + d));
         store(vf + d, load_bf16(v_cache + at + d));
       }
@@ -162,35 +165,43 @@ void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, i
   }
 }
 
-// Asks for the K and V rows of tokens t0 .. t0 + n - 1 ahead of use (one tile ahead). Blocks are
-// scattered over the pool, which the hardware prefetchers cannot follow, and decode attention is
-// bound by memory: measured 2-15% faster with this than without.
+// Addresses of the K and V rows of tokens t0 .. t0 + n - 1, for prefetching them one tile ahead
+// of use: blocks are scattered over the pool, which the hardware prefetchers cannot follow, and
+// decode attention is bound by memory. The prefetches are issued a row at a time, interleaved
+// with the current tile's work (see score_tile, accumulate_tile): issued all at once they
+// overflow the core's queue of outstanding misses and are dropped.
 template <typename T, int D>
-void prefetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n) {
-  constexpr int kLine = 64;
-  constexpr int kRowBytes = D * sizeof(T);
+void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n,
+                   const char** kaddr, const char** vaddr) {
   int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
   for (int j = 0; j < n; ++j) {
     const int64_t at = table[bi] * a.block_stride + off * a.row_stride + kv_head * D;
-    const char* k = reinterpret_cast<const char*>(a.k_cache + at);
-    const char* v = reinterpret_cast<const char*>(a.v_cache + at);
-    for (int b = 0; b < kRowBytes; b += kLine) {
-      __builtin_prefetch(k + b);
-      __builtin_prefetch(v + b);
-    }
+    kaddr[j] = reinterpret_cast<const char*>(a.k_cache + at);
+    vaddr[j] = reinterpret_cast<const char*>(a.v_cache + at);
     if (++off == a.block_size) {
       off = 0;
       ++bi;
     }
   }
+  for (int j = n; j < kTile; ++j) kaddr[j] = vaddr[j] = nullptr;
 }
 
-// p[g][j] <- q[g] . k[j] for j < n, -inf for the tile's padding.
+inline void prefetch_row(const char* row, int bytes) {
+  if (row == nullptr) return;
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+}
+
+// p[h][j] <- q[h] . k[j][h / group] for the span's heads h and j < n, -inf for the tile's
+// padding. Token-major, so that each block is read front to back.
 template <int D>
-void score_tile(const float* q, int64_t group, const float* const* krows, int n, float* p) {
-  for (int j = 0; j < n; ++j)
-    for (int64_t g = 0; g < group; ++g) p[g * kTile + j] = dot<D>(q + g * D, krows[j]);
-  for (int64_t g = 0; g < group; ++g) std::fill(p + g * kTile + n, p + (g + 1) * kTile, kNegInf);
+void score_tile(const float* q, int64_t span, int64_t group, const float* const* krows, int n,
+                float* p, const char* const* pf, int pf_bytes) {
+  const int64_t heads = span * group;
+  for (int j = 0; j < n; ++j) {
+    prefetch_row(pf[j], pf_bytes);
+    for (int64_t h = 0; h < heads; ++h) p[h * kTile + j] = dot<D>(q + h * D, krows[j] + (h / group) * D);
+  }
+  for (int64_t h = 0; h < heads; ++h) std::fill(p + h * kTile + n, p + (h + 1) * kTile, kNegInf);
 }
 
 // Folds one tile of scores into the running (max, sum) and turns them into weights relative to
@@ -217,17 +228,25 @@ void softmax_update(int64_t group, float* p, float* m, float* l, float* acc) {
 
 // acc[g] += sum_j p[g][j] * v[j], with one row of accumulators held in registers per query head.
 template <int D>
-void accumulate_tile(int64_t group, const float* p, const float* const* vrows, int n, float* acc) {
+void accumulate_tile(int64_t span, int64_t group, const float* p, const float* const* vrows, int n,
+                     float* acc, const char* const* pf, int pf_bytes) {
   constexpr int kVecs = D / kLanes;
-  for (int64_t g = 0; g < group; ++g) {
-    float* ag = acc + g * D;
-    Vec row[kVecs];
-    for (int c = 0; c < kVecs; ++c) row[c] = load(ag + c * kLanes);
-    for (int j = 0; j < n; ++j) {
-      const Vec w = splat(p[g * kTile + j]);
-      for (int c = 0; c < kVecs; ++c) row[c] += w * load(vrows[j] + c * kLanes);
+  for (int j = 0; j < kTile; ++j) prefetch_row(pf[j], pf_bytes);
+  // One KV head at a time, its group's accumulator rows in registers over the tile; the tile's
+  // V rows are in cache by now (their K rows were just read through the same blocks).
+  for (int64_t kv = 0; kv < span; ++kv) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kv * group + g;
+      float* ag = acc + h * D;
+      Vec row[kVecs];
+      for (int c = 0; c < kVecs; ++c) row[c] = load(ag + c * kLanes);
+      for (int j = 0; j < n; ++j) {
+        const Vec w = splat(p[h * kTile + j]);
+        const float* vr = vrows[j] + kv * D;
+        for (int c = 0; c < kVecs; ++c) row[c] += w * load(vr + c * kLanes);
+      }
+      for (int c = 0; c < kVecs; ++c) store(ag + c * kLanes, row[c]);
     }
-    for (int c = 0; c < kVecs; ++c) store(ag + c * kLanes, row[c]);
   }
 }
 
@@ -245,20 +264,25 @@ void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch
   std::fill_n(s.acc.begin(), heads * D, 0.0f);
   std::fill_n(s.m.begin(), heads, kNegInf);
   std::fill_n(s.l.begin(), heads, 0.0f);
+  // A token's rows of the item's KV heads are contiguous: prefetched as one span, during the
+  // tile before.
+  const int span = static_cast<int>((h1 - h0) * D * sizeof(T));
   const float* krows[kTile];
   const float* vrows[kTile];
-  for (int64_t kv = h0; kv < h1; ++kv) prefetch_rows<T, D>(a, table, kv, 0, std::min(kTile, len));
+  const char* kpf[kTile];
+  const char* vpf[kTile];
+  row_addresses<T, D>(a, table, h0, 0, std::min(kTile, len), kpf, vpf);
+  for (int j = 0; j < kTile; ++j) {
+    prefetch_row(kpf[j], span);
+    prefetch_row(vpf[j], span);
+  }
   for (int t0 = 0; t0 < len; t0 += kTile) {
     const int n = std::min(kTile, len - t0);
-    for (int64_t kv = h0; kv < h1; ++kv) {
-      if (t0 + kTile < len)
-        prefetch_rows<T, D>(a, table, kv, t0 + kTile, std::min(kTile, len - t0 - kTile));
-      const int64_t r = (kv - h0) * group;  // first query head of this KV head's group
-      fetch_rows<T, D>(a, table, kv, t0, n, s, krows, vrows);
-      score_tile<D>(&s.q[r * D], group, krows, n, &s.p[r * kTile]);
-      softmax_update<D>(group, &s.p[r * kTile], &s.m[r], &s.l[r], &s.acc[r * D]);
-      accumulate_tile<D>(group, &s.p[r * kTile], vrows, n, &s.acc[r * D]);
-    }
+    row_addresses<T, D>(a, table, h0, t0 + kTile, std::clamp(len - t0 - kTile, 0, kTile), kpf, vpf);
+    fetch_rows<T, D>(a, table, h0, h1 - h0, t0, n, s, krows, vrows);
+    score_tile<D>(s.q.data(), h1 - h0, group, krows, n, s.p.data(), kpf, span);
+    softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
+    accumulate_tile<D>(h1 - h0, group, s.p.data(), vrows, n, s.acc.data(), vpf, span);
   }
   T* out = a.out + (seq * a.kv_heads + h0) * group * D;
   for (int64_t h = 0; h < heads; ++h) {
@@ -285,7 +309,7 @@ void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
   const int64_t items = num_seqs * chunks;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch scratch(heads_per_item * a.group, D);
+    Scratch scratch(heads_per_item * a.group, heads_per_item, D);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t h0 = (i % chunks) * heads_per_item;
       attend<T, D>(a, order[i / chunks], h0, h0 + heads_per_item, scratch);
