@@ -6,7 +6,8 @@
 // all the item's KV heads are contiguous in the pool, so each block is read front to back, and
 // every query head sharing a KV head is scored against the row while it is in L1; the tile's V
 // rows are then accumulated into all heads' outputs while in cache. Every K/V row of the context
-// is read from memory exactly once, and the next tile is prefetched a token at a time meanwhile.
+// is read from memory exactly once, and the tile kAhead ahead is prefetched a token at a time
+// meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 //
 // Vectorised with GCC/Clang vector extensions: a Vec is 16 floats, one AVX-512 register (two
@@ -32,6 +33,7 @@ namespace {
 
 constexpr int kLanes = 16;  // floats per Vec; head dims are multiples of it
 constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
+constexpr int kAhead = 2;   // tiles between a prefetch and the use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
@@ -188,7 +190,7 @@ void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head
 
 inline void prefetch_row(const char* row, int bytes) {
   if (row == nullptr) return;
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
 }
 
 // p[h][j] <- q[h] . k[j][h / group] for the span's heads h and j < n, -inf for the tile's
@@ -271,14 +273,17 @@ void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch
   const float* vrows[kTile];
   const char* kpf[kTile];
   const char* vpf[kTile];
-  row_addresses<T, D>(a, table, h0, 0, std::min(kTile, len), kpf, vpf);
-  for (int j = 0; j < kTile; ++j) {
-    prefetch_row(kpf[j], span);
-    prefetch_row(vpf[j], span);
+  for (int t = 0; t < kAhead * kTile && t < len; t += kTile) {
+    row_addresses<T, D>(a, table, h0, t, std::min(kTile, len - t), kpf, vpf);
+    for (int j = 0; j < kTile; ++j) {
+      prefetch_row(kpf[j], span);
+      prefetch_row(vpf[j], span);
+    }
   }
   for (int t0 = 0; t0 < len; t0 += kTile) {
     const int n = std::min(kTile, len - t0);
-    row_addresses<T, D>(a, table, h0, t0 + kTile, std::clamp(len - t0 - kTile, 0, kTile), kpf, vpf);
+    row_addresses<T, D>(a, table, h0, t0 + kAhead * kTile,
+                        std::clamp(len - t0 - kAhead * kTile, 0, kTile), kpf, vpf);
     fetch_rows<T, D>(a, table, h0, h1 - h0, t0, n, s, krows, vrows);
     score_tile<D>(s.q.data(), h1 - h0, group, krows, n, s.p.data(), kpf, span);
     softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
