@@ -16,6 +16,8 @@ through the block tables, with no gather copy and no padding.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -37,12 +39,22 @@ def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads_per_rank: int,
                       head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
-    NaN/Inf, which an additive mask cannot cancel."""
+    NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings, zero
+    until touched, so a pool costs no time up front and memory only for the blocks used
+    (zeroing a 1 GiB pool eagerly took seconds of a cold start)."""
     shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
+    if torch.device(device).type == "cpu":
+        return [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(num_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over a private anonymous mapping; the tensor keeps the mapping alive."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 @dataclass

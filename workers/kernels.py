@@ -133,6 +133,11 @@ class CpuKernels:
         return self.available
 
     @property
+    def building(self) -> bool:
+        """A started build (or load) has not finished yet."""
+        return self._started and not self._done.is_set()
+
+    @property
     def available(self) -> bool:
         return self._ops is not None
 
@@ -202,7 +207,7 @@ class _Builder:
                 [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir),
                  str(self.log_path)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, env={**os.environ, "MAX_JOBS": "1"})
 
     def wait(self) -> Path:
         rc = self.proc.wait()
@@ -219,6 +224,10 @@ cpu_kernels = CpuKernels()
 if __name__ == "__main__":
     # python -m tierserve.workers.kernels BUILD_DIR [LOG]: LOG (this run's output) is removed on
     # success, here rather than by the caller, which may have exited before the build ends.
+    # Lowest priority and one compiler at a time (MAX_JOBS, set by _Builder): a first run serves
+    # through the torch path meanwhile, and parallel compilers on its cores tripled the cold
+    # start to the first token on a 2-core machine.
+    os.nice(19)
     print(compile_locked(sys.argv[1]), flush=True)
     if len(sys.argv) > 2:
         Path(sys.argv[2]).unlink(missing_ok=True)

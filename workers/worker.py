@@ -72,6 +72,7 @@ class Worker:
         self.model = None
         self.runner: ModelRunner | None = None
         self.num_threads = 1
+        self._threads_reduced = False
 
     # ------------------------------------------------------------------ control plane
 
@@ -86,6 +87,12 @@ class Worker:
             # Started before the weights load, so a first-time compile overlaps it.
             cpu_kernels.start_build(build_dir_for(self.spec.cache_dir),
                                     sync=self.spec.cpu_kernels == "sync")
+            if cpu_kernels.building and self.num_threads > 1:
+                # A compiler now shares the cores. With an OpenMP thread on every core, the one
+                # it preempts stalls the others at each barrier (a first run took 3x longer):
+                # one thread fewer until the build ends (see handle).
+                torch.set_num_threads(self.num_threads - 1)
+                self._threads_reduced = True
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
@@ -167,6 +174,9 @@ class Worker:
     def handle(self, msg: ToWorker) -> FromWorker | None:
         """Executes one message; returns the reply for the driver rank (None elsewhere)."""
         if isinstance(msg, SchedulerOutput):
+            if self._threads_reduced and not cpu_kernels.building:
+                torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
+                self._threads_reduced = False
             try:
                 result = self.runner.execute(msg)
             except Exception as e:  # reported as data: the engine fails the step's requests
