@@ -164,6 +164,25 @@ def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
     assert outputs.count("paged_attention.o") == 1
 
 
+def test_build_dir_names_every_source_and_header(tmp_path, monkeypatch):
+    """An edit to any compiled file, shared header included, must lead to a fresh build folder:
+    a stale cached library would otherwise keep serving the old code."""
+    from tierserve.workers import kernels as kmod
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kmod._CSRC, csrc)
+    monkeypatch.setattr(kmod, "_CSRC", csrc)
+    names = kmod._SOURCES + kmod._HEADERS
+    assert "vec.h" in names
+    assert {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")} == set(names)
+    seen = {build_dir_for(tmp_path)}
+    for name in names:
+        with open(csrc / name, "a") as f:
+            f.write("\n// edited\n")
+        seen.add(build_dir_for(tmp_path))
+    assert len(seen) == len(names) + 1
+
+
 def test_background_build_loads_cached_library(kernels):
     fresh = CpuKernels()
     assert not fresh.available and not fresh.wait(0)

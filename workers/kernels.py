@@ -35,6 +35,7 @@ log = logging.getLogger("tierserve.kernels")
 _NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("paged_attention.cpp", "linear.cpp", "fused.cpp")
+_HEADERS = ("vec.h",)  # included by the sources; part of the build's identity
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.
@@ -55,9 +56,9 @@ def _cpu_fingerprint() -> str:
 
 
 def build_dir_for(cache_root: str | os.PathLike) -> Path:
-    """`<cache_root>/kernels/<torch version>-<hash of sources, flags and CPU features>`."""
+    """`<cache_root>/kernels/<torch version>-<hash of sources, headers, flags and CPU features>`."""
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
     digest.update(repr((_CFLAGS, _LDFLAGS, _cpu_fingerprint())).encode())
     return Path(cache_root) / "kernels" / f"{torch.__version__}-{digest.hexdigest()[:16]}"

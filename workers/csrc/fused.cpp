@@ -9,6 +9,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,38 +21,23 @@
 namespace tierserve {
 namespace {
 
-constexpr int kLanes = 16;
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using VecU = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
-using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
-using U32Vec = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-using U16Vec = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-using U16VecU = uint16_t
-    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(alignof(uint16_t))));
-
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
 // Loads and stores of 16 values of T as fp32; bf16 stores round to nearest even (NaN kept NaN),
 // as c10::BFloat16's conversion does.
 template <typename T>
 inline Vec vload(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-    return *reinterpret_cast<const VecU*>(p);
+    return load(p);
   } else {
-    const U16Vec bits = *reinterpret_cast<const U16VecU*>(p);
-    return reinterpret_cast<Vec>(__builtin_convertvector(bits, U32Vec) << 16);
+    return load_bf16(p);
   }
 }
 
 template <typename T>
 inline void vstore(T* p, Vec v) {
   if constexpr (std::is_same_v<T, float>) {
-    *reinterpret_cast<VecU*>(p) = v;
+    store(p, v);
   } else {
-    const U32Vec bits = reinterpret_cast<U32Vec>(v);
-    const U32Vec rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
-    const U32Vec out = v != v ? U32Vec{} + 0x7FC0u : rounded;
-    *reinterpret_cast<U16VecU*>(p) = __builtin_convertvector(out, U16Vec);
+    store_bf16(p, v);
   }
 }
 
@@ -89,22 +76,10 @@ inline float hsum(Vec v) {
   return s;
 }
 
-// exp(x) for all x: Cephes-style, x = n ln2 + r, degree-6 polynomial (about 1 ulp), clamped so
-// that it saturates to 0 and to +inf like expf.
+// exp(x) for all x, saturating to 0 and to +inf like expf.
 inline Vec exp_all(Vec x) {
   const auto lo = x < -87.33654f, hi = x > 88.72283f;
-  const Vec xc = lo ? splat(-87.0f) : (hi ? splat(88.0f) : x);
-  const Vec n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const Vec r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  Vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const Vec y = p * r * r + r + 1.0f;
-  const Vec scale = reinterpret_cast<Vec>((__builtin_convertvector(n, IVec) + 127) << 23);
-  const Vec e = y * scale;
+  const Vec e = exp_in_range(lo ? splat(-87.0f) : (hi ? splat(88.0f) : x));
   return lo ? Vec{} : (hi ? splat(INFINITY) : e);
 }
 

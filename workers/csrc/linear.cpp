@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -21,20 +23,9 @@
 namespace tierserve {
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kNR = 2 * kLanes;  // output features per panel
 constexpr int kMaxMR = 12;       // rows per microkernel call: 2 * 12 accumulators + 2 + 1 zmm
 constexpr int64_t kKC = 256;     // k per block: a [kKC][kNR] panel slice is 32 KiB, L1-resident
-
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using VecU = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
-
-inline Vec load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
-inline void store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
-// A broadcast that compiles to one vbroadcastss from memory (or an FMA's embedded broadcast).
-// `Vec{} + x` would not: 0 + x is not x for x = -0, so the compiler keeps a scalar add and a
-// register broadcast, which competes with the FMAs for the same port.
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // c[MR][kNR] (row stride ldc) = (first ? 0 : c) + a[MR][kc] (row stride lda) . b[kc][kNR].
 // Meanwhile asks for pf_lines cache lines from pf on into L2: the weight slice that comes next.

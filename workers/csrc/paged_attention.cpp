@@ -10,8 +10,7 @@
 // meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 //
-// Vectorised with GCC/Clang vector extensions: a Vec is 16 floats, one AVX-512 register (two
-// AVX2 ones elsewhere). Plain loops proved fragile here: g++ turned the V accumulation into
+// Vectorised with vec.h's Vec (16 floats, head dims are multiples of it). Plain loops proved fragile here: g++ turned the V accumulation into
 // gathers and the dot-product reductions into scalar adds. D is a template parameter, so a row is
 // a fixed number of Vecs and a row of accumulators stays in registers.
 
@@ -19,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -31,35 +32,9 @@
 namespace tierserve {
 namespace {
 
-constexpr int kLanes = 16;  // floats per Vec; head dims are multiples of it
 constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
 constexpr int kAhead = 2;   // tiles between a prefetch and the use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
-using U16Vec = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-using U32Vec = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// One vbroadcastss (from memory where x is loaded). `Vec{} + x` would add a scalar 0 first
-// (0 + x is not x for x = -0) and broadcast from a register, on the port the FMAs need.
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// Unaligned views for loads and stores. Typed (not memcpy), so that type-based alias analysis
-// knows a store of floats cannot change the pointers and strides the loops read.
-using VecU = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
-using U16VecU = uint16_t
-    __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(alignof(uint16_t))));
-
-inline Vec load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
-
-inline void store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
-
-// 16 bf16 values -> fp32: bf16 is the top half of an fp32 bit pattern.
-inline Vec load_bf16(const c10::BFloat16* p) {
-  const U16Vec bits = *reinterpret_cast<const U16VecU*>(p);
-  return reinterpret_cast<Vec>(__builtin_convertvector(bits, U32Vec) << 16);
-}
 
 // Tree reduction of the 16 lanes: 4 shuffle + add steps.
 inline float hsum(Vec v) {
@@ -78,24 +53,12 @@ inline float hmax(Vec v) {
   return m;
 }
 
-// exp(x) for x <= 0 (it is only taken of score - running max). Cephes-style: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (about 1 ulp), 2^n built in the exponent
-// bits. Below -87 the result is exactly 0, so -inf (an empty running max, tile padding) gives 0.
+// exp(x) for x <= 0 (it is only taken of score - running max). Below -87 the result is
+// exactly 0, so -inf (an empty running max, tile padding) gives 0.
 inline Vec exp_nonpositive(Vec x) {
   const auto underflow = x < -87.0f;
-  const Vec xc = underflow ? splat(-87.0f) : x;
-  // Round to nearest by the 1.5 * 2^23 trick: exact for |xc * log2e| < 2^22.
-  const Vec n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const Vec r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  Vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const Vec y = p * r * r + r + 1.0f;
-  const Vec scale = reinterpret_cast<Vec>((__builtin_convertvector(n, IVec) + 127) << 23);
-  return underflow ? Vec{} : y * scale;
+  const Vec e = exp_in_range(underflow ? splat(-87.0f) : x);
+  return underflow ? Vec{} : e;
 }
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
