@@ -20,7 +20,9 @@ from tests.checkpoints import (
     make_tiny_qwen2,
     write_llama_gguf,
 )
-from tierserve.workers.attention import AttentionMetadata, kv_cache_bytes_per_block
+from tierserve.workers.attention import (
+    AttentionMetadata, _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block,
+)
 from tierserve.workers.loader import (
     default_model_path,
     iter_weights,
@@ -188,6 +190,28 @@ def test_kv_cache_size_and_metadata_validation(tiny_ckpts):
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build(slot_mapping=[0], query_lens=[1], seq_lens=[5],
                                 block_tables=[[0]], num_decodes=1, block_size=4)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_cpu_pools_start_lazy_zero_and_are_faulted_in_behind_the_writes():
+    """Pools cost nothing up front; the background prefault maps them in without touching
+    what the engine already wrote, and the rest reads zero."""
+    before = _rss_bytes()
+    pools = allocate_kv_cache(4, 1024, 16, 4, 64, torch.float32, "cpu")  # 4 x 2 x 16 MiB
+    pool_bytes = 4 * 2 * 1024 * 16 * 4 * 64 * 4
+    assert _rss_bytes() - before < pool_bytes // 4
+    pools[0][0][7].fill_(1.5)
+    pools[3][1][1023, 15].fill_(-2.0)
+    assert _Prefaulter.wait(timeout=60)
+    assert pools[0][0][7].eq(1.5).all() and pools[3][1][1023, 15].eq(-2.0).all()
+    assert pools[0][0][:7].eq(0).all() and pools[2][1].eq(0).all()
+    if _Prefaulter.supported:
+        assert _rss_bytes() - before >= pool_bytes * 9 // 10
 
 
 # ---------------------------------------------------------------------------- GGUF
