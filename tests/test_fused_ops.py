@@ -74,3 +74,31 @@ def test_rotary_write_kv_rejects_slots_outside_the_pool(kernels):
     pool = torch.zeros(2, 4, 1, 16)
     with pytest.raises(RuntimeError, match="outside the pool"):
         kernels.rotary_write_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([0, 8]), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 4099, 49152])
+def test_argmax_rows_matches_torch_max_indices(kernels, dtype, width):
+    """Ties (values 0..4), NaNs, all -inf rows and rows strided wider than their width: the
+    first index of the maximum, NaN first, exactly as max(dim).indices (and argmax)."""
+    g = torch.Generator().manual_seed(width)
+    wide = torch.randint(0, 5, (9, width + 3), generator=g).to(dtype)
+    x = wide[:, :width]  # rows 3 values apart
+    x[1] = float("-inf")
+    x[2, width // 2] = float("nan")
+    x[3, [0, width - 1]] = float("nan")
+    x[4] = float("nan")
+    x[5, -1] = 7.0  # the maximum in the scalar tail
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.long and got.shape == (9,)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(got, x.float().argmax(dim=-1))
+
+
+def test_argmax_rows_rejects_bad_inputs(kernels):
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        kernels.argmax_rows(torch.zeros(4, 0))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        kernels.argmax_rows(torch.zeros(4, 8).t())
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        kernels.argmax_rows(torch.zeros(4, 8, dtype=torch.float64))

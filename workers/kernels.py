@@ -159,7 +159,8 @@ class CpuKernels:
         return self._ops.linear_f32(x, panels, bias, out_features)
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the fused elementwise ops (rms_norm, silu_and_mul, rotary_write_kv) take x."""
+        """Whether the fused elementwise ops (rms_norm, silu_and_mul, rotary_write_kv) and
+        argmax_rows take x."""
         return self.available and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -170,6 +171,11 @@ class CpuKernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[M, 2d] -> silu(x[:, :d]) * x[:, d:]."""
         return self._ops.silu_and_mul(x)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, n] float32/bfloat16 with contiguous rows -> long[M], the first index of each row's
+        maximum, NaN counting as the maximum (what x.max(dim=-1).indices gives)."""
+        return self._ops.argmax_rows(x)
 
     def rotary_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -276,12 +276,65 @@ std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const 
   return {q, k};
 }
 
+// ---------------------------------------------------------------- Greedy sampling
+
+// The first index of each row's maximum, NaN above every number (as torch's max(dim) picks):
+// one pass, 16 running (max, index) lanes, where max(dim) on CPU took ~2 ms for SmolLM2's
+// [64, 49152] fp32 logits (bench/step_profile.py: decode_max_ms).
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
+  IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  IVec at = n >= kLanes ? lane : IVec{} - 1;  // -1: a lane that saw nothing
+  Vec best = n >= kLanes ? vload(row) : Vec{};
+  int64_t j = n >= kLanes ? kLanes : 0;
+  for (lane += static_cast<int>(j); j + kLanes <= n; j += kLanes, lane += kLanes) {
+    const Vec v = vload(row + j);
+    // Strictly greater keeps a lane's first maximum; a NaN beats a number, not a NaN.
+    const IVec take = (v > best) | ((v != v) & (best == best));
+    best = take ? v : best;
+    at = take ? lane : at;
+  }
+  float bv = -INFINITY;
+  int64_t bi = -1;
+  auto offer = [&](float v, int64_t i) {
+    const bool better = bi < 0 || v > bv || (v != v && bv == bv) ||
+                        ((v == bv || (v != v && bv != bv)) && i < bi);
+    if (better) {
+      bv = v;
+      bi = i;
+    }
+  };
+  for (int l = 0; l < kLanes; ++l)
+    if (at[l] >= 0) offer(best[l], at[l]);
+  for (; j < n; ++j) offer(static_cast<float>(row[j]), j);
+  return bi;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  const char* op = "argmax_rows: ";
+  check_rows(x, "x", op);
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31), op, "rows must hold 1 .. 2^31 - 1 values");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (x.scalar_type() == at::kFloat)
+        o[r] = row_argmax(x.data_ptr<float>() + r * ld, n);
+      else
+        o[r] = row_argmax(x.data_ptr<c10::BFloat16>() + r * ld, n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(tierserve, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int heads) -> (Tensor, Tensor)");
 }
@@ -289,5 +342,6 @@ TORCH_LIBRARY_FRAGMENT(tierserve, m) {
 TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
   m.impl("rms_norm", &tierserve::rms_norm);
   m.impl("silu_and_mul", &tierserve::silu_and_mul);
+  m.impl("argmax_rows", &tierserve::argmax_rows);
   m.impl("rotary_write_kv", &tierserve::rotary_write_kv);
 }
