@@ -15,7 +15,8 @@ import torch
 from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
-from tierserve.workers.attention import AttentionMetadata, _decode
+from tierserve.workers import attention
+from tierserve.workers.attention import AttentionMetadata, _decode, paged_attention
 from tierserve.workers.kernels import CpuKernels, build_dir_for
 
 COMPILER = os.environ.get("CXX", "c++")
@@ -73,6 +74,48 @@ def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, 
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
     assert torch.equal(got, direct)
+
+
+@pytest.mark.parametrize("max_context,kernel_rows", [(384, 56), (30, 3)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, max_context,
+                                                 kernel_rows, monkeypatch):
+    """A mixed step: 2 decodes, a chunk continuing a cached 37-token prefix, a fresh prompt
+    (is_causal) and a one-token prompt; the kernel, token by token over each causal context,
+    against the torch path's per-chunk SDPA. With a context limit of 30, the two longer chunks
+    stay on SDPA and the kernel takes the other 3 rows."""
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_CONTEXT", max_context)
+    g = torch.Generator().manual_seed(7)
+    block_size, kv_heads, group, head_dim = 8, 2, 3, 64
+    query_lens, seq_lens = [1, 1, 20, 33, 1], [12, 50, 57, 33, 1]
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + 5
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [ids[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, q, n in zip(tables, query_lens, seq_lens) for p in range(n - q, n)]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    tokens, heads = sum(query_lens), kv_heads * group
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    # This step's K/V as the pool holds them (the fused rotary op wrote them there).
+    k = k_cache.view(-1, kv_heads, head_dim)[slots].clone()
+    v = v_cache.view(-1, kv_heads, head_dim)[slots].clone()
+    attn = AttentionMetadata.build(slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens,
+                                   block_tables=tables, num_decodes=2, block_size=block_size)
+    scale = head_dim ** -0.5
+    attn.use_cpu_kernel = False
+    expected = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kv_written=True)
+    attn.use_cpu_kernel = True
+    calls = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "paged_decode_attention",
+                  lambda *a: calls.append(a[3].shape) or CpuKernels.paged_decode_attention(kernels, *a))
+        got = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kv_written=True)
+    assert calls == [(kernel_rows, max(counts))]  # one call for the kernel's rows
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 
 
 def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
@@ -221,5 +264,6 @@ def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypat
     with LLM(str(path), block_size=4) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
-    # 3 layers x 9 decode steps, each over the whole batch of 5.
-    assert len(calls) >= 27 and max(calls) == len(prompts)
+    # Every layer of every step: the prompts' tokens first, then 3 layers x 9 decode steps over
+    # the whole batch of 5.
+    assert calls.count(len(prompts)) >= 27 and max(calls) > len(prompts)
