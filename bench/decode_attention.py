@@ -3,7 +3,8 @@
 SmolLM2-135M shapes: 64 decode sequences of 40-330 tokens (seeded), 9 query heads over 3 KV
 heads, head_dim 64, block_size 16, block ids scattered over the pool. Each of 30 layers has its
 own pool, as in a real step, so one step's K/V does not sit in cache from the previous layer;
-a step is `_decode` over all 30 layers, reported per layer. Median of --steps steps per run,
+a step is `paged_attention` over all 30 layers (the pools already hold the step's K/V),
+reported per layer. Median of --steps steps per run,
 then the median over --repeats runs.
 
 --model-step also times whole decode steps of SmolLM2-135M (the default GGUF) over the same 64
@@ -25,7 +26,7 @@ import torch
 
 from report import emit
 from tierserve.runtime import envs
-from tierserve.workers.attention import AttentionMetadata, _decode
+from tierserve.workers.attention import AttentionMetadata, paged_attention
 from tierserve.workers.kernels import build_dir_for, cpu_kernels
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
@@ -64,13 +65,13 @@ def make_step(dtype: torch.dtype):
 
 
 def time_step(q, pools, attn, steps: int) -> float:
-    """Median per-layer microseconds of one step (all layers' _decode)."""
+    """Median per-layer microseconds of one step (all layers' attention)."""
     scale = HEAD_DIM ** -0.5
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
         for k_cache, v_cache in pools:
-            _decode(q, k_cache, v_cache, attn, scale)
+            paged_attention(q, None, None, (k_cache, v_cache), attn, scale, kv_written=True)
         if i >= 2:  # the first steps build the gather mask and warm the allocator
             times.append((time.perf_counter() - t0) / len(pools) * 1e6)
     return statistics.median(times)

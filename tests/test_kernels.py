@@ -68,7 +68,8 @@ def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, 
     attn.use_cpu_kernel = False
     expected = _decode(q, k_cache, v_cache, attn, scale)
     attn.use_cpu_kernel = True
-    got = _decode(q, k_cache, v_cache, attn, scale)
+    got = paged_attention(q, None, None, (k_cache, v_cache), attn, scale,
+                          kv_written=True).view(expected.shape)
     direct = kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
                                             attn.decode_seq_lens, scale)
     assert got.dtype == dtype and got.shape == expected.shape

@@ -132,8 +132,8 @@ class AttentionMetadata:
     # [num_decodes] int32.
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
-    # Whether this step's decodes run the C++ CPU kernel. Fixed per step, so every layer of a
-    # step takes the same path while a background kernel build completes.
+    # Whether this step's attention runs the C++ CPU kernel. Fixed per step, so every layer of
+    # a step takes the same path while a background kernel build completes.
     use_cpu_kernel: bool = False
     prefills: list[PrefillChunk] = field(default_factory=list)
     _decode_gather: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -246,9 +246,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
     num_tokens, heads, head_dim = q.shape
-    nd = attn.num_decodes
-    if nd < num_tokens and attn.use_cpu_kernel and cpu_kernels.supports_decode(q.dtype, head_dim):
+    if attn.use_cpu_kernel and cpu_kernels.supports_decode(q.dtype, head_dim):
         return _kernel_step(q, k, v, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
+    nd = attn.num_decodes
     if nd == num_tokens:
         return _decode(q, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
@@ -267,10 +267,9 @@ KERNEL_PREFILL_MAX_CONTEXT = 384
 
 def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
-    """A step with prefill tokens, on CPU with the kernels -> [T, heads, D]. The decode kernel
-    takes the decodes and the short chunks' tokens, each as one query over its causal context
-    read in place from the pool, in one call: no per-chunk gathers, layout copies or SDPA
-    calls. On the offline bench's 2048-token SmolLM2 prefill steps: 127 ms of attention a
+    """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
+    the short chunks' tokens, each as one query over its causal context read in place from the
+    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls. On the offline bench's 2048-token SmolLM2 prefill steps: 127 ms of attention a
     step, against 140 ms of SDPA and ~80 ms of gathers and copies (bench/step_profile.py)."""
     tables, lens = attn.token_tables()
     long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
@@ -291,11 +290,8 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             attn: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Batched single-token attention -> [num_decodes, heads, D]."""
+    """Batched single-token attention through gathered K/V -> [num_decodes, heads, D]."""
     nd, heads, head_dim = q.shape
-    if attn.use_cpu_kernel and cpu_kernels.supports_decode(q.dtype, head_dim):
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
-                                                  attn.decode_seq_lens, scale)
     kv_heads = k_cache.shape[2]
     block_ids, bias = attn.decode_gather(q.dtype)
     # [nd, kv_heads, L, D]; whole-block gathers are large contiguous copies.
