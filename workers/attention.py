@@ -260,8 +260,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through SDPA, whose GEMM-shaped work wins there (TTFT of one SmolLM2
-# prompt, kernel vs SDPA: 128 ms vs 130 at 128 tokens, 566 vs 549 at 512, 1323 vs 1133 at 1024).
+# token; longer ones through SDPA, whose GEMM-shaped work wins there. bench/prefill_attention.py,
+# TTFT of one SmolLM2 prompt, kernel vs SDPA: 124 vs 126 ms at 128 tokens, 401 vs 397 at 384,
+# 555 vs 522 at 512, 1244 vs 1110 at 1024. Up to the limit a lone prompt breaks even; a batch of
+# short prompts gains (one call instead of an SDPA call, gathers and copies per chunk).
 KERNEL_PREFILL_MAX_CONTEXT = 384
 
 

@@ -1,0 +1,58 @@
+"""Where the CPU prefill attention should switch from the paged kernel to SDPA: time to first
+token of one prompt (random ids, prefix caching off, default SmolLM2 GGUF) at several lengths,
+with every prefill chunk on the kernel (token by token over its causal context) and with every
+chunk on SDPA. attention.KERNEL_PREFILL_MAX_CONTEXT picks between them in serving.
+
+Rows: `ttft_kernel_ms_<n>`, `ttft_sdpa_ms_<n>`: best of --repeats, in ms.
+
+Usage: python bench/prefill_attention.py [--json] [--lengths 128,256,384,512,1024] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import torch
+
+from report import emit
+from tierserve import LLM, SamplingParams
+from tierserve.workers import attention
+
+
+def ttft_ms(llm: LLM, prompt: list[int], repeats: int) -> float:
+    one = SamplingParams(temperature=0, max_tokens=1)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--lengths", default="128,256,384,512,1024")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    default = attention.KERNEL_PREFILL_MAX_CONTEXT
+    result: dict[str, float] = {}
+    try:
+        with LLM(enable_prefix_caching=False) as llm:
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            for n in (int(x) for x in args.lengths.split(",")):
+                rng = random.Random(n)
+                prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                for path, limit in (("kernel", 1 << 30), ("sdpa", 0)):
+                    attention.KERNEL_PREFILL_MAX_CONTEXT = limit
+                    result[f"ttft_{path}_ms_{n}"] = ttft_ms(llm, prompt, args.repeats)
+    finally:
+        attention.KERNEL_PREFILL_MAX_CONTEXT = default
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
