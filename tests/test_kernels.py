@@ -268,3 +268,28 @@ def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypat
     # Every layer of every step: the prompts' tokens first, then 3 layers x 9 decode steps over
     # the whole batch of 5.
     assert calls.count(len(prompts)) >= 27 and max(calls) > len(prompts)
+
+
+def test_engine_greedy_steps_skip_full_logits(kernels, tmp_path, monkeypatch):
+    """Plain greedy steps take the LM head's exact greedy route (no full fp32 logits) and give
+    transformers' tokens; a step with a logprobs request computes the logits."""
+    path = make_tiny_llama(tmp_path / "llama")
+    hf = load_hf(path)
+    prompts = [[(5 * i + 2) % 380 + 3 for i in range(n)] for n in (9, 33, 4)]
+    references = [hf_greedy(hf, p, 8) for p in prompts]
+    routes = []
+
+    def counting(*args):
+        routes.append("greedy")
+        return CpuKernels.greedy_from_approx(kernels, *args)
+
+    monkeypatch.setattr(kernels, "greedy_from_approx", counting)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), block_size=4) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == references
+        assert len(routes) >= 8
+        routes.clear()
+        with_logprobs = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+        out = llm.generate([prompts[0]], with_logprobs, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == references[0][:3] and routes == []

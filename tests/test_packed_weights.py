@@ -11,8 +11,8 @@ from tests.checkpoints import make_tiny_llama
 from tierserve.workers import layers
 from tierserve.workers.kernels import CpuKernels
 from tierserve.workers.layers import (
-    ColumnParallelLinear, PackedWeight, PanelWeight, ParallelLMHead, RowParallelLinear,
-    pack_weights,
+    ColumnParallelLinear, GreedyHead, PackedWeight, PanelWeight, ParallelLMHead,
+    RowParallelLinear, pack_weights,
 )
 from tierserve.workers.loader import load_model
 
@@ -120,8 +120,63 @@ def test_fp32_linears_switch_to_panels_once_kernels_load(kernels, tmp_path, monk
         if not isinstance(m, LINEARS):
             continue
         assert isinstance(m.packed, PanelWeight)
-        # The panels replace the plain weight, except the LM head's (here the embedding's).
+        # The panels replace the plain weight, except the LM head's (here the embedding's),
+        # which also gets its exact greedy route.
         assert (m.weight is not None) == isinstance(m, ParallelLMHead)
+        if isinstance(m, ParallelLMHead) and torch.backends.mkldnn.is_available():
+            assert isinstance(m.greedy_head, GreedyHead) and m.greedy_head.panel is m.packed
         x = torch.randn(7, reference[name].shape[1])
         torch.testing.assert_close(m.packed.linear(x, None), F.linear(x, reference[name]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def _lm_head_case(vocab: int, k: int, seed: int) -> torch.Tensor:
+    """A head with exact ties (copied rows) and near-ties (a copy nudged by one ulp in one
+    element) among random rows."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, k, generator=g) * 0.05
+    w[9], w[40] = w[4], w[4]
+    w[41] = w[5]
+    w[41, 0] = torch.nextafter(w[5, 0], torch.tensor(1.0))
+    w[vocab - 1] = w[5]
+    return w
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("m", [1, 13, 64, PanelWeight.KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("vocab,k", [(1000, 64), (3001, 600)])
+def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k):
+    """Bit-for-bit the token argmax over linear_f32's logits gives (first index on ties), on
+    random rows, rows aimed at tied or near-tied vocabulary rows, and all-zero rows (every
+    column a candidate)."""
+    w = _lm_head_case(vocab, k, seed=m + vocab)
+    panel = PanelWeight(w)
+    head = GreedyHead(panel, w)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
+    x[0] = w[4] * 50
+    if m > 2:
+        x[1] = w[5] * 50 + torch.randn(k, generator=g) * 1e-3
+        x[2] = 0
+    want = kernels.argmax_rows(panel.linear(x, None))
+    got = head.tokens(x)
+    assert got is not None and torch.equal(got, want)
+    assert got[0] == 4
+    if m > 2:
+        assert got[2] == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_greedy_head_defers_to_full_logits(kernels):
+    """None where the full product must decide: more rows than the fp32 kernel takes (MKL
+    rounds differently beyond them), or a non-finite input."""
+    w = _lm_head_case(500, 64, seed=1)
+    head = GreedyHead(PanelWeight(w), w)
+    assert head.tokens(torch.randn(PanelWeight.KERNEL_MAX_ROWS + 1, 64)) is None
+    x = torch.randn(3, 64)
+    x[1, 7] = float("nan")
+    assert head.tokens(x) is None
+    x[1, 7] = float("inf")
+    assert head.tokens(x) is None
+    w[3, 3] = float("inf")
+    assert not GreedyHead.applies_to(w)

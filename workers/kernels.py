@@ -158,6 +158,14 @@ class CpuKernels:
         """x [M, K] float32 times a weight in panels [ceil(N / 32), K, 32] -> [M, N] (+ bias)."""
         return self._ops.linear_f32(x, panels, bias, out_features)
 
+    def greedy_from_approx(self, approx: torch.Tensor, x: torch.Tensor, panels: torch.Tensor,
+                           norms: torch.Tensor, out_features: int, rel: float,
+                           out_rel: float) -> torch.Tensor:
+        """The first index of each row's maximum of linear_f32(x, panels), from approx [M, N]
+        bf16 within rel * |x| * norms + out_rel * |approx| of it -> long[M]; -1 for rows with
+        non-finite values (see csrc/linear.cpp)."""
+        return self._ops.greedy_from_approx(approx, x, panels, norms, out_features, rel, out_rel)
+
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the fused elementwise ops (rms_norm, silu_and_mul, rotary_write_kv) and
         argmax_rows take x."""

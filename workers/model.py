@@ -160,6 +160,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, kv_caches)
 
     @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden_size] -> long[n], the first index of each row's maximum logit, where the
+        LM head has a route that skips the full logits (layers.GreedyHead); else None."""
+        return self.lm_head.greedy(hidden)
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> float32 logits [n, vocab_size], full vocab on every rank."""
         return self.lm_head(hidden).float()

@@ -45,10 +45,18 @@ class ModelRunner:
             return ModelRunnerOutput(out.step_id, sampled)
         ends = torch.tensor(inputs.query_lens, device=self.device).cumsum(0) - 1
         rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, ends[rows]))
+        hidden = hidden.index_select(0, ends[rows])
+        batch = self.batch.sampling.make_batch(inputs.sample_req_ids) if self.is_driver else None
+        # A greedy route exists only without tensor parallelism, so the ranks never disagree
+        # on whether compute_logits (with its collectives) runs.
+        if batch is not None and batch.plain_greedy:
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return self._to_output(out.step_id, inputs, SamplerOutput(tokens), sampled)
+        logits = self.model.compute_logits(hidden)
         if not self.is_driver:
             return ModelRunnerOutput(out.step_id)
-        result = self.sampler(logits, self.batch.sampling.make_batch(inputs.sample_req_ids))
+        result = self.sampler(logits, batch)
         return self._to_output(out.step_id, inputs, result, sampled)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:

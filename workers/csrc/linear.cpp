@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <array>
-#include <utility>
+#include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace tierserve {
 namespace {
@@ -139,13 +141,147 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// Exact greedy tokens of y = x W^T from an approximation of y.
+//
+// approx [M, N] bf16 is x W^T computed from bf16-rounded x and W (accumulated in fp32, then
+// rounded to bf16). With |.| Euclidean norms and sum_k |x_k w_jk| <= |x| |w_j|:
+//   |approx_j - y_j| <= e_j = rel |x| |w_j| + out_rel |approx_j| + flush_j,
+// rel (the caller's) covering the rounding of both products and out_rel that of the output;
+// flush_j = 2^-126 (sqrt(K) (|x| + |w_j|) + K) covers bf16 subnormals flushed to zero, inputs
+// and partial sums. Every j that could be linear_f32's argmax has
+// approx_j + e_j >= max_i (approx_i - e_i); only those candidates are computed exactly, with
+// linear_f32's arithmetic (one FMA chain over k in order, from 0), and the first index of their
+// maximum is the row's token: the token argmax_rows(linear_f32(x, W)) gives, bit for bit.
+// A row whose x or approx holds a non-finite value gets -1 (the caller takes the full path).
+// The largest lane (NaN-free input), by a shuffle tree.
+inline float max_lane(Vec v) {
+  using V8 = float __attribute__((vector_size(8 * sizeof(float))));
+  using V4 = float __attribute__((vector_size(4 * sizeof(float))));
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V8 m8 = a > b ? a : b;
+  const V4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  const V4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const V4 m4 = c > d ? c : d;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+}
+
+template <int L>
+void exact_columns(const float* x, const float* packed, int64_t k, const int64_t* cols,
+                   float* out) {
+  // L independent chains, each the FMA chain linear_f32 runs for its column.
+  float acc[L] = {};
+  const float* base[L];
+  for (int l = 0; l < L; ++l) base[l] = packed + (cols[l] / kNR) * k * kNR + cols[l] % kNR;
+  for (int64_t i = 0; i < k; ++i)
+    for (int l = 0; l < L; ++l) acc[l] = std::fma(x[i], base[l][i * kNR], acc[l]);
+  for (int l = 0; l < L; ++l) out[l] = acc[l];
+}
+
+int64_t greedy_row(const c10::BFloat16* approx, const float* x, const float* packed,
+                   const float* norms, int64_t n, int64_t k, float rel, float out_rel,
+                   std::vector<int64_t>& cand) {
+  double sq = 0;
+  for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
+  const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
+  if (!std::isfinite(xn)) return -1;
+  constexpr float kTiny = 1.1754944e-38f;  // 2^-126
+  const float a = rel * xn + kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
+  const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k) * 1.01f;
+  // e_j = a |w_j| + out_rel |approx_j| + c. Pass 1: the best lower bound.
+  Vec lo = splat(-INFINITY);
+  Vec bad = Vec{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec v = load_bf16(approx + j);
+    const Vec av = v < 0 ? -v : v;
+    const Vec e = a * load(norms + j) + out_rel * av + c;
+    const Vec low = v - e;
+    lo = lo > low ? lo : low;
+    bad += v - v;  // NaN for a NaN or infinite v
+  }
+  float best = -INFINITY, nan_check = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    best = std::max(best, lo[l]);
+    nan_check += bad[l];
+  }
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(approx[j]);
+    nan_check += v - v;
+    best = std::max(best, v - (a * norms[j] + out_rel * std::fabs(v) + c));
+  }
+  if (nan_check != 0 || !std::isfinite(best)) return -1;
+  // Pass 2: the candidates, in index order.
+  cand.clear();
+  for (j = 0; j + kLanes <= n; j += kLanes) {
+    const Vec v = load_bf16(approx + j);
+    const Vec high = v + (a * load(norms + j) + out_rel * (v < 0 ? -v : v) + c);
+    if (max_lane(high) >= best)
+      for (int l = 0; l < kLanes; ++l)
+        if (high[l] >= best) cand.push_back(j + l);
+  }
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(approx[j]);
+    if (v + (a * norms[j] + out_rel * std::fabs(v) + c) >= best) cand.push_back(j);
+  }
+  constexpr int kGroup = 8;
+  while (cand.size() % kGroup) cand.push_back(cand.back());  // repeats do not change the argmax
+  int64_t arg = -1;
+  float top = -INFINITY;
+  float vals[kGroup];
+  for (size_t c = 0; c < cand.size(); c += kGroup) {
+    exact_columns<kGroup>(x, packed, k, cand.data() + c, vals);
+    for (int l = 0; l < kGroup; ++l)
+      if (vals[l] > top || arg < 0) {
+        top = vals[l];
+        arg = cand[c + l];
+      }
+  }
+  return std::isfinite(top) ? arg : -1;
+}
+
+at::Tensor greedy_from_approx(const at::Tensor& approx, const at::Tensor& x,
+                              const at::Tensor& packed, const at::Tensor& norms, int64_t n,
+                              double rel, double out_rel) {
+  const char* op = "greedy_from_approx: ";
+  TORCH_CHECK(approx.device().is_cpu() && x.device().is_cpu() && packed.device().is_cpu() &&
+                  norms.device().is_cpu(), op, "CPU tensors only");
+  TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && approx.dim() == 2 && approx.is_contiguous(),
+              op, "approx must be a contiguous bfloat16 [M, N] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kNR &&
+                  packed.is_contiguous() && packed.size(1) == x.size(1),
+              op, "packed must be linear_f32's contiguous [panels, K, ", kNR, "] weight");
+  TORCH_CHECK(n > (packed.size(0) - 1) * kNR && n <= packed.size(0) * kNR, op, "n = ", n,
+              " does not match ", packed.size(0), " panels");
+  TORCH_CHECK(approx.size(0) == x.size(0) && approx.size(1) == n, op, "approx must be [",
+              x.size(0), ", ", n, "]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == n,
+              op, "norms must be a contiguous float32 [n] tensor");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cand;
+    for (int64_t r = r0; r < r1; ++r)
+      o[r] = greedy_row(approx.data_ptr<c10::BFloat16>() + r * n, x.data_ptr<float>() + r * k,
+                        packed.data_ptr<float>(), norms.data_ptr<float>(), n, k,
+                        static_cast<float>(rel), static_cast<float>(out_rel), cand);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(tierserve, m) {
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("greedy_from_approx(Tensor approx, Tensor x, Tensor packed, Tensor norms, int n, "
+        "float rel, float out_rel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
   m.impl("linear_f32", &tierserve::linear_f32);
+  m.impl("greedy_from_approx", &tierserve::greedy_from_approx);
 }
