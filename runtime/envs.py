@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels"]
+__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_amx"]
 
 
 def cache_dir() -> str:
@@ -36,3 +36,12 @@ def cpu_kernels() -> str:
         raise ValueError(f"TIERSERVE_CPU_KERNELS must be one of {', '.join(CPU_KERNEL_MODES)}, "
                          f"got {mode!r}")
     return mode
+
+
+def cpu_amx() -> bool:
+    """Whether prefill-sized fp32 linears may run on Intel AMX (bf16x3, fp32-accurate) where the
+    CPU has it: TIERSERVE_CPU_AMX=1 (default) or 0."""
+    value = os.environ.get("TIERSERVE_CPU_AMX", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"TIERSERVE_CPU_AMX must be 0 or 1, got {value!r}")
+    return value == "1"

@@ -293,3 +293,16 @@ def test_engine_greedy_steps_skip_full_logits(kernels, tmp_path, monkeypatch):
         with_logprobs = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
         out = llm.generate([prompts[0]], with_logprobs, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == references[0][:3] and routes == []
+
+
+def test_cpu_amx_switch(monkeypatch, kernels):
+    """TIERSERVE_CPU_AMX=0 keeps prefill linears off AMX in a process that loads the kernels;
+    anything but 0 or 1 is an error."""
+    monkeypatch.setenv("TIERSERVE_CPU_AMX", "0")
+    assert envs.cpu_amx() is False
+    fresh = CpuKernels()
+    fresh.start_build(build_dir_for(envs.cache_dir()), sync=True)
+    assert fresh.available and not fresh.has_amx
+    monkeypatch.setenv("TIERSERVE_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match="TIERSERVE_CPU_AMX"):
+        envs.cpu_amx()

@@ -60,6 +60,37 @@ def test_panel_linear_matches_float64(kernels, m, k, n, with_bias):
     assert err <= 10 * ref_err + 1e-6
 
 
+@pytest.mark.parametrize("m", [1, 16, 161, 300, 1000])
+@pytest.mark.parametrize("k,n", [(33, 50), (600, 96), (576, 960), (1536, 70)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_amx_linear_matches_float64(kernels, m, k, n, with_bias):
+    """csrc/linear_amx.cpp (bf16x3 on AMX) to fp32 accuracy: within the fp32 bound of any
+    summation order, and no less accurate than MKL's sgemm. Ragged M, K and N (tile padding)."""
+    if not kernels.has_amx:
+        pytest.skip("no AMX-BF16 on this CPU / build")
+    w, x, b = _case(m, k, n, seed=m + 3 * k + n)
+    bias = b if with_bias else None
+    got = kernels.linear_amx(x, PanelWeight(w).panels, bias, n)
+    want = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
+    u = 2.0 ** -24
+    bound = (k + 1) * u * (F.linear(x.double().abs(), w.double().abs(),
+                                    b.double().abs() if with_bias else None))
+    assert got.shape == (m, n) and ((got - want).abs() <= bound).all()
+    ref_err = (F.linear(x, w, bias) - want).abs().max().item()
+    assert (got - want).abs().max().item() <= 2 * ref_err + 1e-6
+
+
+def test_prefill_sized_inputs_take_amx_where_offered(kernels, monkeypatch):
+    if not kernels.has_amx:
+        pytest.skip("no AMX-BF16 on this CPU / build")
+    w, x, _ = _case(PanelWeight.KERNEL_MAX_ROWS + 1, 64, 40, seed=5)
+    calls = []
+    monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a) or torch.zeros(1))
+    PanelWeight(w).linear(x, None)
+    PanelWeight(w).linear(x[:-1], None)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads):
     """Every output element is one fixed-order chain over k, whatever the batch size, the row's
@@ -98,6 +129,9 @@ def test_kernel_rejects_bad_inputs(kernels, case):
         bias = b[:10]
     with pytest.raises(RuntimeError, match="linear_f32"):
         kernels.linear_f32(x, panels, bias, n)
+    if kernels.has_amx:
+        with pytest.raises(RuntimeError, match="linear_amx"):
+            kernels.linear_amx(x, panels, bias, n)
 
 
 def test_fp32_linears_switch_to_panels_once_kernels_load(kernels, tmp_path, monkeypatch):

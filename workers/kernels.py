@@ -28,13 +28,15 @@ from pathlib import Path
 
 import torch
 
+from tierserve.runtime import envs
+
 __all__ = ["CpuKernels", "cpu_kernels", "build_dir_for"]
 
 log = logging.getLogger("tierserve.kernels")
 
 _NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "linear.cpp", "fused.cpp")
+_SOURCES = ("paged_attention.cpp", "linear.cpp", "linear_amx.cpp", "fused.cpp")
 _HEADERS = ("vec.h",)  # included by the sources; part of the build's identity
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
@@ -104,6 +106,7 @@ class CpuKernels:
         self._done = threading.Event()
         self._ops = None
         self._head_dims: frozenset[int] = frozenset()
+        self._amx = False
         self.error: str | None = None
 
     def start_build(self, build_dir: str | os.PathLike, *, sync: bool = False) -> None:
@@ -158,6 +161,18 @@ class CpuKernels:
         """x [M, K] float32 times a weight in panels [ceil(N / 32), K, 32] -> [M, N] (+ bias)."""
         return self._ops.linear_f32(x, panels, bias, out_features)
 
+    @property
+    def has_amx(self) -> bool:
+        """linear_amx runs here: the build targets AMX-BF16, Linux granted this process the
+        tile state, and TIERSERVE_CPU_AMX does not turn it off."""
+        return self._amx
+
+    def linear_amx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+        """linear_f32's product on AMX, to fp32 accuracy (csrc/linear_amx.cpp); for
+        prefill-sized x, as it splits the weight into bf16 pieces on every call."""
+        return self._ops.linear_amx(x, panels, bias, out_features)
+
     def greedy_from_approx(self, approx: torch.Tensor, x: torch.Tensor, panels: torch.Tensor,
                            norms: torch.Tensor, out_features: int, rel: float,
                            out_rel: float) -> torch.Tensor:
@@ -198,6 +213,7 @@ class CpuKernels:
             torch.ops.load_library(str(library))
             ops = torch.ops.tierserve
             self._head_dims = frozenset(ops.decode_head_dims())
+            self._amx = envs.cpu_amx() and ops.has_amx()
             self._ops = ops
         except Exception as e:  # any failure leaves the torch path in place
             self._give_up(e)
