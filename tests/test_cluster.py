@@ -2,6 +2,7 @@
 (a process holds one Ray connection; the session's instance stays untouched)."""
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,9 +62,20 @@ def test_two_node_cluster_tp2_across_nodes_gives_the_same_tokens(tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now, from below the kernel's ephemeral range (32768+ here) and above
+    Ray's worker ports (10002-19999): a port the kernel handed out for bind(0) and this test
+    released could be handed out again to one of the ports `ray start` binds before its
+    dashboard claims it, which failed a CI run."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def _cmdline(pid: int) -> bytes:

@@ -173,9 +173,12 @@ class GreedyHead:
     def __init__(self, panel: PanelWeight, weight: torch.Tensor) -> None:
         self.panel = panel
         self.approx = PackedWeight(weight.detach().to(torch.bfloat16))
-        # Rounded up so that each stays an upper bound of |w_j| after the cast.
-        norms = weight.detach().double().norm(dim=1) * (1 + 1e-6)
-        self.norms = norms.float().contiguous()
+        # Row norms in float64, a block of rows at a time (no float64 copy of the whole head),
+        # rounded up so that each stays an upper bound of |w_j| after the cast.
+        w = weight.detach()
+        norms = torch.cat([torch.linalg.vector_norm(w[i : i + 4096], dim=1, dtype=torch.float64)
+                           for i in range(0, w.shape[0], 4096)])
+        self.norms = (norms * (1 + 1e-6)).float().contiguous()
 
     @staticmethod
     def applies_to(weight: torch.Tensor) -> bool:
