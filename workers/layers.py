@@ -113,9 +113,10 @@ class PanelWeight:
     PANEL output features, [ceil(N / PANEL), K, PANEL], the last one zero-padded. It replaces
     the plain weight. Decode-sized inputs (up to KERNEL_MAX_ROWS rows) run the kernel, ~1.3x
     MKL there. Larger ones run csrc/linear_amx.cpp where the CPU has AMX (bf16x3, to fp32
-    accuracy, splitting the panels per call): 1.25-1.35x MKL on SmolLM2's shapes from 161 to
-    2048 rows (with MKL's W^T copy counted), with about half its rounding error against
-    float64. Elsewhere they run MKL on W^T rebuilt from the panels, a copy that is small next to
+    accuracy, splitting the panels per call): on 30 layers of SmolLM2's shapes with weights
+    streaming from memory, 1.1x MKL (W^T copy counted) at 161 rows, 1.2x at 512 and 1.25x at
+    2048, with a third of its rounding error against float64 (bench/linear_kernels.py; the
+    panel kernel edges AMX out up to ~192 rows there). Elsewhere they run MKL on W^T rebuilt from the panels, a copy that is small next to
     a prefill-sized product."""
 
     PANEL = 32

@@ -12,8 +12,9 @@
 // runs ~1.25x MKL's sgemm on SmolLM2's shapes at 2048 rows. The weight arrives in
 // linear.cpp's panels ([K][32] per 32 output features) and is split into pieces on every call
 // (6 bytes a weight, [N / 32][K / 32][2 column tiles][3 pieces][16 k pairs][16 columns][2]),
-// which costs about what a few hundred rows of the product do: callers use this from
-// AMX_MIN_ROWS rows on. Activations are split per call into [3 pieces][M to 16][K to 32].
+// about what MKL's path spends rebuilding W^T from the panels. Decode-sized inputs stay on the
+// panel kernel (PanelWeight.KERNEL_MAX_ROWS): with few rows the split and AMX's tile loads
+// cost more than its FMAs. Activations are split per call into [3 pieces][M to 16][K to 32].
 //
 // Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
 // amx_available() is false and the op refuses.
