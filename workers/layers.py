@@ -187,9 +187,9 @@ class GreedyHead:
                 and weight.shape[1] <= GreedyHead.MAX_K and bool(torch.isfinite(weight).all()))
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, K] float32 -> long[M], or None where the full product must decide (more rows
-        than the fp32 kernel takes, whose larger inputs go through MKL's different rounding;
-        non-finite values)."""
+        """x [M, K] float32 -> long[M], or None where the full product must decide: more rows
+        than the panel kernel takes (larger inputs go through AMX or MKL, which round
+        differently), or non-finite values."""
         if x.shape[0] > PanelWeight.KERNEL_MAX_ROWS:
             return None
         x = x.contiguous()

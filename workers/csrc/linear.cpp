@@ -141,18 +141,6 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// Exact greedy tokens of y = x W^T from an approximation of y.
-//
-// approx [M, N] bf16 is x W^T computed from bf16-rounded x and W (accumulated in fp32, then
-// rounded to bf16). With |.| Euclidean norms and sum_k |x_k w_jk| <= |x| |w_j|:
-//   |approx_j - y_j| <= e_j = rel |x| |w_j| + out_rel |approx_j| + flush_j,
-// rel (the caller's) covering the rounding of both products and out_rel that of the output;
-// flush_j = 2^-126 (sqrt(K) (|x| + |w_j|) + K) covers bf16 subnormals flushed to zero, inputs
-// and partial sums. Every j that could be linear_f32's argmax has
-// approx_j + e_j >= max_i (approx_i - e_i); only those candidates are computed exactly, with
-// linear_f32's arithmetic (one FMA chain over k in order, from 0), and the first index of their
-// maximum is the row's token: the token argmax_rows(linear_f32(x, W)) gives, bit for bit.
-// A row whose x or approx holds a non-finite value gets -1 (the caller takes the full path).
 // The largest lane (NaN-free input), by a shuffle tree.
 inline float max_lane(Vec v) {
   using V8 = float __attribute__((vector_size(8 * sizeof(float))));
@@ -178,6 +166,18 @@ void exact_columns(const float* x, const float* packed, int64_t k, const int64_t
   for (int l = 0; l < L; ++l) out[l] = acc[l];
 }
 
+// Exact greedy tokens of y = x W^T from an approximation of y.
+//
+// approx [M, N] bf16 is x W^T computed from bf16-rounded x and W (accumulated in fp32, then
+// rounded to bf16). With |.| Euclidean norms and sum_k |x_k w_jk| <= |x| |w_j|:
+//   |approx_j - y_j| <= e_j = rel |x| |w_j| + out_rel |approx_j| + flush_j,
+// rel (the caller's) covering the rounding of both products and out_rel that of the output;
+// flush_j = 2^-126 (sqrt(K) (|x| + |w_j|) + K) covers bf16 subnormals flushed to zero, inputs
+// and partial sums. Every j that could be linear_f32's argmax has
+// approx_j + e_j >= max_i (approx_i - e_i); only those candidates are computed exactly, with
+// linear_f32's arithmetic (one FMA chain over k in order, from 0), and the first index of their
+// maximum is the row's token: the token argmax_rows(linear_f32(x, W)) gives, bit for bit.
+// A row whose x or approx holds a non-finite value gets -1 (the caller takes the full path).
 int64_t greedy_row(const c10::BFloat16* approx, const float* x, const float* packed,
                    const float* norms, int64_t n, int64_t k, float rel, float out_rel,
                    std::vector<int64_t>& cand) {
@@ -224,6 +224,9 @@ int64_t greedy_row(const c10::BFloat16* approx, const float* x, const float* pac
     const float v = static_cast<float>(approx[j]);
     if (v + (a * norms[j] + out_rel * std::fabs(v) + c) >= best) cand.push_back(j);
   }
+  // The column that set `best` is always a candidate (its upper bound is at least its lower);
+  // should rounding ever say otherwise, the full path decides.
+  if (cand.empty()) return -1;
   constexpr int kGroup = 8;
   while (cand.size() % kGroup) cand.push_back(cand.back());  // repeats do not change the argmax
   int64_t arg = -1;
