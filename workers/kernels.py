@@ -37,7 +37,7 @@ log = logging.getLogger("tierserve.kernels")
 _NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("paged_attention.cpp", "linear.cpp", "linear_amx.cpp", "fused.cpp")
-_HEADERS = ("vec.h",)  # included by the sources; part of the build's identity
+_HEADERS = ("vec.h", "panels.h")  # included by the sources; part of the build's identity
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -25,7 +26,8 @@
 namespace tierserve {
 namespace {
 
-constexpr int kNR = 2 * kLanes;  // output features per panel
+constexpr int kNR = kPanel;  // output features per panel: two Vecs
+static_assert(kNR == 2 * kLanes);
 constexpr int kMaxMR = 12;       // rows per microkernel call: 2 * 12 accumulators + 2 + 1 zmm
 constexpr int64_t kKC = 256;     // k per block: a [kKC][kNR] panel slice is 32 KiB, L1-resident
 
@@ -103,23 +105,8 @@ void run_panel(const float* x, int64_t ldx, const float* packed, const float* bi
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias, int64_t n) {
-  const char* op = "linear_f32: ";
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, op,
-              "float32 only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, "x must be [M, K] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.is_contiguous(), op,
-              "packed weight must be a contiguous [panels, K, ", kNR, "] tensor");
+  const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k, op, "x has K = ", k, ", the weight ", packed.size(1));
-  TORCH_CHECK(n > (panels - 1) * kNR && n <= panels * kNR, op, "n = ", n, " does not match ",
-              panels, " panels");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                op, "bias must be a contiguous float32 [n] tensor");
-    b = bias->data_ptr<float>();
-  }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -139,19 +126,6 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
     }
   });
   return out;
-}
-
-// The largest lane (NaN-free input), by a shuffle tree.
-inline float max_lane(Vec v) {
-  using V8 = float __attribute__((vector_size(8 * sizeof(float))));
-  using V4 = float __attribute__((vector_size(4 * sizeof(float))));
-  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V8 m8 = a > b ? a : b;
-  const V4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
-  const V4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
-  const V4 m4 = c > d ? c : d;
-  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
 }
 
 template <int L>
@@ -216,7 +190,7 @@ int64_t greedy_row(const c10::BFloat16* approx, const float* x, const float* pac
   for (j = 0; j + kLanes <= n; j += kLanes) {
     const Vec v = load_bf16(approx + j);
     const Vec high = v + (a * load(norms + j) + out_rel * (v < 0 ? -v : v) + c);
-    if (max_lane(high) >= best)
+    if (hmax(high) >= best)
       for (int l = 0; l < kLanes; ++l)
         if (high[l] >= best) cand.push_back(j + l);
   }
@@ -247,17 +221,11 @@ at::Tensor greedy_from_approx(const at::Tensor& approx, const at::Tensor& x,
                               const at::Tensor& packed, const at::Tensor& norms, int64_t n,
                               double rel, double out_rel) {
   const char* op = "greedy_from_approx: ";
-  TORCH_CHECK(approx.device().is_cpu() && x.device().is_cpu() && packed.device().is_cpu() &&
-                  norms.device().is_cpu(), op, "CPU tensors only");
+  check_panel_linear(op, x, packed, std::nullopt, n);
+  TORCH_CHECK(x.is_contiguous(), op, "x must be contiguous");
+  TORCH_CHECK(approx.device().is_cpu() && norms.device().is_cpu(), op, "CPU tensors only");
   TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && approx.dim() == 2 && approx.is_contiguous(),
               op, "approx must be a contiguous bfloat16 [M, N] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
-              "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kNR &&
-                  packed.is_contiguous() && packed.size(1) == x.size(1),
-              op, "packed must be linear_f32's contiguous [panels, K, ", kNR, "] weight");
-  TORCH_CHECK(n > (packed.size(0) - 1) * kNR && n <= packed.size(0) * kNR, op, "n = ", n,
-              " does not match ", packed.size(0), " panels");
   TORCH_CHECK(approx.size(0) == x.size(0) && approx.size(1) == n, op, "approx must be [",
               x.size(0), ", ", n, "]");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == n,

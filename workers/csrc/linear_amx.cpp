@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -37,7 +39,6 @@
 namespace tierserve {
 namespace {
 
-constexpr int64_t kPanel = 32;      // linear.cpp's panel width: output features per panel
 
 #ifdef TIERSERVE_AMX
 
@@ -242,22 +243,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias, int64_t n) {
   const char* op = "linear_amx: ";
   TORCH_CHECK(amx_available(), op, "this CPU, build or kernel does not offer AMX-BF16");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, op,
-              "float32 only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, "x must be [M, K] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
-              "packed weight must be a contiguous [panels, K, ", kPanel, "] tensor");
+  const float* bp = check_panel_linear(op, x, packed, bias, n);
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k, op, "x has K = ", k, ", the weight ", packed.size(1));
-  TORCH_CHECK(n > (blocks - 1) * kPanel && n <= blocks * kPanel, op, "n = ", n,
-              " does not match ", blocks, " panels");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                op, "bias must be a contiguous float32 [n] tensor");
-    bp = bias->data_ptr<float>();
-  }
   at::Tensor out = at::empty({m, n}, x.options());
 #ifdef TIERSERVE_AMX
   if (m > 0 && k > 0)

@@ -10,9 +10,10 @@
 // meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 //
-// Vectorised with vec.h's Vec (16 floats, head dims are multiples of it). Plain loops proved fragile here: g++ turned the V accumulation into
-// gathers and the dot-product reductions into scalar adds. D is a template parameter, so a row is
-// a fixed number of Vecs and a row of accumulators stays in registers.
+// Vectorised with vec.h's Vec (16 floats, head dims are multiples of it). Plain loops proved
+// fragile here: g++ turned the V accumulation into gathers and the dot-product reductions into
+// scalar adds. D is a template parameter, so a row is a fixed number of Vecs and a row of
+// accumulators stays in registers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,12 +46,6 @@ inline float hsum(Vec v) {
   const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
                 __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-inline float hmax(Vec v) {
-  float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
-  return m;
 }
 
 // exp(x) for x <= 0 (it is only taken of score - running max). Below -87 the result is

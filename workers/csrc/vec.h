@@ -44,6 +44,20 @@ inline void store_bf16(c10::BFloat16* p, Vec v) {
   *reinterpret_cast<U16VecU*>(p) = __builtin_convertvector(out, U16Vec);
 }
 
+// The largest lane of a NaN-free Vec, by a shuffle tree (a scalar loop is a chain of 15 maxes).
+inline float hmax(Vec v) {
+  using V8 = float __attribute__((vector_size(8 * sizeof(float))));
+  using V4 = float __attribute__((vector_size(4 * sizeof(float))));
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V8 m8 = a > b ? a : b;
+  const V4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  const V4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const V4 m4 = c > d ? c : d;
+  const float lo = m4[0] > m4[1] ? m4[0] : m4[1], hi = m4[2] > m4[3] ? m4[2] : m4[3];
+  return lo > hi ? lo : hi;
+}
+
 // exp(x) for -87 <= x <= 88 (callers clamp): Cephes-style, x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by a degree-6 polynomial (about 1 ulp), 2^n built in the exponent bits.
 inline Vec exp_in_range(Vec x) {
