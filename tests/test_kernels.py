@@ -70,8 +70,8 @@ def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, 
     attn.use_cpu_kernel = True
     got = paged_attention(q, None, None, (k_cache, v_cache), attn, scale,
                           kv_written=True).view(expected.shape)
-    direct = kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
-                                            attn.decode_seq_lens, scale)
+    direct = kernels.paged_decode_attention(q, k_cache, v_cache, *attn.decode_tables(),
+                                            scale)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
     assert torch.equal(got, direct)
@@ -124,15 +124,15 @@ def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
     q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 16, block_size=4, seed=1)
     attn.use_cpu_kernel = False
     expected = _decode(q, k_cache, v_cache, attn, 0.25)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
-                                         attn.decode_seq_lens, 0.25)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.25)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def _valid_inputs():
     q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 64)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=attn.decode_block_tables,
-                seq_lens=attn.decode_seq_lens, scale=0.125)
+    block_tables, seq_lens = attn.decode_tables()
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                seq_lens=seq_lens, scale=0.125)
 
 
 def _bad_table(args):
@@ -249,24 +249,32 @@ def test_failed_build_falls_back_with_one_warning(kernels, tmp_path, monkeypatch
     assert not (tmp_path / "broken" / "ready").exists()
 
 
+def _spy(monkeypatch, kernels, name: str) -> list:
+    """Records the arguments of every call of the kernels' `name`, which still runs."""
+    calls = []
+    original = getattr(CpuKernels, name)
+
+    def spy(*args):
+        calls.append(args)
+        return original(kernels, *args)
+
+    monkeypatch.setattr(kernels, name, spy)
+    return calls
+
+
 def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypatch):
     path = make_tiny_llama(tmp_path / "llama")
     hf = load_hf(path)
     prompts = [[(7 * i + 3) % 380 + 3 for i in range(n)] for n in (5, 40, 17, 3, 61)]
     references = [hf_greedy(hf, p, 10) for p in prompts]
-    calls = []
-
-    def counting(*args):
-        calls.append(args[0].shape[0])
-        return CpuKernels.paged_decode_attention(kernels, *args)
-
-    monkeypatch.setattr(kernels, "paged_decode_attention", counting)
+    spied = _spy(monkeypatch, kernels, "paged_decode_attention")
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(str(path), block_size=4) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
     # Every layer of every step: the prompts' tokens first, then 3 layers x 9 decode steps over
     # the whole batch of 5.
+    calls = [args[0].shape[0] for args in spied]
     assert calls.count(len(prompts)) >= 27 and max(calls) > len(prompts)
 
 
@@ -277,13 +285,7 @@ def test_engine_greedy_steps_skip_full_logits(kernels, tmp_path, monkeypatch):
     hf = load_hf(path)
     prompts = [[(5 * i + 2) % 380 + 3 for i in range(n)] for n in (9, 33, 4)]
     references = [hf_greedy(hf, p, 8) for p in prompts]
-    routes = []
-
-    def counting(*args):
-        routes.append("greedy")
-        return CpuKernels.greedy_from_approx(kernels, *args)
-
-    monkeypatch.setattr(kernels, "greedy_from_approx", counting)
+    routes = _spy(monkeypatch, kernels, "greedy_from_approx")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(path), block_size=4) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)

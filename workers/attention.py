@@ -127,17 +127,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with valid block ids
     num_decodes: int
     block_size: int
-    # Decode sequences' block tables [num_decodes, decode_blocks] int32, decode_blocks covering
-    # the longest decode context (shorter rows padded with valid ids), and their context lengths
-    # [num_decodes] int32.
-    decode_block_tables: torch.Tensor | None = None
-    decode_seq_lens: torch.Tensor | None = None
     # Whether this step's attention runs the C++ CPU kernel. Fixed per step, so every layer of
     # a step takes the same path while a background kernel build completes.
     use_cpu_kernel: bool = False
     prefills: list[PrefillChunk] = field(default_factory=list)
     _decode_gather: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _token_tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _decode_tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -160,8 +156,6 @@ class AttentionMetadata:
             block_tables=table.to(device), num_decodes=num_decodes, block_size=block_size,
             use_cpu_kernel=torch.device(device).type == "cpu" and cpu_kernels.available,
         )
-        if num_decodes:
-            md._build_decode(table, device)
         md.prefills = [md._build_prefill(i, table, device) for i in range(num_decodes, len(seq_lens))]
         return md
 
@@ -180,11 +174,17 @@ class AttentionMetadata:
                 lens.to(device=device, dtype=torch.int32))
         return self._token_tables
 
-    def _build_decode(self, table: torch.Tensor, device) -> None:
-        lens = self.seq_lens[: self.num_decodes]
-        nblocks = -(-max(lens) // self.block_size)
-        self.decode_block_tables = table[: self.num_decodes, :nblocks].contiguous().to(device)
-        self.decode_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode sequences' block tables [num_decodes, decode_blocks] int32, decode_blocks
+        covering the longest decode context (shorter rows padded with valid ids), and their
+        context lengths [num_decodes] int32. Built once per step, on first use (the gather
+        path; the kernel path reads token_tables)."""
+        if self._decode_tables is None:
+            lens = self.seq_lens[: self.num_decodes]
+            nblocks = -(-max(lens) // self.block_size)
+            table = self.block_tables[: self.num_decodes, :nblocks].contiguous()
+            self._decode_tables = (table, torch.tensor(lens, dtype=torch.int32, device=table.device))
+        return self._decode_tables
 
     def _build_prefill(self, i: int, table: torch.Tensor, device) -> PrefillChunk:
         start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
@@ -205,7 +205,7 @@ class AttentionMetadata:
         faster with an additive mask than a boolean one)."""
         cached = self._decode_gather.get(dtype)
         if cached is None:
-            table, lens = self.decode_block_tables, self.decode_seq_lens
+            table, lens = self.decode_tables()
             positions = torch.arange(table.shape[1] * self.block_size, device=table.device)
             padding = positions[None, :] >= lens[:, None]
             bias = torch.zeros(padding.shape, dtype=dtype, device=table.device)
@@ -271,8 +271,9 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
     """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
     the short chunks' tokens, each as one query over its causal context read in place from the
-    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls. On the offline bench's 2048-token SmolLM2 prefill steps: 127 ms of attention a
-    step, against 140 ms of SDPA and ~80 ms of gathers and copies (bench/step_profile.py)."""
+    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls. On the
+    offline bench's 2048-token SmolLM2 prefill steps: 127 ms of attention a step, against 140
+    ms of SDPA and ~80 ms of gathers and copies (bench/step_profile.py)."""
     tables, lens = attn.token_tables()
     long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
     if not long:

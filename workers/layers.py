@@ -116,8 +116,8 @@ class PanelWeight:
     accuracy, splitting the panels per call): on 30 layers of SmolLM2's shapes with weights
     streaming from memory, 1.1x MKL (W^T copy counted) at 161 rows, 1.2x at 512 and 1.25x at
     2048, with a third of its rounding error against float64 (bench/linear_kernels.py; the
-    panel kernel edges AMX out up to ~192 rows there). Elsewhere they run MKL on W^T rebuilt from the panels, a copy that is small next to
-    a prefill-sized product."""
+    panel kernel edges AMX out up to ~192 rows there). Elsewhere they run MKL on W^T rebuilt
+    from the panels, a copy that is small next to a prefill-sized product."""
 
     PANEL = 32
     KERNEL_MAX_ROWS = 160
