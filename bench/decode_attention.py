@@ -12,8 +12,10 @@ sequences, torch path against kernel. There the gather is dearer than in the iso
 multi-megabyte outputs land on freshly mapped pages every layer (about 200k minor page faults
 per float32 step, none with the kernel).
 
+The kernel is the one of --cpu-isa's backend (default: the best this CPU runs).
+
 Usage: python bench/decode_attention.py [--json] [--dtypes float32,bfloat16] [--repeats 3]
-                                        [--model-step]
+                                        [--model-step] [--cpu-isa avx2|avx512|amx]
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import torch
 from report import emit
 from tierserve.runtime import envs
 from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.kernels import build_dir_for, cpu_kernels
+from tierserve.workers.backend import CpuBackend, kernel_backend, torch_backend
+from tierserve.workers.cpu_features import detect_cpu_features
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
 
@@ -49,11 +52,10 @@ def make_batch(num_blocks_factor: int = 2, seed: int = 0):
     return lens, tables, slots, len(ids)
 
 
-def metadata(lens, tables, slots, use_kernel: bool) -> AttentionMetadata:
-    attn = AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * NUM_SEQS, seq_lens=lens,
-                                   block_tables=tables, num_decodes=NUM_SEQS, block_size=BLOCK_SIZE)
-    attn.use_cpu_kernel = use_kernel
-    return attn
+def metadata(lens, tables, slots) -> AttentionMetadata:
+    return AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * NUM_SEQS, seq_lens=lens,
+                                   block_tables=tables, num_decodes=NUM_SEQS,
+                                   block_size=BLOCK_SIZE)
 
 
 def make_step(dtype: torch.dtype):
@@ -64,46 +66,48 @@ def make_step(dtype: torch.dtype):
     return q, pools, (lens, tables, slots)
 
 
-def time_step(q, pools, attn, steps: int) -> float:
+def time_step(q, pools, attn, backend: CpuBackend, steps: int) -> float:
     """Median per-layer microseconds of one step (all layers' attention)."""
     scale = HEAD_DIM ** -0.5
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
         for k_cache, v_cache in pools:
-            paged_attention(q, None, None, (k_cache, v_cache), attn, scale, kv_written=True)
+            paged_attention(q, None, None, (k_cache, v_cache), attn, scale, backend,
+                            kv_written=True)
         if i >= 2:  # the first steps build the gather mask and warm the allocator
             times.append((time.perf_counter() - t0) / len(pools) * 1e6)
     return statistics.median(times)
 
 
-def run(dtype: torch.dtype, steps: int) -> dict:
+def run(dtype: torch.dtype, steps: int, backend: CpuBackend) -> dict:
     q, pools, batch = make_step(dtype)
-    return {"attn_torch_us": time_step(q, pools, metadata(*batch, use_kernel=False), steps),
-            "attn_kernel_us": time_step(q, pools, metadata(*batch, use_kernel=True), steps)}
+    return {"attn_torch_us": time_step(q, pools, metadata(*batch), torch_backend(), steps),
+            "attn_kernel_us": time_step(q, pools, metadata(*batch), backend, steps)}
 
 
-def model_step_ms(dtype: torch.dtype, steps: int) -> dict:
-    """Median ms of one SmolLM2-135M decode step (forward + logits), torch path and kernel."""
+def model_step_ms(dtype: torch.dtype, steps: int, backend: CpuBackend) -> dict:
+    """Median ms of one SmolLM2-135M decode step (forward + logits), torch backend and the
+    kernel backend."""
     from tierserve.workers.attention import allocate_kv_cache
     from tierserve.workers.loader import default_model_path, load_model
 
-    config, model = load_model(default_model_path(), dtype, torch.device("cpu"))
     lens, tables, slots, num_blocks = make_batch(num_blocks_factor=1)
-    kv = allocate_kv_cache(config.num_hidden_layers, num_blocks, BLOCK_SIZE,
-                           model.kv_heads_per_rank, config.head_dim, dtype, "cpu")
-    for k_cache, v_cache in kv:
-        k_cache.normal_()
-        v_cache.normal_()
     tokens = torch.randint(100, 1000, (NUM_SEQS,))
     positions = torch.tensor([n - 1 for n in lens])
     result = {}
     with torch.inference_mode():
-        for name, use_kernel in (("step_torch_ms", False), ("step_kernel_ms", True)):
+        for name, chosen in (("step_torch_ms", torch_backend()), ("step_kernel_ms", backend)):
+            config, model = load_model(default_model_path(), dtype, torch.device("cpu"), chosen)
+            kv = allocate_kv_cache(config.num_hidden_layers, num_blocks, BLOCK_SIZE,
+                                   model.kv_heads_per_rank, config.head_dim, dtype, "cpu")
+            for k_cache, v_cache in kv:
+                k_cache.normal_()
+                v_cache.normal_()
             times = []
             for i in range(steps + 2):
                 t0 = time.perf_counter()
-                attn = metadata(lens, tables, slots, use_kernel)
+                attn = metadata(lens, tables, slots)
                 model.compute_logits(model(tokens, positions, attn, kv))
                 if i >= 2:
                     times.append((time.perf_counter() - t0) * 1e3)
@@ -118,17 +122,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model-step", action="store_true")
+    parser.add_argument("--cpu-isa", choices=("avx2", "avx512", "amx"),
+                        default=detect_cpu_features().best_isa())
     args = parser.parse_args()
-    cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
-    if not cpu_kernels.available:
-        raise SystemExit(f"kernels unavailable: {cpu_kernels.error}")
+    if args.cpu_isa == "torch":
+        raise SystemExit("this CPU runs no kernel backend")
+    backend = kernel_backend(args.cpu_isa, envs.cache_dir())
     torch.manual_seed(0)
-    result = {"threads": torch.get_num_threads()}
+    result = {"backend": backend.name, "threads": torch.get_num_threads()}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        runs = [run(dtype, args.steps) for _ in range(args.repeats)]
+        runs = [run(dtype, args.steps, backend) for _ in range(args.repeats)]
         if args.model_step:
-            runs = [r | model_step_ms(dtype, args.steps) for r in runs]
+            runs = [r | model_step_ms(dtype, args.steps, backend) for r in runs]
         for key in runs[0]:
             result[f"{name}_{key}"] = statistics.median(r[key] for r in runs)
         result[f"{name}_attn_speedup"] = (result[f"{name}_attn_torch_us"]

@@ -5,7 +5,13 @@ runs through tierserve and through transformers' batched generate (all 64 prompt
 left-padded batch) on the same dequantized weights, in the same process, per dtype.
 TTFT: a 512-token prompt, cold, then again with all but its last block in the prefix cache.
 
+--all-backends runs tierserve's part once per CPU backend this machine runs (the torch path and
+each kernel ISA level up to the CPU's best) on the same workload, with rows
+`<backend>_tok_s_<dtype>`, and names the CPU and the features it saw. --cpu-isa pins one.
+Kernels are built before timing (TIERSERVE_CPU_KERNELS=sync unless set).
+
 Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [--skip-hf]
+           [--all-backends | --cpu-isa auto|amx|avx512|avx2|torch]
 """
 from __future__ import annotations
 
@@ -16,9 +22,12 @@ import time
 
 import torch
 
-from report import emit
-from tierserve import LLM, SamplingParams
-from tierserve.workers.loader import default_model_path
+os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
+
+from report import emit  # noqa: E402
+from tierserve import LLM, SamplingParams  # noqa: E402
+from tierserve.workers.cpu_features import detect_cpu_features  # noqa: E402
+from tierserve.workers.loader import default_model_path  # noqa: E402
 
 NUM_PROMPTS, NEW_TOKENS = 64, 128
 WORDS = ("the model serves requests with a paged cache of keys and values so that many "
@@ -43,9 +52,12 @@ def make_chat_prompts(tokenizer, n: int = NUM_PROMPTS, lo: int = 20, hi: int = 2
     return prompts
 
 
-def bench_tierserve(dtype: str, prompts: list[list[int]]) -> float:
+def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto") -> float:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(dtype=dtype) as llm:  # engine defaults: prefix caching on
+    with LLM(dtype=dtype, cpu_isa=cpu_isa) as llm:  # engine defaults: prefix caching on
+        backend = llm.stats()["cpu_backend"]
+        if cpu_isa != "auto" and backend != cpu_isa:
+            raise SystemExit(f"asked for the {cpu_isa} backend, the engine runs {backend}")
         llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -75,11 +87,11 @@ def bench_transformers(dtype: str, prompts: list[list[int]]) -> float:
     return NUM_PROMPTS * NEW_TOKENS / elapsed
 
 
-def bench_ttft(prompt_len: int = 512) -> tuple[float, float]:
+def bench_ttft(prompt_len: int = 512, cpu_isa: str = "auto") -> tuple[float, float]:
     rng = random.Random(1)
     prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
     one = SamplingParams(temperature=0, max_tokens=1)
-    with LLM() as llm:
+    with LLM(cpu_isa=cpu_isa) as llm:
         llm.generate([[5, 6, 7]], one, use_tqdm=False)
         t0 = time.perf_counter()
         cold = llm.generate([prompt], one, use_tqdm=False)[0]
@@ -97,19 +109,35 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--skip-hf", action="store_true", help="tierserve only (no ratio)")
+    ap.add_argument("--all-backends", action="store_true",
+                    help="tierserve once per CPU backend this machine runs, torch path included")
+    ap.add_argument("--cpu-isa", default="auto",
+                    choices=("auto", "amx", "avx512", "avx2", "torch"),
+                    help="the CPU backend of the tierserve runs (default: the engine's choice)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    with LLM() as llm:
+    features = detect_cpu_features()
+    with LLM(cpu_isa=args.cpu_isa) as llm:
         prompts = make_chat_prompts(llm.tokenizer)
-    result: dict[str, float] = {}
+        chosen = llm.stats()["cpu_backend"]
+    backends = ("torch",) + features.isas if args.all_backends else (chosen,)
+    result: dict[str, float | str] = {"cpu": features.model_name,
+                                      "cpu_features": " ".join(features.describe()["flags"]),
+                                      "torch_capability": features.torch_capability,
+                                      "chosen_backend": chosen}
     for dtype in args.dtypes.split(","):
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-        result[f"tierserve_tok_s_{short}"] = bench_tierserve(dtype, prompts)
+        for backend in backends:
+            result[f"{backend}_tok_s_{short}"] = bench_tierserve(dtype, prompts, backend)
+        result[f"tierserve_tok_s_{short}"] = result[f"{chosen}_tok_s_{short}"]
+        if args.all_backends:
+            result[f"chosen_vs_torch_{short}"] = (result[f"tierserve_tok_s_{short}"]
+                                                  / result[f"torch_tok_s_{short}"])
         if not args.skip_hf:
             result[f"transformers_tok_s_{short}"] = bench_transformers(dtype, prompts)
             result[f"ratio_{short}"] = (result[f"tierserve_tok_s_{short}"]
                                         / result[f"transformers_tok_s_{short}"])
-    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft()
+    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft(cpu_isa=chosen)
     result["ttft_speedup"] = result["ttft_cold_ms"] / result["ttft_cached_ms"]
     emit(result, args.json)
 

@@ -23,6 +23,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--cpu-isa", default=None, choices=list(envs.CPU_ISAS),
+                   help="highest ISA of the CPU kernels (default: TIERSERVE_CPU_ISA, else auto)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("model", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes",
-                "enable_prefix_caching")
+                "enable_prefix_caching", "cpu_isa")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -116,6 +118,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  prefix hit rate    {stats['prefix_cache_hit_rate']:.1%} "
           f"({stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} tokens)")
     print(f"  preemptions        {stats['num_preemptions']}")
+    backend = stats.get("backend")
+    if backend:
+        paths = ", ".join(backend["paths"]) or "plain torch ops"
+        print(f"  CPU backend        {backend['name']} ({paths}) on {backend['cpu']}")
     return 0
 
 

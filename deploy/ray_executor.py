@@ -72,8 +72,11 @@ class WorkerActor:
         self.worker.init_device()
         self._plane = DataPlaneClient(endpoints, self.node_id())
 
-    def load_model(self) -> dict:
-        return self.worker.load_model()
+    def kernels_ready(self) -> bool:
+        return self.worker.kernels_ready()
+
+    def load_model(self, use_kernels: bool) -> dict:
+        return self.worker.load_model(use_kernels)
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
@@ -129,14 +132,16 @@ class RayExecutor:
         host, port = ray.get(self.workers[0].node_address.remote())
         init_method = f"tcp://{host}:{port}"
         ray.get([w.init.remote(init_method, self._plane.endpoints) for w in self.workers])
-        infos = ray.get([w.load_model.remote() for w in self.workers])
+        # Kernels on every rank or on none: the backend is one decision for the engine.
+        use_kernels = all(ray.get([w.kernels_ready.remote() for w in self.workers]))
+        infos = ray.get([w.load_model.remote(use_kernels) for w in self.workers])
         num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
         ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
         info = infos[0]
         return WorkerInfo(num_blocks, info["vocab_size"], info["max_position_embeddings"],
-                          tuple(info["eos_token_ids"]))
+                          tuple(info["eos_token_ids"]), tuple(i["backend"] for i in infos))
 
     def _await_subscribers(self) -> None:
         try:

@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass
 
 from tierserve.kvcache import HASH_ALGORITHMS
+from tierserve.runtime.envs import CPU_ISAS
 from tierserve.scheduler.queues import POLICIES
 
 __all__ = ["EngineConfig", "DTYPES"]
@@ -44,6 +45,9 @@ class EngineConfig:
     cpus_per_worker: int | None = None  # CPUs (and torch threads) per rank; None: cores / TP
     step_timeout_s: float = 60.0
     tokenizer: str | None = None  # a separate tokenizer folder; default: the model's
+    # Highest ISA level of the CPU kernels: auto / amx / avx512 / avx2 / torch (none);
+    # None: TIERSERVE_CPU_ISA, else auto.
+    cpu_isa: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -51,6 +55,8 @@ class EngineConfig:
         _one_of("scheduling_policy", self.scheduling_policy, POLICIES)
         _one_of("prefix_caching_hash_algo", self.prefix_caching_hash_algo, HASH_ALGORITHMS)
         _one_of("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if self.cpu_isa is not None:
+            _one_of("cpu_isa", self.cpu_isa, CPU_ISAS)
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs",
                      "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))

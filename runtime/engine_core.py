@@ -45,6 +45,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
+        cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir())
 
 
@@ -68,6 +69,7 @@ class EngineCore:
         self.scheduler = self._make_scheduler(config, info)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
+        self.backends = info.backends
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
@@ -233,6 +235,9 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats["max_model_len"] = self.max_model_len
         stats["block_size"] = self.config.block_size
+        if self.backends:
+            stats["cpu_backend"] = self.backends[0]["name"]
+            stats["backend"] = dict(self.backends[0])
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_amx"]
+__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
+           "CPU_ISAS"]
 
 
 def cache_dir() -> str:
@@ -38,10 +39,14 @@ def cpu_kernels() -> str:
     return mode
 
 
-def cpu_amx() -> bool:
-    """Whether prefill-sized fp32 linears may run on Intel AMX (bf16x3, fp32-accurate) where the
-    CPU has it: TIERSERVE_CPU_AMX=1 (default) or 0."""
-    value = os.environ.get("TIERSERVE_CPU_AMX", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TIERSERVE_CPU_AMX must be 0 or 1, got {value!r}")
-    return value == "1"
+CPU_ISAS = ("auto", "amx", "avx512", "avx2", "torch")
+
+
+def cpu_isa() -> str:
+    """The highest ISA level the CPU kernels may use (TIERSERVE_CPU_ISA): "auto" (default, the
+    CPU's best), amx, avx512, avx2, or torch (no kernels). A cap above what the CPU has gives
+    the CPU's best; the engine option cpu_isa overrides it."""
+    value = os.environ.get("TIERSERVE_CPU_ISA", "auto").lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"TIERSERVE_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {value!r}")
+    return value

@@ -30,6 +30,7 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    backends: tuple[dict, ...] = ()  # each rank's CpuBackend.describe()
 
 
 class Executor(Protocol):
@@ -52,11 +53,11 @@ class InProcessExecutor:
 
     def start(self) -> WorkerInfo:
         self.worker.init_device()
-        info = self.worker.load_model()
+        info = self.worker.load_model(use_kernels=self.worker.kernels_ready())
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(num_blocks)
         return WorkerInfo(num_blocks, info["vocab_size"], info["max_position_embeddings"],
-                          tuple(info["eos_token_ids"]))
+                          tuple(info["eos_token_ids"]), (info["backend"],))
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
         frame = self._to_worker.encode(msg)

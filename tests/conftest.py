@@ -1,7 +1,10 @@
-"""One local Ray instance for the whole test session, started lazily by the tests that need it.
+"""One local Ray instance for the whole test session, started lazily by the tests that need it,
+and the CPU backends tests pin.
 
 Ray reads its environment when it starts, so the auth, usage-stats and temp-folder settings are
-made here, before any test can start it.
+made here, before any test can start it. Engines started by tests build their CPU kernels before
+serving (TIERSERVE_CPU_KERNELS=sync), so which backend a test runs never depends on a build's
+timing; TIERSERVE_CPU_ISA, if set, caps them (and skips the pinned backends above it).
 """
 import os
 import shutil
@@ -11,9 +14,37 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 _RAY_TMP = tempfile.mkdtemp(prefix="tierserve-ray-", dir="/tmp")
 os.environ["RAY_TMPDIR"] = _RAY_TMP
 os.environ.pop("RAY_ADDRESS", None)
+
+from tierserve.runtime import envs  # noqa: E402
+from tierserve.workers.cpu_features import detect_cpu_features, isa_rank  # noqa: E402
+
+
+def _kernel_isas() -> tuple[str, ...]:
+    """The kernel backends this machine runs, under TIERSERVE_CPU_ISA's cap: read from the CPU
+    at collection, so that each test runs once per backend the machine has and no more."""
+    cap = envs.cpu_isa()
+    return tuple(isa for isa in detect_cpu_features().isas
+                 if cap == "auto" or isa_rank(isa) <= isa_rank(cap))
+
+
+KERNEL_ISAS = _kernel_isas()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "parity: transformers-parity tests, run once per CPU backend; .ci/run runs "
+                   "them again under TIERSERVE_CPU_ISA=avx2")
+
+
+def pytest_report_header(config):
+    features = detect_cpu_features()
+    return (f"CPU: {features.model_name}; ISAs: {', '.join(features.isas) or 'none'}; "
+            f"backends under test: {', '.join(('torch',) + KERNEL_ISAS)} "
+            f"(TIERSERVE_CPU_ISA={envs.cpu_isa()})")
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +57,34 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def kernels():
-    """The process-wide C++ CPU kernels, built (or loaded from the user cache) synchronously;
-    tests that need them are skipped where there is no compiler."""
+def pinned_backend(name: str):
+    """The CPU backend `name`, its kernels built (or loaded from the user cache); skips where
+    this CPU lacks its ISA, TIERSERVE_CPU_ISA caps it away, or there is no compiler."""
+    from tierserve.workers.backend import kernel_backend, torch_backend
+
+    if name == "torch":
+        return torch_backend()
+    features = detect_cpu_features()
+    if not features.has(name):
+        pytest.skip(f"this CPU ({features.model_name}) lacks {name}")
+    cap = envs.cpu_isa()
+    if cap != "auto" and isa_rank(name) > isa_rank(cap):
+        pytest.skip(f"TIERSERVE_CPU_ISA={cap} caps the backends below {name}")
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CPU kernels")
-    from tierserve.runtime import envs
-    from tierserve.workers.kernels import build_dir_for, cpu_kernels
-    cpu_kernels.start_build(build_dir_for(envs.cache_dir()), sync=True)
-    assert cpu_kernels.available, cpu_kernels.error
-    return cpu_kernels
+    return kernel_backend(name, envs.cache_dir())
+
+
+@pytest.fixture(scope="session", params=KERNEL_ISAS or [None])
+def kernels(request):
+    """Each kernel backend (avx2, avx512, amx) this machine runs, pinned explicitly."""
+    if request.param is None:
+        pytest.skip("this CPU runs no kernel backend")
+    return pinned_backend(request.param)
+
+
+@pytest.fixture(scope="session", params=("torch",) + KERNEL_ISAS)
+def backend(request):
+    """The torch backend and each kernel backend this machine runs, pinned explicitly."""
+    return pinned_backend(request.param)

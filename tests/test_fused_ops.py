@@ -5,22 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierserve.workers import layers
 from tierserve.workers.attention import write_kv
+from tierserve.workers.backend import torch_backend
 from tierserve.workers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-
-
-class _NoKernels:
-    available = False
-
-    def fuses(self, x):
-        return False
-
-
-def _torch_path(monkeypatch, fn):
-    with monkeypatch.context() as m:
-        m.setattr(layers, "cpu_kernels", _NoKernels())
-        return fn()
 
 
 # fp32: the RMS sum's order and exp's last ulp differ from torch's; bf16 rounds them away here.
@@ -29,22 +16,23 @@ TOL = {torch.float32: dict(rtol=1e-6, atol=2e-6), torch.bfloat16: dict(rtol=0, a
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [576, 40])  # whole vectors, and a partial last one
-def test_rms_norm_and_silu_match_torch(kernels, monkeypatch, dtype, width):
+def test_rms_norm_and_silu_match_torch(kernels, dtype, width):
     g = torch.Generator().manual_seed(width)
-    norm = RMSNorm(width, 1e-5, dtype, "cpu")
+    norm = RMSNorm(width, 1e-5, dtype, "cpu", kernels)
+    plain = RMSNorm(width, 1e-5, dtype, "cpu", torch_backend())
     norm.weight.data.copy_(torch.randn(width, generator=g))
+    plain.weight.data.copy_(norm.weight.data)
     x = torch.randn(37, width, generator=g).to(dtype)
     residual = torch.randn(37, width, generator=g).to(dtype)
     gate_up = (4 * torch.randn(37, 2 * width, generator=g)).to(dtype)
     gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, -0.0])  # exp's saturation
 
     out, summed = norm(x, residual)
-    want_out, want_summed = _torch_path(monkeypatch, lambda: norm(x, residual))
+    want_out, want_summed = plain(x, residual)
     torch.testing.assert_close(out, want_out, **TOL[dtype])
     assert torch.equal(summed, want_summed)
-    torch.testing.assert_close(norm(x), _torch_path(monkeypatch, lambda: norm(x)), **TOL[dtype])
-    act = SiluAndMul()
-    torch.testing.assert_close(act(gate_up), _torch_path(monkeypatch, lambda: act(gate_up)),
+    torch.testing.assert_close(norm(x), plain(x), **TOL[dtype])
+    torch.testing.assert_close(SiluAndMul(kernels)(gate_up), SiluAndMul(torch_backend())(gate_up),
                                **TOL[dtype])
 
 

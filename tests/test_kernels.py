@@ -1,6 +1,6 @@
-"""The C++ CPU kernels against the torch path they replace: paged decode attention on ragged
-contexts over scattered pool blocks, its input validation, the build/cache protocol, and greedy
-tokens of the whole engine with the kernel on."""
+"""The C++ CPU kernels of every kernel backend this machine runs against the torch path they
+replace: paged decode attention on ragged contexts over scattered pool blocks, its input
+validation, the build/cache protocol, and greedy tokens of the whole engine on each backend."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +17,8 @@ from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
 from tierserve.workers import attention
 from tierserve.workers.attention import AttentionMetadata, _decode, paged_attention
-from tierserve.workers.kernels import CpuKernels, build_dir_for
+from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.kernels import KernelLibrary, build_dir_for
 
 COMPILER = os.environ.get("CXX", "c++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
@@ -65,13 +66,10 @@ def threads(request):
 def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, head_dim):
     q, k_cache, v_cache, attn = _decode_batch(dtype, group, head_dim)
     scale = head_dim ** -0.5
-    attn.use_cpu_kernel = False
     expected = _decode(q, k_cache, v_cache, attn, scale)
-    attn.use_cpu_kernel = True
-    got = paged_attention(q, None, None, (k_cache, v_cache), attn, scale,
+    got = paged_attention(q, None, None, (k_cache, v_cache), attn, scale, kernels,
                           kv_written=True).view(expected.shape)
-    direct = kernels.paged_decode_attention(q, k_cache, v_cache, *attn.decode_tables(),
-                                            scale)
+    direct = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(), scale)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
     assert torch.equal(got, direct)
@@ -106,14 +104,11 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     attn = AttentionMetadata.build(slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens,
                                    block_tables=tables, num_decodes=2, block_size=block_size)
     scale = head_dim ** -0.5
-    attn.use_cpu_kernel = False
-    expected = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kv_written=True)
-    attn.use_cpu_kernel = True
-    calls = []
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(kernels, "paged_decode_attention",
-                  lambda *a: calls.append(a[3].shape) or CpuKernels.paged_decode_attention(kernels, *a))
-        got = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kv_written=True)
+    expected = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, torch_backend(),
+                               kv_written=True)
+    calls = _spy(monkeypatch, "paged_attention")
+    got = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kernels, kv_written=True)
+    calls = [args[4].shape for args in calls]
     assert calls == [(kernel_rows, max(counts))]  # one call for the kernel's rows
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
@@ -122,9 +117,8 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
 def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
     """block_size 4 puts several blocks in one kernel tile; head_dim 16 is the tiny models'."""
     q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 16, block_size=4, seed=1)
-    attn.use_cpu_kernel = False
     expected = _decode(q, k_cache, v_cache, attn, 0.25)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.25)
+    got = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.25)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -182,10 +176,10 @@ BAD_INPUTS = {
 def test_decode_kernel_rejects_bad_inputs(kernels, case):
     mutate, message = BAD_INPUTS[case]
     args = _valid_inputs()
-    kernels.paged_decode_attention(**args)  # the unmutated inputs are accepted
+    kernels.paged_attention(**args)  # the unmutated inputs are accepted
     mutate(args)
     with pytest.raises(RuntimeError, match=message):
-        kernels.paged_decode_attention(**args)
+        kernels.paged_attention(**args)
 
 
 def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
@@ -194,7 +188,7 @@ def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
     build_dir = tmp_path / "kernels"
     build_dir.mkdir()
     (build_dir / "lock").touch()
-    cmd = [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir)]
+    cmd = [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir), kernels.name]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -205,12 +199,13 @@ def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
     # .ninja_log: one "start end mtime output hash" line per command ninja ran.
     outputs = [line.split("\t")[3] for line in (build_dir / ".ninja_log").read_text().splitlines()
                if not line.startswith("#")]
-    assert outputs.count("paged_attention.o") == 1
+    assert outputs.count("kernels.o") == 1
 
 
-def test_build_dir_names_every_source_and_header(tmp_path, monkeypatch):
+def test_build_dir_names_every_source_header_and_isa(tmp_path, monkeypatch):
     """An edit to any compiled file, shared header included, must lead to a fresh build folder:
-    a stale cached library would otherwise keep serving the old code."""
+    a stale cached library would otherwise keep serving the old code. Each ISA variant has a
+    folder of its own, named after it."""
     from tierserve.workers import kernels as kmod
 
     csrc = tmp_path / "csrc"
@@ -219,92 +214,97 @@ def test_build_dir_names_every_source_and_header(tmp_path, monkeypatch):
     names = kmod._SOURCES + kmod._HEADERS
     assert "vec.h" in names
     assert {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")} == set(names)
-    seen = {build_dir_for(tmp_path)}
+    folders = {isa: build_dir_for(tmp_path, isa) for isa in kmod.ISA_CFLAGS}
+    assert len(set(folders.values())) == len(folders)
+    assert all(f"-{isa}-" in folder.name for isa, folder in folders.items())
+    seen = {build_dir_for(tmp_path, "avx2")}
     for name in names:
         with open(csrc / name, "a") as f:
             f.write("\n// edited\n")
-        seen.add(build_dir_for(tmp_path))
+        seen.add(build_dir_for(tmp_path, "avx2"))
     assert len(seen) == len(names) + 1
+    with pytest.raises(ValueError, match="no kernel variant"):
+        build_dir_for(tmp_path, "sse2")
 
 
-def test_background_build_loads_cached_library(kernels):
-    fresh = CpuKernels()
+def test_cached_library_loads_at_once(kernels):
+    """A variant already in the cache loads before start_build returns, background or not:
+    whether an engine runs the kernels never depends on a loading thread's timing."""
+    fresh = KernelLibrary(kernels.name)
     assert not fresh.available and not fresh.wait(0)
-    fresh.start_build(build_dir_for(envs.cache_dir()))
-    assert fresh.wait(60)
-    assert fresh.supports_decode(torch.bfloat16, 64)
-    assert not fresh.supports_decode(torch.float16, 64)
-    assert not fresh.supports_decode(torch.float32, 40)
+    fresh.start_build(envs.cache_dir())
+    assert fresh.available and not fresh.building
+    assert fresh.ops.build_isa() == kernels.name
+    assert fresh.ops.panel_width() == kernels.panel_width == 2 * fresh.ops.vector_lanes()
+    assert kernels.attends(torch.bfloat16, 64) and kernels.attends(torch.float32, 64)
+    assert not kernels.attends(torch.float16, 64)
+    assert not kernels.attends(torch.float32, 40)
 
 
 def test_failed_build_falls_back_with_one_warning(kernels, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/bin/false")
-    fresh = CpuKernels()
+    fresh = KernelLibrary(kernels.name)
     with caplog.at_level(logging.WARNING, logger="tierserve.kernels"):
         fresh.start_build(tmp_path / "broken", sync=True)
         fresh.start_build(tmp_path / "broken", sync=True)
     assert not fresh.available and not fresh.wait(0)
     assert "kernel build failed" in fresh.error
     assert len(caplog.records) == 1 and "using the torch path" in caplog.records[0].getMessage()
-    assert not (tmp_path / "broken" / "ready").exists()
+    assert not list((tmp_path / "broken").glob("kernels/*/ready"))
 
 
-def _spy(monkeypatch, kernels, name: str) -> list:
-    """Records the arguments of every call of the kernels' `name`, which still runs."""
+def _spy(monkeypatch, name: str) -> list:
+    """Records the arguments (self first) of every call of CpuBackend.`name`, which still
+    runs, on any backend object, the engine's own included."""
     calls = []
-    original = getattr(CpuKernels, name)
+    original = getattr(CpuBackend, name)
 
     def spy(*args):
         calls.append(args)
-        return original(kernels, *args)
+        return original(*args)
 
-    monkeypatch.setattr(kernels, name, spy)
+    monkeypatch.setattr(CpuBackend, name, spy)
     return calls
 
 
+@pytest.mark.parity
 def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypatch):
     path = make_tiny_llama(tmp_path / "llama")
     hf = load_hf(path)
     prompts = [[(7 * i + 3) % 380 + 3 for i in range(n)] for n in (5, 40, 17, 3, 61)]
     references = [hf_greedy(hf, p, 10) for p in prompts]
-    spied = _spy(monkeypatch, kernels, "paged_decode_attention")
+    spied = _spy(monkeypatch, "paged_attention")
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(str(path), block_size=4) as llm:
+    with LLM(str(path), block_size=4, cpu_isa=kernels.name) as llm:
+        assert llm.stats()["cpu_backend"] == kernels.name
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
     # Every layer of every step: the prompts' tokens first, then 3 layers x 9 decode steps over
     # the whole batch of 5.
-    calls = [args[0].shape[0] for args in spied]
+    assert {args[0].name for args in spied} == {kernels.name}
+    calls = [args[1].shape[0] for args in spied]
     assert calls.count(len(prompts)) >= 27 and max(calls) > len(prompts)
 
 
+@pytest.mark.parity
 def test_engine_greedy_steps_skip_full_logits(kernels, tmp_path, monkeypatch):
-    """Plain greedy steps take the LM head's exact greedy route (no full fp32 logits) and give
-    transformers' tokens; a step with a logprobs request computes the logits."""
+    """Where the backend has the greedy head, plain greedy steps take the LM head's exact greedy
+    route (no full fp32 logits) and give transformers' tokens; a step with a logprobs request
+    computes the logits. Elsewhere the route is never taken."""
     path = make_tiny_llama(tmp_path / "llama")
     hf = load_hf(path)
     prompts = [[(5 * i + 2) % 380 + 3 for i in range(n)] for n in (9, 33, 4)]
     references = [hf_greedy(hf, p, 8) for p in prompts]
-    routes = _spy(monkeypatch, kernels, "greedy_from_approx")
+    routes = _spy(monkeypatch, "greedy_from_approx")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(str(path), block_size=4) as llm:
+    with LLM(str(path), block_size=4, cpu_isa=kernels.name) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == references
+        if not kernels.greedy_head:
+            assert routes == []
+            return
         assert len(routes) >= 8
         routes.clear()
         with_logprobs = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
         out = llm.generate([prompts[0]], with_logprobs, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == references[0][:3] and routes == []
-
-
-def test_cpu_amx_switch(monkeypatch, kernels):
-    """TIERSERVE_CPU_AMX=0 keeps prefill linears off AMX in a process that loads the kernels;
-    anything but 0 or 1 is an error."""
-    monkeypatch.setenv("TIERSERVE_CPU_AMX", "0")
-    assert envs.cpu_amx() is False
-    fresh = CpuKernels()
-    fresh.start_build(build_dir_for(envs.cache_dir()), sync=True)
-    assert fresh.available and not fresh.has_amx
-    monkeypatch.setenv("TIERSERVE_CPU_AMX", "yes")
-    with pytest.raises(ValueError, match="TIERSERVE_CPU_AMX"):
-        envs.cpu_amx()

@@ -52,11 +52,13 @@ MODES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2"])
-def test_greedy_equals_transformers(checkpoints, references, name, mode):
+def test_greedy_equals_transformers(checkpoints, references, name, mode, backend):
     options = MODES[mode]
-    with LLM(str(checkpoints[name]), **options) as llm:
+    with LLM(str(checkpoints[name]), cpu_isa=backend.name, **options) as llm:
+        assert llm.stats()["cpu_backend"] == backend.name
         prompts = _prompts(llm.engine.vocab_size)
         # Run twice: the second pass hits the prefix cache where it is on.
         for _ in range(2):

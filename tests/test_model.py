@@ -50,13 +50,19 @@ def tiny_ckpts(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def hf_models(tiny_ckpts):
+    return {name: load_hf(path) for name, path in tiny_ckpts.items()}
+
+
 @pytest.fixture(scope="module", params=["llama", "llama3_rope", "qwen2", "mistral"])
-def pair(request, tiny_ckpts):
-    """(HF reference model, our model) on one tiny checkpoint."""
+def pair(request, tiny_ckpts, hf_models, backend):
+    """(HF reference model, our model on the pinned CPU backend) on one tiny checkpoint."""
     path = tiny_ckpts[request.param]
-    return load_hf(path), load_model(str(path))[1]
+    return hf_models[request.param], load_model(str(path), backend=backend)[1]
 
 
+@pytest.mark.parity
 def test_prefill_batch_matches_hf(pair):
     hf, ours = pair
     rng = random.Random(0)
@@ -67,6 +73,7 @@ def test_prefill_batch_matches_hf(pair):
         torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parity
 def test_decode_steps_on_scattered_blocks_match_hf(pair):
     hf, ours = pair
     rng = random.Random(1)
@@ -90,6 +97,7 @@ def test_decode_steps_on_scattered_blocks_match_hf(pair):
             torch.testing.assert_close(logits[i][0], ref[pos], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parity
 def test_mixed_batch_with_cached_prefixes_matches_hf(pair):
     """Decodes first, then prefill chunks after a prefix cached earlier, after a prefix shared
     with another sequence, and after a prefix another sequence writes in this same step."""
@@ -121,6 +129,7 @@ def test_mixed_batch_with_cached_prefixes_matches_hf(pair):
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=f"sequence {work.seq_id}")
 
 
+@pytest.mark.parity
 def test_greedy_generation_matches_hf_generate(pair):
     hf, ours = pair
     rng = random.Random(3)
@@ -129,12 +138,14 @@ def test_greedy_generation_matches_hf_generate(pair):
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_tracks_fp32(tiny_ckpts, dtype):
+def test_half_precision_tracks_fp32(tiny_ckpts, dtype, backend):
     path = str(tiny_ckpts["llama"])
     _, ref_model = load_model(path)
-    _, half = load_model(path, dtype=dtype)
-    assert half.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
+    _, half = load_model(path, dtype=dtype, backend=backend)
+    qkv = half.model.layers[0].self_attn.qkv_proj
+    assert (qkv.weight if qkv.weight is not None else qkv.packed.panels).dtype == dtype
     rng = random.Random(4)
     prompts = [_tokens(rng, n, ref_model.config.vocab_size) for n in (7, 12)]
     works = [Work(f"s{i}", p, 0) for i, p in enumerate(prompts)]
@@ -229,8 +240,8 @@ def test_gguf_loader_undoes_llama_cpp_permutation(tiny_ckpts, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """Our SmolLM2 and transformers' own GGUF conversion of the same file.
+def smollm2_hf():
+    """SmolLM2's config and transformers' own GGUF conversion of the same file.
 
     transformers' `from_pretrained(gguf_file=...)` needs `accelerate`, which tierserve does not
     depend on; its underlying `load_gguf_checkpoint` (dequantize, reverse permute, rename) and
@@ -240,7 +251,7 @@ def smollm2():
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = default_model_path()
-    config, ours = load_model(path)
+    config = load_model_config(path)
     with torch.device("meta"):
         # Only names matter to the tensor-name map; the real config comes from transformers.
         mapping_model = AutoModelForCausalLM.from_config(_hf_llama_config(config))
@@ -249,7 +260,14 @@ def smollm2():
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(parsed["tensors"], strict=False)
     assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embedding
-    return config, ours, hf.eval()
+    return config, hf.eval()
+
+
+@pytest.fixture
+def smollm2(smollm2_hf, backend):
+    """(config, our SmolLM2 on the pinned CPU backend, transformers' SmolLM2)."""
+    config, hf = smollm2_hf
+    return config, load_model(default_model_path(), backend=backend)[1], hf
 
 
 def _hf_llama_config(config: ModelConfig):
@@ -274,6 +292,7 @@ def test_default_gguf_config():
     assert os.path.basename(default_model_path()) == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.mark.parity
 def test_smollm2_gguf_logits_match_transformers(smollm2):
     config, ours, hf = smollm2
     hf_cfg = hf.config
@@ -283,6 +302,7 @@ def test_smollm2_gguf_logits_match_transformers(smollm2):
     torch.testing.assert_close(got, hf_logits(hf, SMOL_PROMPT), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parity
 def test_smollm2_gguf_greedy_matches_transformers(smollm2):
     _, ours, hf = smollm2
     prompts = [SMOL_PROMPT, SMOL_PROMPT[:5]]

@@ -1,6 +1,7 @@
-"""Packed linear weights: oneDNN-packed bf16/fp16 ones against F.linear; the fp32 C++ linear
-kernel (csrc/linear.cpp) and its panel-packed weights against a float64 reference, rows that do
-not depend on the batch around them, input checks; and which layers of a loaded model get which."""
+"""Packed linear weights: oneDNN-packed bf16/fp16 ones against F.linear; the C++ linear kernel
+(csrc/linear.cpp) of every kernel backend, its panel-packed fp32 and bf16/fp16 weights against a
+float64 reference, rows that do not depend on the batch around them, input checks; and which
+layers of a loaded model get which layout on each backend."""
 from __future__ import annotations
 
 import pytest
@@ -8,21 +9,24 @@ import torch
 import torch.nn.functional as F
 
 from tests.checkpoints import make_tiny_llama
-from tierserve.workers import layers
-from tierserve.workers.kernels import CpuKernels
+from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.cpu_features import detect_cpu_features
 from tierserve.workers.layers import (
     ColumnParallelLinear, GreedyHead, PackedWeight, PanelWeight, ParallelLMHead,
-    RowParallelLinear, pack_weights,
+    RowParallelLinear,
 )
 from tierserve.workers.loader import load_model
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 def test_onednn_packed_linear_matches_f_linear(dtype, m):
+    """Where oneDNN runs the dtype natively (elsewhere its reorder refuses the weight, and no
+    backend packs it so)."""
+    if torch_backend().half_linear_for(dtype) != "onednn":
+        pytest.skip(f"oneDNN does not run {dtype} natively on this CPU")
     torch.manual_seed(m)
     w, x, b = torch.randn(96, 80, dtype=dtype), torch.randn(m, 80, dtype=dtype), torch.randn(96, dtype=dtype)
     got = PackedWeight(w).linear(x, b).float()
@@ -38,16 +42,16 @@ def _case(m: int, k: int, n: int, seed: int):
             torch.randn(n, generator=g))
 
 
-# m: one row, row tiles of every size, the kernel's largest batch and the MKL path beyond it.
+# m: one row, row tiles of every size (6 rows a tile on AVX2, 12 on AVX-512), the AVX-512
+# kernel's largest batch and the MKL / AMX path beyond it, a batch past the AVX2 limit.
 # n: whole panels and a padded last one. k: one K block and several (blocks of 256).
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 64, PanelWeight.KERNEL_MAX_ROWS,
-                               PanelWeight.KERNEL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 64, 160, 161, 300, 1025])
 @pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 960)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_panel_linear_matches_float64(kernels, m, k, n, with_bias):
     w, x, b = _case(m, k, n, seed=m * 7 + k + n)
     bias = b if with_bias else None
-    got = PanelWeight(w).linear(x, bias)
+    got = PanelWeight(w, kernels).linear(x, bias)
     want = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
     assert got.shape == (m, n) and got.dtype == torch.float32
     # Within the worst-case bound of any fp32 summation order of k products (Higham: (k + 1) u
@@ -60,17 +64,41 @@ def test_panel_linear_matches_float64(kernels, m, k, n, with_bias):
     assert err <= 10 * ref_err + 1e-6
 
 
+# bf16 / fp16 on the panel kernel: fp32 products and sums, rounded once to the dtype, as
+# F.linear rounds; against float64 within one rounding of the output plus the fp32 sum's error.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 6, 7, 64, 300])
+@pytest.mark.parametrize("k,n", [(64, 96), (600, 50)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_half_panel_linear_matches_float64(kernels, dtype, m, k, n, with_bias):
+    if kernels.half_linear_for(dtype) != "kernel":
+        pytest.skip(f"the {kernels.name} backend runs {dtype} linears on oneDNN here")
+    w, x, b = (t.to(dtype) for t in _case(m, k, n, seed=m + k + n))
+    bias = b if with_bias else None
+    packed = PanelWeight(w, kernels)
+    got = packed.linear(x, bias)
+    assert got.dtype == dtype and got.shape == (m, n) and packed.panels.dtype == dtype
+    want = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
+    magnitude = F.linear(x.double().abs(), w.double().abs(),
+                         b.double().abs() if with_bias else None)
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((got.double() - want).abs() <= unit * want.abs() + (k + 1) * 2.0 ** -24 * magnitude
+            + 1e-30).all()
+    # Rows do not depend on the batch around them.
+    assert torch.equal(packed.linear(x[m // 2:].contiguous(), bias), got[m // 2:])
+
+
 @pytest.mark.parametrize("m", [1, 16, 161, 300, 1000])
 @pytest.mark.parametrize("k,n", [(33, 50), (600, 96), (576, 960), (1536, 70)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_amx_linear_matches_float64(kernels, m, k, n, with_bias):
     """csrc/linear_amx.cpp (bf16x3 on AMX) to fp32 accuracy: within the fp32 bound of any
     summation order, and no less accurate than MKL's sgemm. Ragged M, K and N (tile padding)."""
-    if not kernels.has_amx:
-        pytest.skip("no AMX-BF16 on this CPU / build")
+    if not kernels.amx_linear:
+        pytest.skip(f"the {kernels.name} backend has no AMX linear")
     w, x, b = _case(m, k, n, seed=m + 3 * k + n)
     bias = b if with_bias else None
-    got = kernels.linear_amx(x, PanelWeight(w).panels, bias, n)
+    got = kernels.linear_amx(x, PanelWeight(w, kernels).panels, bias, n)
     want = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
     u = 2.0 ** -24
     bound = (k + 1) * u * (F.linear(x.double().abs(), w.double().abs(),
@@ -80,15 +108,24 @@ def test_amx_linear_matches_float64(kernels, m, k, n, with_bias):
     assert (got - want).abs().max().item() <= 2 * ref_err + 1e-6
 
 
-def test_prefill_sized_inputs_take_amx_where_offered(kernels, monkeypatch):
-    if not kernels.has_amx:
-        pytest.skip("no AMX-BF16 on this CPU / build")
-    w, x, _ = _case(PanelWeight.KERNEL_MAX_ROWS + 1, 64, 40, seed=5)
+def test_inputs_past_the_panel_limit_take_amx_or_mkl(kernels, monkeypatch):
+    """Rows up to the backend's panel_max_rows run the panel kernel; beyond it AMX where the
+    backend has it, else MKL (F.linear) on the weight rebuilt from the panels."""
+    limit = kernels.panel_max_rows
+    w, x, _ = _case(limit + 1, 64, 40, seed=5)
     calls = []
-    monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a) or torch.zeros(1))
-    PanelWeight(w).linear(x, None)
-    PanelWeight(w).linear(x[:-1], None)
-    assert len(calls) == 1
+    for name in ("linear_f32", "linear_amx"):
+        monkeypatch.setattr(CpuBackend, name,
+                            lambda self, *a, name=name: calls.append(name) or torch.zeros(1))
+    packed = PanelWeight(w, kernels)
+    packed.linear(x[:-1], None)
+    assert calls == ["linear_f32"]
+    got = packed.linear(x, None)
+    if kernels.amx_linear:
+        assert calls == ["linear_f32", "linear_amx"]
+    else:
+        assert calls == ["linear_f32"] and torch.equal(got, F.linear(x, w))
+        assert torch.equal(packed.weight(), w)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -98,8 +135,8 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        w, x, b = _case(PanelWeight.KERNEL_MAX_ROWS, 600, 200, seed=3)
-        packed = PanelWeight(w)
+        w, x, b = _case(160, 600, 200, seed=3)
+        packed = PanelWeight(w, kernels)
         full = packed.linear(x, b)
         for rows in (slice(0, 1), slice(5, 6), slice(17, 81), slice(100, None)):
             assert torch.equal(packed.linear(x[rows].contiguous(), b), full[rows])
@@ -110,13 +147,14 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads):
 def test_kernel_takes_strided_rows(kernels):
     w, x, _ = _case(20, 64, 40, seed=1)
     wide = torch.cat([x, torch.randn(20, 16)], dim=1)[:, :64]  # rows with a stride of 80
-    assert torch.equal(PanelWeight(w).linear(wide, None), PanelWeight(w).linear(x, None))
+    packed = PanelWeight(w, kernels)
+    assert torch.equal(packed.linear(wide, None), packed.linear(x, None))
 
 
 @pytest.mark.parametrize("case", ["dtype", "k", "n", "layout", "bias"])
 def test_kernel_rejects_bad_inputs(kernels, case):
     w, x, b = _case(4, 64, 40, seed=2)
-    panels, n, bias = PanelWeight(w).panels, 40, None
+    panels, n, bias = PanelWeight(w, kernels).panels, 40, None
     if case == "dtype":
         x = x.double()
     elif case == "k":
@@ -129,39 +167,62 @@ def test_kernel_rejects_bad_inputs(kernels, case):
         bias = b[:10]
     with pytest.raises(RuntimeError, match="linear_f32"):
         kernels.linear_f32(x, panels, bias, n)
-    if kernels.has_amx:
+    with pytest.raises(RuntimeError, match="linear_half"):
+        kernels.linear_half(x.bfloat16() if case != "dtype" else x, panels.bfloat16(),
+                            None if bias is None else bias.bfloat16(), n)
+    if kernels.amx_linear:
         with pytest.raises(RuntimeError, match="linear_amx"):
             kernels.linear_amx(x, panels, bias, n)
 
 
-def test_fp32_linears_switch_to_panels_once_kernels_load(kernels, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_loaded_linears_take_the_backend_layout(backend, dtype, tmp_path):
+    """Each backend packs a model's linears once, at load, in the layout its linears run:
+    panels for the kernel's dtypes (replacing the plain weight, except the LM head's, which is
+    the embedding's), oneDNN copies where oneDNN runs the dtype natively, else plain weights.
+    The packed linears equal F.linear on the loaded weights."""
     path = make_tiny_llama(tmp_path / "llama")
-    if torch.backends.mkldnn.is_available():
-        _, bf16 = load_model(str(path), torch.bfloat16)
-        assert all(isinstance(m.packed, PackedWeight)
-                   for m in bf16.modules() if isinstance(m, LINEARS))
-    # Kernels not loaded yet: fp32 weights stay plain and packing reports it is waiting.
-    monkeypatch.setattr(layers, "cpu_kernels", CpuKernels())
-    _, fp32 = load_model(str(path), torch.float32)
-    assert all(m.packed is None and m.weight is not None
-               for m in fp32.modules() if isinstance(m, LINEARS))
-    assert pack_weights(fp32) is True
-    reference = {name: m.weight.detach().clone() for name, m in fp32.named_modules()
-                 if isinstance(m, LINEARS)}
-    monkeypatch.setattr(layers, "cpu_kernels", kernels)
-    assert pack_weights(fp32) is False
-    for name, m in fp32.named_modules():
+    _, plain = load_model(str(path), dtype, backend=torch_backend())
+    _, model = load_model(str(path), dtype, backend=backend)
+    assert model.backend is backend
+    reference = {name: m.weight for name, m in plain.named_modules() if isinstance(m, LINEARS)}
+    route = backend.half_linear_for(dtype) if dtype != torch.float32 else (
+        "kernel" if backend.fp32_linear else "torch")
+    for name, m in model.named_modules():
         if not isinstance(m, LINEARS):
             continue
-        assert isinstance(m.packed, PanelWeight)
-        # The panels replace the plain weight, except the LM head's (here the embedding's),
-        # which also gets its exact greedy route.
-        assert (m.weight is not None) == isinstance(m, ParallelLMHead)
-        if isinstance(m, ParallelLMHead) and torch.backends.mkldnn.is_available():
-            assert isinstance(m.greedy_head, GreedyHead) and m.greedy_head.panel is m.packed
-        x = torch.randn(7, reference[name].shape[1])
-        torch.testing.assert_close(m.packed.linear(x, None), F.linear(x, reference[name]),
-                                   rtol=1e-5, atol=1e-5)
+        if route == "kernel":
+            assert isinstance(m.packed, PanelWeight)
+            assert (m.weight is not None) == isinstance(m, ParallelLMHead)
+        else:
+            assert m.packed is None or isinstance(m.packed, PackedWeight)
+            assert (m.packed is not None) == (route == "onednn")
+        if isinstance(m, ParallelLMHead):
+            assert (m.greedy_head is not None) == (backend.greedy_head and dtype == torch.float32)
+            if m.greedy_head is not None:
+                assert m.greedy_head.panel is m.packed
+        x = torch.randn(7, reference[name].shape[1]).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        got = m.packed.linear(x, None) if m.packed is not None else F.linear(x, m.weight)
+        torch.testing.assert_close(got.float(), F.linear(x, reference[name]).float(),
+                                   rtol=tol, atol=tol)
+
+
+def test_backends_never_outrun_the_cpu(backend):
+    """A backend runs only on a CPU with its ISA, and plans the paths that CPU supports."""
+    features = detect_cpu_features()
+    assert backend.name == "torch" or features.has(backend.name)
+    if backend.amx_linear:
+        assert features.has("amx") and backend.name == "amx"
+    if backend.greedy_head:
+        assert features.onednn_bf16
+    for dtype, how in backend.half_linear.items():
+        assert how != "onednn" or (features.onednn_bf16 if dtype == torch.bfloat16
+                                   else features.onednn_fp16)
+    if backend.has_kernels:
+        assert backend.ops.build_isa() == backend.name
+        assert backend.panel_width == 2 * backend.ops.vector_lanes()
+        assert backend.ops.vector_lanes() == (8 if backend.name == "avx2" else 16)
 
 
 def _lm_head_case(vocab: int, k: int, seed: int) -> torch.Tensor:
@@ -176,16 +237,22 @@ def _lm_head_case(vocab: int, k: int, seed: int) -> torch.Tensor:
     return w
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-@pytest.mark.parametrize("m", [1, 13, 64, PanelWeight.KERNEL_MAX_ROWS])
+def _greedy_backend(kernels):
+    if not kernels.greedy_head:
+        pytest.skip(f"the {kernels.name} backend has no greedy head on this CPU")
+    return kernels
+
+
+@pytest.mark.parametrize("m", [1, 13, 64, 160])
 @pytest.mark.parametrize("vocab,k", [(1000, 64), (3001, 600)])
 def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k):
     """Bit-for-bit the token argmax over linear_f32's logits gives (first index on ties), on
     random rows, rows aimed at tied or near-tied vocabulary rows, and all-zero rows (every
     column a candidate)."""
+    kernels = _greedy_backend(kernels)
     w = _lm_head_case(vocab, k, seed=m + vocab)
-    panel = PanelWeight(w)
-    head = GreedyHead(panel, w)
+    panel = PanelWeight(w, kernels)
+    head = GreedyHead(panel, w, kernels)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
     x[0] = w[4] * 50
@@ -200,17 +267,17 @@ def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k):
         assert got[2] == 0
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 def test_greedy_head_defers_to_full_logits(kernels):
     """None where the full product must decide: more rows than the fp32 kernel takes (MKL
     rounds differently beyond them), or a non-finite input."""
+    kernels = _greedy_backend(kernels)
     w = _lm_head_case(500, 64, seed=1)
-    head = GreedyHead(PanelWeight(w), w)
-    assert head.tokens(torch.randn(PanelWeight.KERNEL_MAX_ROWS + 1, 64)) is None
+    head = GreedyHead(PanelWeight(w, kernels), w, kernels)
+    assert head.tokens(torch.randn(kernels.panel_max_rows + 1, 64)) is None
     x = torch.randn(3, 64)
     x[1, 7] = float("nan")
     assert head.tokens(x) is None
     x[1, 7] = float("inf")
     assert head.tokens(x) is None
     w[3, 3] = float("inf")
-    assert not GreedyHead.applies_to(w)
+    assert not GreedyHead.applies_to(w, kernels)

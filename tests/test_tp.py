@@ -45,13 +45,22 @@ def run_scenario(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tp_worker(rank: int, world_size: int, port: int, ckpts: list[str], out_dir: str) -> None:
+def _backend(name: str):
+    """The named CPU backend in a spawned rank (the test process built its kernels)."""
+    from tierserve.runtime import envs
+    from tierserve.workers.backend import kernel_backend
+
+    return kernel_backend(name, envs.cache_dir())
+
+
+def _tp_worker(rank: int, world_size: int, port: int, ckpts: list[str], out_dir: str,
+               backend: str) -> None:
     torch.set_num_threads(1)  # several ranks share two cores
     init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=120)
     try:
         results = {}
         for path in ckpts:
-            _, model = load_model(path)
+            _, model = load_model(path, backend=_backend(backend))
             results[path] = run_scenario(model)
             results[path]["kv_heads_per_rank"] = model.kv_heads_per_rank
         results["errors"] = _construction_errors(load_model_config(ckpts[0]))
@@ -81,15 +90,16 @@ def _construction_errors(config) -> dict[str, str]:
     return errors
 
 
-def _run_tp(world_size: int, ckpts: list[Path], tmp_path: Path) -> list[dict]:
+def _run_tp(world_size: int, ckpts: list[Path], tmp_path: Path,
+            backend: str = "torch") -> list[dict]:
     paths = [str(p) for p in ckpts]
-    mp.spawn(_tp_worker, args=(world_size, _free_port(), paths, str(tmp_path)),
+    mp.spawn(_tp_worker, args=(world_size, _free_port(), paths, str(tmp_path), backend),
              nprocs=world_size, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
 
 
-def _assert_matches_tp1(ranks: list[dict], ckpt: Path) -> None:
-    _, model = load_model(str(ckpt))
+def _assert_matches_tp1(ranks: list[dict], ckpt: Path, backend: str = "torch") -> None:
+    _, model = load_model(str(ckpt), backend=_backend(backend))
     ref = run_scenario(model)
     for r, res in enumerate(ranks):
         got = res[str(ckpt)]
@@ -99,15 +109,16 @@ def _assert_matches_tp1(ranks: list[dict], ckpt: Path) -> None:
         assert torch.equal(got["greedy"], ref["greedy"]), f"rank {r} greedy tokens of {ckpt.name}"
 
 
-def test_tp2_llama_and_qwen2(tmp_path):
+@pytest.mark.parity
+def test_tp2_llama_and_qwen2(tmp_path, backend):
     ckpts = [
         make_tiny_llama(tmp_path / "llama"),
         make_tiny_llama(tmp_path / "llama3", rope_scaling=TINY_LLAMA3_ROPE, seed=2),
         make_tiny_qwen2(tmp_path / "qwen2"),  # tied embeddings, q/k/v bias
     ]
-    ranks = _run_tp(2, ckpts, tmp_path)
+    ranks = _run_tp(2, ckpts, tmp_path, backend.name)
     for ckpt in ckpts:
-        _assert_matches_tp1(ranks, ckpt)
+        _assert_matches_tp1(ranks, ckpt, backend.name)
         assert ranks[0][str(ckpt)]["kv_heads_per_rank"] == 1
 
 

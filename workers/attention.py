@@ -11,9 +11,9 @@ followed by prefill chunks whose positions continue after a possibly cached pref
 The same torch ops run on CPU and CUDA: decodes are one batched SDPA over K/V gathered block-wise
 through the block tables; prefill chunks are one SDPA each. Grouped-query attention needs no K/V
 expansion: for decodes the query heads sharing a KV head are laid out as that head's query rows.
-On CPU, once the C++ kernels are loaded (workers/kernels.py), every token instead reads K/V in
-place through its block table, prefill tokens each over their causal context, in one call a
-layer, with no gather copy and no padding.
+On CPU, with a backend that has the paged kernel (workers/backend.py), every token instead reads
+K/V in place through its block table, prefill tokens each over their causal context, in one call
+a layer, with no gather copy and no padding.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tierserve.workers.kernels import cpu_kernels
+from tierserve.workers.backend import CpuBackend
 from tierserve.workers.layers import partition_heads
 from tierserve.workers.model_config import ModelConfig
 
@@ -127,9 +127,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with valid block ids
     num_decodes: int
     block_size: int
-    # Whether this step's attention runs the C++ CPU kernel. Fixed per step, so every layer of
-    # a step takes the same path while a background kernel build completes.
-    use_cpu_kernel: bool = False
     prefills: list[PrefillChunk] = field(default_factory=list)
     _decode_gather: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _token_tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -154,7 +151,6 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             query_start_loc=qsl, seq_lens=list(seq_lens), query_lens=list(query_lens),
             block_tables=table.to(device), num_decodes=num_decodes, block_size=block_size,
-            use_cpu_kernel=torch.device(device).type == "cpu" and cpu_kernels.available,
         )
         md.prefills = [md._build_prefill(i, table, device) for i in range(num_decodes, len(seq_lens))]
         return md
@@ -239,15 +235,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                    scale: float, kv_written: bool = False) -> torch.Tensor:
+                    scale: float, backend: CpuBackend, kv_written: bool = False) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D].
     kv_written: k and v are already in their pool slots (a fused op put them there)."""
     k_cache, v_cache = kv_cache
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
     num_tokens, heads, head_dim = q.shape
-    if attn.use_cpu_kernel and cpu_kernels.supports_decode(q.dtype, head_dim):
-        return _kernel_step(q, k, v, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
+    if q.device.type == "cpu" and backend.attends(q.dtype, head_dim):
+        return _kernel_step(q, k, v, k_cache, v_cache, attn, scale, backend).view(
+            num_tokens, heads * head_dim)
     nd = attn.num_decodes
     if nd == num_tokens:
         return _decode(q, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
@@ -268,7 +265,8 @@ KERNEL_PREFILL_MAX_CONTEXT = 384
 
 
 def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
+                 backend: CpuBackend) -> torch.Tensor:
     """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
     the short chunks' tokens, each as one query over its causal context read in place from the
     pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls. On the
@@ -277,7 +275,7 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     tables, lens = attn.token_tables()
     long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
     if not long:
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     keep = torch.ones(q.shape[0], dtype=torch.bool)
     for chunk in long:
@@ -285,7 +283,7 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
         out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale)
     rows = keep.nonzero().squeeze(1).to(q.device)
     if rows.numel():
-        out[rows] = cpu_kernels.paged_decode_attention(
+        out[rows] = backend.paged_attention(
             q.index_select(0, rows), k_cache, v_cache, tables.index_select(0, rows).contiguous(),
             lens.index_select(0, rows), scale)
     return out

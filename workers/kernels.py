@@ -1,19 +1,22 @@
-"""Optional C++ CPU kernels (csrc/), JIT-compiled with the machine's compiler and cached on disk.
+"""C++ CPU kernels (csrc/), compiled on the user's machine once per ISA variant and cached on disk.
 
-The torch path stays the reference and the fallback: the kernels are used only once loaded, and a
-missing compiler or failed build is logged once and changes nothing else.
+Each variant (`avx2`, `avx512`, `amx`; see cpu_features.py) is built from the same sources with
+that ISA's compiler flags, so its vectors are the width, and its register blocking the depth,
+the ISA has; it registers its ops under its own namespace (`torch.ops.tierserve_avx2`, ...), so
+several variants can live in one process (tests and benches compare them). Which variant, if
+any, serves a model is the backend's decision (backend.py), made once per engine.
 
 Build protocol, safe for several processes (TP ranks) at once:
-  * The compile runs in a child process (`python -m tierserve.workers.kernels BUILD_DIR`) in its
-    own session. A background build therefore never blocks the caller, and a caller that exits
-    early leaves the child to finish, so the next process finds the cache warm.
+  * The compile runs in a child process (`python -m tierserve.workers.kernels BUILD_DIR ISA`) in
+    its own session. A background build therefore never blocks the caller, and a caller that
+    exits early leaves the child to finish, so the next process finds the cache warm.
   * The child compiles under an exclusive flock on BUILD_DIR/build.lock. The kernel releases a
     flock when its holder dies, so a crashed builder never wedges the others; with the flock
     held, a leftover torch baton file (BUILD_DIR/lock) can only be stale and is removed.
   * Success is published last, by atomically renaming the `ready` marker into place; a process
     that sees the marker loads the library directly without importing torch's build machinery.
-BUILD_DIR must be specific to the sources, flags, torch version and CPU (see `build_dir_for`),
-because -march=native code only runs where it was built.
+BUILD_DIR is keyed by torch's version, the ISA and a hash of the sources and flags
+(`build_dir_for`): a variant runs on any CPU with its ISA, so no CPU model goes into the key.
 """
 from __future__ import annotations
 
@@ -28,42 +31,44 @@ from pathlib import Path
 
 import torch
 
-from tierserve.runtime import envs
+from tierserve.workers.cpu_features import ISAS
 
-__all__ = ["CpuKernels", "cpu_kernels", "build_dir_for"]
+__all__ = ["KernelLibrary", "kernel_library", "build_dir_for", "ISA_CFLAGS"]
 
 log = logging.getLogger("tierserve.kernels")
 
-_NAME = "tierserve_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "linear.cpp", "linear_amx.cpp", "fused.cpp")
-_HEADERS = ("vec.h", "panels.h")  # included by the sources; part of the build's identity
+_UNIT = "kernels.cpp"  # includes the other sources: one translation unit
+_SOURCES = ("kernels.cpp", "paged_attention.cpp", "linear.cpp", "linear_amx.cpp", "fused.cpp")
+_HEADERS = ("vec.h", "panels.h")  # part of the build's identity
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
+# Targets by ISA level, never -march=native: a variant must run on every CPU of its level.
+ISA_CFLAGS = {
+    "avx2": ("-march=x86-64-v3",),
+    "avx512": ("-march=x86-64-v4",),
+    "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+}
+assert tuple(ISA_CFLAGS) == ISAS
 _READY = "ready"
 
 
-def _cpu_fingerprint() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
+def _flags(isa: str) -> list[str]:
+    return [*_CFLAGS, *ISA_CFLAGS[isa], f"-DTIERSERVE_OPS=tierserve_{isa}", f"-DTIERSERVE_ISA={isa}"]
 
 
-def build_dir_for(cache_root: str | os.PathLike) -> Path:
-    """`<cache_root>/kernels/<torch version>-<hash of sources, headers, flags and CPU features>`."""
+def build_dir_for(cache_root: str | os.PathLike, isa: str) -> Path:
+    """`<cache_root>/kernels/<torch version>-<isa>-<hash of sources, headers, flags, compiler>`."""
+    if isa not in ISA_CFLAGS:
+        raise ValueError(f"no kernel variant for ISA {isa!r}; variants: {', '.join(ISA_CFLAGS)}")
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
-    digest.update(repr((_CFLAGS, _LDFLAGS, _cpu_fingerprint())).encode())
-    return Path(cache_root) / "kernels" / f"{torch.__version__}-{digest.hexdigest()[:16]}"
+    digest.update(repr((_flags(isa), _LDFLAGS, os.environ.get("CXX", "c++"))).encode())
+    return Path(cache_root) / "kernels" / f"{torch.__version__}-{isa}-{digest.hexdigest()[:16]}"
 
 
 def _ready_library(build_dir: Path) -> Path | None:
@@ -75,8 +80,8 @@ def _ready_library(build_dir: Path) -> Path | None:
     return library if library.is_file() else None
 
 
-def compile_locked(build_dir: str | os.PathLike) -> Path:
-    """Compile (or find) the library in build_dir under the cross-process lock; returns its path."""
+def compile_locked(build_dir: str | os.PathLike, isa: str) -> Path:
+    """Compile (or find) `isa`'s library in build_dir under the cross-process lock; its path."""
     build_dir = Path(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "build.lock", "w") as lock:
@@ -87,48 +92,50 @@ def compile_locked(build_dir: str | os.PathLike) -> Path:
         (build_dir / "lock").unlink(missing_ok=True)
         from torch.utils.cpp_extension import load
 
-        path = Path(load(_NAME, [str(_CSRC / s) for s in _SOURCES], extra_cflags=list(_CFLAGS),
-                         extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir),
-                         is_python_module=False, verbose=False))
+        path = Path(load(f"tierserve_kernels_{isa}", [str(_CSRC / _UNIT)],
+                         extra_cflags=_flags(isa), extra_ldflags=list(_LDFLAGS),
+                         build_directory=str(build_dir), is_python_module=False, verbose=False))
         marker = build_dir / f"{_READY}.{os.getpid()}"
         marker.write_text(path.name)
         marker.replace(build_dir / _READY)
         return path
 
 
-class CpuKernels:
-    """The process's handle on the compiled kernels; one per process (`cpu_kernels`), because
-    the library registers the `torch.ops.tierserve` namespace, which can be loaded only once."""
+class KernelLibrary:
+    """This process's handle on one ISA variant: built (or found in the cache) and loaded at
+    most once, because its op namespace can be registered only once per process."""
 
-    def __init__(self) -> None:
+    def __init__(self, isa: str) -> None:
+        self.isa = isa
         self._lock = threading.Lock()
         self._started = False
         self._done = threading.Event()
-        self._ops = None
-        self._head_dims: frozenset[int] = frozenset()
-        self._amx = False
+        self.ops = None  # torch.ops.tierserve_<isa> once loaded
         self.error: str | None = None
 
-    def start_build(self, build_dir: str | os.PathLike, *, sync: bool = False) -> None:
-        """Load the kernels from build_dir, compiling them there first if needed. The compiler
-        is started before this returns, so it runs to completion (and fills the cache) even if
-        this process exits at once; the wait and the load happen on a background thread, or on
-        this thread when sync. Later calls do nothing."""
+    def start_build(self, cache_root: str | os.PathLike, *, sync: bool = False) -> None:
+        """Load the variant from the cache under cache_root, compiling it there first if
+        needed. A cached library is loaded before this returns; otherwise the compiler is
+        started before this returns, so it runs to completion (and fills the cache) even if
+        this process exits at once, and the wait and the load happen on a background thread,
+        or on this thread when sync. Later calls only wait, when sync."""
         with self._lock:
-            if self._started:
-                return
-            self._started = True
-        build_dir = Path(build_dir)
+            started, self._started = self._started, True
+        if started:
+            if sync:
+                self._done.wait()
+            return
         try:
-            builder = None if _ready_library(build_dir) else _Builder(build_dir)
+            build_dir = build_dir_for(cache_root, self.isa)
+            builder = None if _ready_library(build_dir) else _Builder(build_dir, self.isa)
         except Exception as e:  # e.g. an unwritable cache folder
             self._give_up(e)
             return
-        if sync:
+        if sync or builder is None:
             self._load(build_dir, builder)
         else:
             threading.Thread(target=self._load, args=(build_dir, builder), daemon=True,
-                             name="tierserve-kernel-build").start()
+                             name=f"tierserve-kernel-build-{self.isa}").start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a started build has finished (or timeout); returns `available`."""
@@ -143,99 +150,52 @@ class CpuKernels:
 
     @property
     def available(self) -> bool:
-        return self._ops is not None
-
-    def supports_decode(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return self.available and dtype in (torch.float32, torch.bfloat16) \
-            and head_dim in self._head_dims
-
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-        """q [nd, heads, D] over pools [num_blocks, block_size, kv_heads, D], block_tables int32
-        [nd, max_blocks], seq_lens int32 [nd] -> [nd, heads, D] in q's dtype."""
-        return self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-
-    def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
-        """x [M, K] float32 times a weight in panels [ceil(N / 32), K, 32] -> [M, N] (+ bias)."""
-        return self._ops.linear_f32(x, panels, bias, out_features)
-
-    @property
-    def has_amx(self) -> bool:
-        """linear_amx runs here: the build targets AMX-BF16, Linux granted this process the
-        tile state, and TIERSERVE_CPU_AMX does not turn it off."""
-        return self._amx
-
-    def linear_amx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
-        """linear_f32's product on AMX, to fp32 accuracy (csrc/linear_amx.cpp); for
-        prefill-sized x, as it splits the weight into bf16 pieces on every call."""
-        return self._ops.linear_amx(x, panels, bias, out_features)
-
-    def greedy_from_approx(self, approx: torch.Tensor, x: torch.Tensor, panels: torch.Tensor,
-                           norms: torch.Tensor, out_features: int, rel: float,
-                           out_rel: float) -> torch.Tensor:
-        """The first index of each row's maximum of linear_f32(x, panels), from approx [M, N]
-        bf16 within rel * |x| * norms + out_rel * |approx| of it -> long[M]; -1 for rows with
-        non-finite values (see csrc/linear.cpp)."""
-        return self._ops.greedy_from_approx(approx, x, panels, norms, out_features, rel, out_rel)
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the fused elementwise ops (rms_norm, silu_and_mul, rotary_write_kv) and
-        argmax_rows take x."""
-        return self.available and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-
-    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual) * weight, x + residual); without residual (norm(x) * weight, x)."""
-        return self._ops.rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """[M, 2d] -> silu(x[:, :d]) * x[:, d:]."""
-        return self._ops.silu_and_mul(x)
-
-    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """[M, n] float32/bfloat16 with contiguous rows -> long[M], the first index of each row's
-        maximum, NaN counting as the maximum (what x.max(dim=-1).indices gives)."""
-        return self._ops.argmax_rows(x)
-
-    def rotary_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k of qkv [T, (heads + 2 kv_heads) D] by cos/sin [T, D/2]; write k and v
-        to their pool slots; returns q [T, heads, D] and k [T, kv_heads, D]."""
-        return self._ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads)
+        return self.ops is not None
 
     def _load(self, build_dir: Path, builder: "_Builder | None") -> None:
         try:
             library = _ready_library(build_dir) if builder is None else builder.wait()
             torch.ops.load_library(str(library))
-            ops = torch.ops.tierserve
-            self._head_dims = frozenset(ops.decode_head_dims())
-            self._amx = envs.cpu_amx() and ops.has_amx()
-            self._ops = ops
+            ops = getattr(torch.ops, f"tierserve_{self.isa}")
+            if ops.build_isa() != self.isa:
+                raise RuntimeError(f"{library} was built for {ops.build_isa()}, not {self.isa}")
+            self.ops = ops
         except Exception as e:  # any failure leaves the torch path in place
             self._give_up(e)
         self._done.set()
 
     def _give_up(self, error: Exception) -> None:
         self.error = f"{type(error).__name__}: {error}"
-        log.warning("C++ CPU kernels unavailable, using the torch path: %s", self.error)
+        log.warning("C++ CPU kernels (%s) unavailable, using the torch path: %s", self.isa,
+                    self.error)
         self._done.set()
+
+
+_libraries: dict[str, KernelLibrary] = {}
+_libraries_lock = threading.Lock()
+
+
+def kernel_library(isa: str) -> KernelLibrary:
+    """The process's one KernelLibrary for `isa` (not yet built or loaded until asked)."""
+    if isa not in ISA_CFLAGS:
+        raise ValueError(f"no kernel variant for ISA {isa!r}; variants: {', '.join(ISA_CFLAGS)}")
+    with _libraries_lock:
+        if isa not in _libraries:
+            _libraries[isa] = KernelLibrary(isa)
+        return _libraries[isa]
 
 
 class _Builder:
     """A compile in a child process (`compile_locked` there), in its own session so that it
     outlives this process; its output goes to a log in build_dir, kept only on failure."""
 
-    def __init__(self, build_dir: Path) -> None:
+    def __init__(self, build_dir: Path, isa: str) -> None:
         build_dir.mkdir(parents=True, exist_ok=True)
         self.build_dir = build_dir
         self.log_path = build_dir / f"build-{os.getpid()}.log"
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir),
+                [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir), isa,
                  str(self.log_path)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, env={**os.environ, "MAX_JOBS": "1"})
@@ -249,16 +209,12 @@ class _Builder:
         return library
 
 
-cpu_kernels = CpuKernels()
-
-
 if __name__ == "__main__":
-    # python -m tierserve.workers.kernels BUILD_DIR [LOG]: LOG (this run's output) is removed on
-    # success, here rather than by the caller, which may have exited before the build ends.
-    # Lowest priority and one compiler at a time (MAX_JOBS, set by _Builder): a first run serves
-    # through the torch path meanwhile, and parallel compilers on its cores tripled the cold
-    # start to the first token on a 2-core machine.
+    # python -m tierserve.workers.kernels BUILD_DIR ISA [LOG]: LOG (this run's output) is removed
+    # on success, here rather than by the caller, which may have exited before the build ends.
+    # Lowest priority: a first run serves through the torch path meanwhile, and a compiler at
+    # normal priority on its cores tripled the cold start to the first token on 2 cores.
     os.nice(19)
-    print(compile_locked(sys.argv[1]), flush=True)
-    if len(sys.argv) > 2:
-        Path(sys.argv[2]).unlink(missing_ok=True)
+    print(compile_locked(sys.argv[1], sys.argv[2]), flush=True)
+    if len(sys.argv) > 3:
+        Path(sys.argv[3]).unlink(missing_ok=True)

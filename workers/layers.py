@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.workers.kernels import cpu_kernels
+from tierserve.workers.backend import CpuBackend
 from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -109,48 +109,56 @@ class PackedWeight:
 
 
 class PanelWeight:
-    """A CPU fp32 weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of
-    PANEL output features, [ceil(N / PANEL), K, PANEL], the last one zero-padded. It replaces
-    the plain weight. Decode-sized inputs (up to KERNEL_MAX_ROWS rows) run the kernel, ~1.3x
-    MKL there. Larger ones run csrc/linear_amx.cpp where the CPU has AMX (bf16x3, to fp32
-    accuracy, splitting the panels per call): on 30 layers of SmolLM2's shapes with weights
-    streaming from memory, 1.1x MKL (W^T copy counted) at 161 rows, 1.2x at 512 and 1.25x at
-    2048, with a third of its rounding error against float64 (bench/linear_kernels.py; the
-    panel kernel edges AMX out up to ~192 rows there). Elsewhere they run MKL on W^T rebuilt
-    from the panels, a copy that is small next to a prefill-sized product."""
+    """A CPU weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of W
+    output features, [ceil(N / W), K, W], the last one zero-padded, W the backend's panel width
+    (two of its vector registers). It replaces the plain weight.
 
-    PANEL = 32
-    KERNEL_MAX_ROWS = 160
+    fp32: inputs of up to the backend's panel_max_rows rows run the panel kernel; larger ones
+    run csrc/linear_amx.cpp where the backend has AMX (bf16x3, to fp32 accuracy), else MKL on
+    W rebuilt from the panels, a copy that is small next to a prefill-sized product. bf16 / fp16
+    (backends whose half_linear is "kernel"): the panel kernel at every size, in fp32 math.
+    bench/linear_kernels.py compares the routes."""
 
-    __slots__ = ("panels", "out_features")
+    __slots__ = ("panels", "out_features", "backend")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, backend: CpuBackend) -> None:
         n, k = weight.shape
-        num_panels = -(-n // self.PANEL)
-        padded = F.pad(weight.detach(), (0, 0, 0, num_panels * self.PANEL - n))
-        self.panels = padded.view(num_panels, self.PANEL, k).transpose(1, 2).contiguous()
+        width = backend.panel_width
+        num_panels = -(-n // width)
+        padded = F.pad(weight.detach(), (0, 0, 0, num_panels * width - n))
+        self.panels = padded.view(num_panels, width, k).transpose(1, 2).contiguous()
         self.out_features = n
+        self.backend = backend
 
     @staticmethod
-    def applies_to(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32
+    def applies_to(weight: torch.Tensor, backend: CpuBackend) -> bool:
+        if weight.device.type != "cpu":
+            return False
+        if weight.dtype == torch.float32:
+            return backend.fp32_linear
+        return backend.half_linear_for(weight.dtype) == "kernel"
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.KERNEL_MAX_ROWS:
-            return cpu_kernels.linear_f32(x, self.panels, bias, self.out_features)
-        if cpu_kernels.has_amx:
-            return cpu_kernels.linear_amx(x, self.panels, bias, self.out_features)
+        if x.dtype != torch.float32:
+            return self.backend.linear_half(x, self.panels, bias, self.out_features)
+        if x.shape[0] <= self.backend.panel_max_rows:
+            return self.backend.linear_f32(x, self.panels, bias, self.out_features)
+        if self.backend.amx_linear:
+            return self.backend.linear_amx(x, self.panels, bias, self.out_features)
+        return F.linear(x, self.weight(), bias)
+
+    def weight(self) -> torch.Tensor:
+        """The plain [N, K] weight, rebuilt from the panels (a copy)."""
         k = self.panels.shape[1]
-        w_t = self.panels.transpose(0, 1).reshape(k, -1)[:, : self.out_features]  # [K, N]
-        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+        return self.panels.transpose(1, 2).reshape(-1, k)[: self.out_features]
 
 
 class GreedyHead:
     """Exact greedy tokens of an fp32 LM head (panels) without its full fp32 product.
 
-    A bf16 copy of the weight gives approximate logits at a quarter of the fp32 product's cost
-    (oneDNN, AMX where the CPU has it: ~4 ms against ~14 ms for 64 rows of SmolLM2's 49152 x
-    576 head); csrc/linear.cpp's greedy_from_approx bounds their error, computes only the
+    A bf16 copy of the weight gives approximate logits at a fraction of the fp32 product's cost
+    (oneDNN's native bf16: AVX512-BF16 or AMX; bench/linear_kernels.py measures it);
+    csrc/linear.cpp's greedy_from_approx bounds their error, computes only the
     columns that could still be the maximum with the fp32 kernel's own arithmetic, and returns
     the token argmax over the full fp32 logits would give, bit for bit. Greedy rows without
     penalties or logprobs need no more (SamplingBatch.plain_greedy).
@@ -169,10 +177,11 @@ class GreedyHead:
         gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
         return 2.0 ** -7 + 2.0 ** -16 + 2 * gamma + 1e-4
 
-    __slots__ = ("panel", "approx", "norms")
+    __slots__ = ("panel", "approx", "norms", "backend")
 
-    def __init__(self, panel: PanelWeight, weight: torch.Tensor) -> None:
+    def __init__(self, panel: PanelWeight, weight: torch.Tensor, backend: CpuBackend) -> None:
         self.panel = panel
+        self.backend = backend
         self.approx = PackedWeight(weight.detach().to(torch.bfloat16))
         # Row norms in float64, a block of rows at a time (no float64 copy of the whole head),
         # rounded up so that each stays an upper bound of |w_j| after the cast.
@@ -182,19 +191,21 @@ class GreedyHead:
         self.norms = (norms * (1 + 1e-6)).float().contiguous()
 
     @staticmethod
-    def applies_to(weight: torch.Tensor) -> bool:
-        return (PanelWeight.applies_to(weight) and torch.backends.mkldnn.is_available()
+    def applies_to(weight: torch.Tensor, backend: CpuBackend) -> bool:
+        return (backend.greedy_head and weight.dtype == torch.float32
+                and PanelWeight.applies_to(weight, backend)
+                and torch.backends.mkldnn.is_available()
                 and weight.shape[1] <= GreedyHead.MAX_K and bool(torch.isfinite(weight).all()))
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] float32 -> long[M], or None where the full product must decide: more rows
         than the panel kernel takes (larger inputs go through AMX or MKL, which round
         differently), or non-finite values."""
-        if x.shape[0] > PanelWeight.KERNEL_MAX_ROWS:
+        if x.shape[0] > self.backend.panel_max_rows:
             return None
         x = x.contiguous()
         approx = self.approx.linear(x.to(torch.bfloat16), None)
-        ids = cpu_kernels.greedy_from_approx(approx, x, self.panel.panels, self.norms,
+        ids = self.backend.greedy_from_approx(approx, x, self.panel.panels, self.norms,
                                              self.panel.out_features, self.rel(x.shape[1]),
                                              self.OUT_REL)
         return None if bool((ids < 0).any()) else ids
@@ -208,31 +219,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def pack_weights(module: nn.Module) -> bool:
-    """Gives the CPU linears of `module` their packed weights; call after loading.
+def pack_weights(module: nn.Module, backend: CpuBackend) -> None:
+    """Gives the CPU linears of `module` the weight layout `backend` runs; call after loading.
 
-    bf16/fp16 weights get a oneDNN copy. fp32 weights are re-laid out as panels for the C++
-    kernel, replacing the plain weight (except the LM head's, which may be the embedding's),
-    once the kernels are loaded. Returns True when fp32 weights are left waiting for them: call
-    again after `cpu_kernels` becomes available.
+    bf16/fp16 weights get a oneDNN copy where the backend packs them so. Weights the backend's
+    panel kernel runs are re-laid out as panels, replacing the plain weight (except the LM
+    head's, which may be the embedding's); an fp32 LM head at TP=1 also gets its greedy route
+    where the backend has one.
     """
-    waiting = False
     for sub in module.modules():
         if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) \
-                or sub.packed is not None:
+                or sub.packed is not None or sub.weight.device.type != "cpu":
             continue
-        if PackedWeight.applies_to(sub.weight):
+        if backend.half_linear_for(sub.weight.dtype) == "onednn" \
+                and PackedWeight.applies_to(sub.weight):
             sub.packed = PackedWeight(sub.weight)
-        elif PanelWeight.applies_to(sub.weight):
-            if not cpu_kernels.available:
-                waiting = True
-                continue
-            sub.packed = PanelWeight(sub.weight)
+        elif PanelWeight.applies_to(sub.weight, backend):
+            sub.packed = PanelWeight(sub.weight, backend)
             if not isinstance(sub, ParallelLMHead):
                 sub.weight = None
-            elif get_tp_size() == 1 and GreedyHead.applies_to(sub.weight):
-                sub.greedy_head = GreedyHead(sub.packed, sub.weight)
-    return waiting
+            elif get_tp_size() == 1 and GreedyHead.applies_to(sub.weight, backend):
+                sub.greedy_head = GreedyHead(sub.packed, sub.weight, backend)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -361,15 +368,17 @@ class RowParallelLinear(nn.Module):
 class RMSNorm(nn.Module):
     """HF Llama RMSNorm (statistics in float32), optionally fused with the residual add."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device,
+                 backend: CpuBackend):
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = _param((hidden_size,), dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when residual is given."""
-        if x.dim() == 2 and cpu_kernels.fuses(x):
-            out, summed = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2 and self.backend.fuses(x):
+            out, summed = self.backend.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, summed)
         if residual is not None:
             x = x + residual
@@ -383,9 +392,13 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """[..., 2d] -> silu(x[..., :d]) * x[..., d:], the SwiGLU of a fused gate/up output."""
 
+    def __init__(self, backend: CpuBackend):
+        super().__init__()
+        self.backend = backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_kernels.fuses(x):
-            return cpu_kernels.silu_and_mul(x)
+        if x.dim() == 2 and self.backend.fuses(x):
+            return self.backend.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tierserve.workers.gguf_file import GGUFFile, open_gguf
-from tierserve.workers.layers import pack_weights
+from tierserve.workers.backend import CpuBackend
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.model_config import ModelConfig
 
@@ -102,12 +102,13 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model for the current TP rank and load only its shard of the weights."""
+               device: torch.device | str = "cpu",
+               backend: CpuBackend | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model for the current TP rank and load only its shard of the weights; on CPU
+    it runs `backend`'s kernels (default: the torch backend)."""
     config = load_model_config(path)
-    model = LlamaForCausalLM(config, resolve_dtype(dtype), device)
+    model = LlamaForCausalLM(config, resolve_dtype(dtype), device, backend)
     model.load_weights(iter_weights(path))
-    pack_weights(model)
     return config, model.eval()
 
 

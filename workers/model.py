@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.kernels import cpu_kernels
+from tierserve.workers.backend import CpuBackend, torch_backend
 from tierserve.workers.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -22,6 +22,7 @@ from tierserve.workers.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     copy_checked,
+    pack_weights,
     partition_heads,
 )
 from tierserve.workers.model_config import ModelConfig
@@ -47,8 +48,10 @@ def _shards_of(param_name: str) -> tuple:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
+                 backend: CpuBackend):
         super().__init__()
+        self.backend = backend
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(
@@ -68,28 +71,30 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
         qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if cpu_kernels.fuses(qkv):
+        if self.backend.fuses(qkv):
             # One pass: rotated q and k out, rotated k and v into their pool slots.
-            q, k = cpu_kernels.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], *kv_cache,
+            q, k = self.backend.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], *kv_cache,
                                                attn.slot_mapping, self.num_heads)
-            out = paged_attention(q, k, v, kv_cache, attn, self.scale, kv_written=True)
+            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend,
+                                  kv_written=True)
         else:
             # q and k share one rotation call: [T, heads + kv_heads, D]
             qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1),
                                    cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            out = paged_attention(q, k, v, kv_cache, attn, self.scale)  # [T, heads * D]
+            # [T, heads * D]
+            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: CpuBackend):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], config.mlp_bias, dtype, device
         )
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(backend)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,13 +102,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
+                 backend: CpuBackend):
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, rotary, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
+        self.self_attn = LlamaAttention(config, rotary, dtype, device, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
+        self.mlp = LlamaMLP(config, dtype, device, backend)
 
     def forward(self, hidden, residual, cos, sin, kv_cache: KVCache, attn: AttentionMetadata):
         """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
@@ -117,15 +123,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: CpuBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         # One rotary table for all layers; its inv_freq stays float32 like HF's.
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling_dict, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, dtype, device) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, dtype, device, backend)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, backend)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache]):
         hidden = self.embed_tokens(input_ids)
@@ -138,13 +145,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 backend: CpuBackend | None = None):
         super().__init__()
         # Fails early, with the reason, when the head counts cannot be split at this TP size.
         partition_heads(config.num_attention_heads, config.num_key_value_heads, get_tp_size())
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, device)
+        # The kernels every layer runs with, fixed for the model's life.
+        self.backend = backend or torch_backend()
+        self.model = LlamaModel(config, dtype, device, self.backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -175,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face named tensors; each layer keeps only this rank's shard.
 
         Raises ValueError on unknown names and on parameters the checkpoint never provided.
+        The weights then take the layout the backend's linears run.
         """
         params = dict(self.named_parameters())
         pending = {(name, shard) for name in params for shard in _shards_of(name)}
@@ -186,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
             missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in pending)
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        pack_weights(self, self.backend)
 
     def _load_one(self, params: dict, hf_name: str, tensor: torch.Tensor):
         """Load one HF tensor; returns the (param name, shard id) it filled, or None if skipped."""

@@ -6,8 +6,6 @@ import torch
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tierserve.workers.attention import AttentionMetadata
 from tierserve.workers.input_batch import InputBatch, StepInputs
-from tierserve.workers.kernels import cpu_kernels
-from tierserve.workers.layers import pack_weights
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
 
@@ -25,16 +23,11 @@ class ModelRunner:
         self.is_driver = is_driver
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, model.backend)
         self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device))
-        # fp32 CPU weights switch to the C++ kernel's layout at the first step after the
-        # kernels load (a first-time compile runs in the background; see kernels.py).
-        self._weights_wait_for_kernels = pack_weights(model)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._weights_wait_for_kernels and cpu_kernels.available:
-            self._weights_wait_for_kernels = pack_weights(self.model)
         self.batch.apply(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(out.step_id)

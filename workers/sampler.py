@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.kernels import cpu_kernels
+from tierserve.workers.backend import CpuBackend, torch_backend
 
 __all__ = [
     "SAMPLING_EPS",
@@ -325,13 +325,13 @@ class SamplerOutput:
     logprobs: LogprobsOutput | None = None
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, backend: CpuBackend | None = None) -> torch.Tensor:
     """Row-wise argmax [n, vocab] -> long[n], the first index on ties (as argmax). max(dim) gives
-    the same indices and runs ~3x faster than argmax on CPU at decode batch sizes; the C++
-    argmax_rows, the same indices again, ~3x faster than max(dim) there."""
-    if cpu_kernels.fuses(logits) and logits.dim() == 2 and logits.stride(-1) == 1 \
-            and logits.shape[-1] > 0:
-        return cpu_kernels.argmax_rows(logits)
+    the same indices faster than argmax on CPU at decode batch sizes; the backend's C++
+    argmax_rows, where it has one, the same indices again, faster still."""
+    if backend is not None and backend.fuses(logits) and logits.dim() == 2 \
+            and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        return backend.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 
@@ -341,16 +341,18 @@ class Sampler:
     The input logits are never modified.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 backend: CpuBackend | None = None) -> None:
         # None: unseeded rows draw from torch's default generator for the logits' device.
         self.generator = generator
+        self.backend = backend or torch_backend()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match "
                              f"{batch.num_rows} batch rows")
         if batch.plain_greedy:
-            return SamplerOutput(greedy(logits))
+            return SamplerOutput(greedy(logits, self.backend))
         logits = logits.float()
         if batch.penalties is None:
             token_ids = self._choose(logits, batch, owned=False)
@@ -364,7 +366,7 @@ class Sampler:
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
         """x: penalised logits float32[n, vocab] -> long[n]; `owned`: x may be modified."""
         if batch.random_rows is None:
-            return greedy(x)
+            return greedy(x, self.backend)
         if batch.all_random:
             xr = x if owned else x.clone()
         else:
@@ -373,7 +375,7 @@ class Sampler:
         if batch.all_random:
             return sampled
         tokens = torch.empty(batch.num_rows, dtype=torch.long, device=x.device)
-        tokens[batch.greedy_rows] = greedy(x.index_select(0, batch.greedy_rows))
+        tokens[batch.greedy_rows] = greedy(x.index_select(0, batch.greedy_rows), self.backend)
         tokens[batch.random_rows] = sampled
         return tokens
 

@@ -16,7 +16,9 @@ from tierserve.scheduler.messages import (
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
 from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from tierserve.workers.kernels import build_dir_for, cpu_kernels
+from tierserve.workers.backend import CpuBackend, plan_for, torch_backend
+from tierserve.workers.cpu_features import detect_cpu_features
+from tierserve.workers.kernels import KernelLibrary, kernel_library
 from tierserve.workers.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 
@@ -47,8 +49,10 @@ class WorkerSpec:
     cpu_threads: int | None = None
     collective_timeout_s: float = 60.0
     # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
-    # cache_dir; None cache_dir means no kernels.
+    # cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
+    # ("auto": the CPU's best; "torch": none).
     cpu_kernels: str = "background"
+    cpu_isa: str = "auto"
     cache_dir: str | None = None
 
 
@@ -73,6 +77,10 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.num_threads = 1
         self._threads_reduced = False
+        # The kernel variant this rank would run (set by init_device); whether the engine
+        # runs it is decided once, for all ranks, at load_model.
+        self._kernels: KernelLibrary | None = None
+        self.backend: CpuBackend | None = None
 
     # ------------------------------------------------------------------ control plane
 
@@ -83,16 +91,8 @@ class Worker:
         self.num_threads = self.spec.cpu_threads or max(
             1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
         torch.set_num_threads(self.num_threads)
-        if self.device.type == "cpu" and self.spec.cpu_kernels != "off" and self.spec.cache_dir:
-            # Started before the weights load, so a first-time compile overlaps it.
-            cpu_kernels.start_build(build_dir_for(self.spec.cache_dir),
-                                    sync=self.spec.cpu_kernels == "sync")
-            if cpu_kernels.building and self.num_threads > 1:
-                # A compiler now shares the cores. With an OpenMP thread on every core, the one
-                # it preempts stalls the others at each barrier (a first run took 3x longer):
-                # one thread fewer until the build ends (see handle).
-                torch.set_num_threads(self.num_threads - 1)
-                self._threads_reduced = True
+        if self.device.type == "cpu":
+            self._start_kernels()
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
@@ -100,11 +100,48 @@ class Worker:
                                       self.dist_init_method,
                                       timeout_s=self.spec.collective_timeout_s)
 
-    def load_model(self) -> dict:
-        config, self.model = load_model(self.spec.model, self.dtype, self.device)
+    def _start_kernels(self) -> None:
+        """Starts building (or loading) the best kernel variant this CPU runs under the cap,
+        before the weights load, so that a first-time compile overlaps it."""
+        spec = self.spec
+        isa = detect_cpu_features().best_isa("amx" if spec.cpu_isa == "auto" else spec.cpu_isa)
+        if isa == "torch" or spec.cpu_kernels == "off" or not spec.cache_dir:
+            return
+        self._kernels = kernel_library(isa)
+        self._kernels.start_build(spec.cache_dir, sync=spec.cpu_kernels == "sync")
+        if self._kernels.building and self.num_threads > 1:
+            # A compiler now shares the cores. With an OpenMP thread on every core, the one it
+            # preempts stalls the others at each barrier (a first run took 3x longer): one
+            # thread fewer until the build ends (see handle).
+            torch.set_num_threads(self.num_threads - 1)
+            self._threads_reduced = True
+
+    def kernels_ready(self) -> bool:
+        """Whether this rank's kernel variant is loaded now; never waits for a background
+        build. The engine runs the kernels only if every rank's are ready."""
+        return self._kernels is not None and self._kernels.available
+
+    def load_model(self, use_kernels: bool = False) -> dict:
+        """Loads this rank's shard; on CPU with use_kernels, the model runs this rank's kernel
+        variant, else the torch backend, for the engine's whole life."""
+        if use_kernels and not self.kernels_ready():
+            raise RuntimeError(f"rank {self.rank}: kernels requested but not loaded")
+        features = detect_cpu_features()
+        if use_kernels:
+            self.backend = plan_for(self._kernels.isa, features, self._kernels.ops)
+        else:
+            self.backend = torch_backend()
+            if self._kernels is not None and self._kernels.building:
+                log.info("rank %d: the %s kernels are still building; this engine runs the "
+                         "torch backend, later starts the %s one", self.rank,
+                         self._kernels.isa, self._kernels.isa)
+        log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
+                 features.model_name, ", ".join(features.isas) or "none")
+        config, self.model = load_model(self.spec.model, self.dtype, self.device, self.backend)
         return {"vocab_size": config.vocab_size,
                 "max_position_embeddings": config.max_position_embeddings,
-                "eos_token_ids": list(config.eos_token_ids)}
+                "eos_token_ids": list(config.eos_token_ids),
+                "backend": self.backend.describe()}
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
@@ -174,7 +211,7 @@ class Worker:
     def handle(self, msg: ToWorker) -> FromWorker | None:
         """Executes one message; returns the reply for the driver rank (None elsewhere)."""
         if isinstance(msg, SchedulerOutput):
-            if self._threads_reduced and not cpu_kernels.building:
+            if self._threads_reduced and not self._kernels.building:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
             try:

@@ -21,8 +21,8 @@
 namespace tierserve {
 namespace {
 
-// Loads and stores of 16 values of T as fp32; bf16 stores round to nearest even (NaN kept NaN),
-// as c10::BFloat16's conversion does.
+// Loads and stores of kLanes values of T as fp32; bf16 stores round to nearest even (NaN kept
+// NaN), as c10::BFloat16's conversion does.
 template <typename T>
 inline Vec vload(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -70,7 +70,8 @@ inline Vec round_to(Vec v) {
   }
 }
 
-inline float hsum(Vec v) {
+// Lane 0 first, in order.
+inline float sum_lanes(Vec v) {
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
@@ -115,7 +116,7 @@ void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* 
         const Vec v = vload_n(h + j, std::min<int64_t>(kLanes, width - j));
         sq += v * v;
       }
-      const float inv = 1.0f / std::sqrt(hsum(sq) / static_cast<float>(width) + eps);
+      const float inv = 1.0f / std::sqrt(sum_lanes(sq) / static_cast<float>(width) + eps);
       for (int64_t j = 0; j < width; j += kLanes) {
         const int64_t n = std::min<int64_t>(kLanes, width - j);
         vstore_n(o + j, vload_n(w + j, n) * round_to<T>(vload_n(h + j, n) * inv), n);
@@ -279,11 +280,11 @@ std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const 
 // ---------------------------------------------------------------- Greedy sampling
 
 // The first index of each row's maximum, NaN above every number (as torch's max(dim) picks):
-// one pass, 16 running (max, index) lanes, where max(dim) on CPU took ~2 ms for SmolLM2's
+// one pass, kLanes running (max, index) lanes, where max(dim) on CPU took ~2 ms for SmolLM2's
 // [64, 49152] fp32 logits (bench/step_profile.py: decode_max_ms).
 template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
-  IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  IVec lane = lane_ids();
   IVec at = n >= kLanes ? lane : IVec{} - 1;  // -1: a lane that saw nothing
   Vec best = n >= kLanes ? vload(row) : Vec{};
   int64_t j = n >= kLanes ? kLanes : 0;
@@ -331,7 +332,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }  // namespace
 }  // namespace tierserve
 
-TORCH_LIBRARY_FRAGMENT(tierserve, m) {
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -339,7 +340,7 @@ TORCH_LIBRARY_FRAGMENT(tierserve, m) {
         "Tensor(b!) v_cache, Tensor slot_mapping, int heads) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("rms_norm", &tierserve::rms_norm);
   m.impl("silu_and_mul", &tierserve::silu_and_mul);
   m.impl("argmax_rows", &tierserve::argmax_rows);

@@ -1,13 +1,17 @@
-// fp32 linear layer (y = x W^T + b) for CPU, over a weight packed once at load time.
+// Linear layer (y = x W^T + b) for CPU, over a weight packed once at load time: fp32, or bf16 /
+// fp16 weights computed in fp32.
 //
-// MKL's sgemm reaches ~350 GFLOPS here on prefill-sized inputs but only ~170-250 on decode-sized
-// ones (M = a few dozen rows), where it re-packs the weight on every call. This kernel keeps the
-// weight in the microkernel's layout instead: panels of kNR output features, each panel
-// [K][kNR] contiguous, so one k step reads kNR weights as two vector loads.
+// MKL's sgemm re-packs the weight on every call, which costs most at decode sizes (M = a few
+// dozen rows). This kernel keeps the weight in the microkernel's layout instead: panels of kNR
+// output features, each panel [K][kNR] contiguous, so one k step reads kNR weights as two
+// vector loads. Half-precision weights are widened to fp32 in registers as they are loaded
+// (CPUs without native bf16 math, where torch's own bf16 linear is several times slower than
+// its fp32 one), halving the bytes a decode step streams.
 //
 // Every output element is one FMA chain over k = 0 .. K-1 in order (K-blocking reloads the
 // accumulators and continues the same chain), then + bias: the result does not depend on M, on
-// the thread count or on how the work was split.
+// the thread count or on how the work was split. Half-precision outputs are that fp32 value
+// rounded once, as oneDNN's bf16 linear rounds its fp32 accumulator.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,22 +32,26 @@ namespace {
 
 constexpr int kNR = kPanel;  // output features per panel: two Vecs
 static_assert(kNR == 2 * kLanes);
-constexpr int kMaxMR = 12;       // rows per microkernel call: 2 * 12 accumulators + 2 + 1 zmm
-constexpr int64_t kKC = 256;     // k per block: a [kKC][kNR] panel slice is 32 KiB, L1-resident
+// Rows per microkernel call: 2 accumulators a row, plus the two weight Vecs and the broadcast
+// input, must fit the register file (12 rows on AVX-512's 32 registers, 6 on AVX2's 16).
+constexpr int kMaxMR = (kVecRegs - 3) / 2 > 12 ? 12 : (kVecRegs - 3) / 2;
+// k per block: a [kKC][kNR] fp32 panel slice (32 KiB on AVX-512, 16 on AVX2) stays in L1.
+constexpr int64_t kKC = 256;
+constexpr int64_t kLine = 64;  // bytes per cache line
 
 // c[MR][kNR] (row stride ldc) = (first ? 0 : c) + a[MR][kc] (row stride lda) . b[kc][kNR].
 // Meanwhile asks for pf_lines cache lines from pf on into L2: the weight slice that comes next.
-template <int MR>
-void microkernel(int64_t kc, const float* __restrict a, int64_t lda, const float* __restrict b,
-                 float* __restrict c, int64_t ldc, bool first, const float* pf, int64_t pf_lines) {
+template <typename W, int MR>
+void microkernel(int64_t kc, const float* __restrict a, int64_t lda, const W* __restrict b,
+                 float* __restrict c, int64_t ldc, bool first, const char* pf, int64_t pf_lines) {
   Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) {
     lo[r] = first ? Vec{} : load(c + r * ldc);
     hi[r] = first ? Vec{} : load(c + r * ldc + kLanes);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if (k < pf_lines) __builtin_prefetch(pf + k * kLanes, 0, 2);
-    const Vec b0 = load(b + k * kNR), b1 = load(b + k * kNR + kLanes);
+    if (k < pf_lines) __builtin_prefetch(pf + k * kLine, 0, 2);
+    const Vec b0 = load_as_float(b + k * kNR), b1 = load_as_float(b + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
       const Vec av = splat(a[r * lda + k]);
       lo[r] += av * b0;
@@ -56,20 +64,24 @@ void microkernel(int64_t kc, const float* __restrict a, int64_t lda, const float
   }
 }
 
-using Micro = void (*)(int64_t, const float*, int64_t, const float*, float*, int64_t, bool,
-                       const float*, int64_t);
+template <typename W>
+using Micro = void (*)(int64_t, const float*, int64_t, const W*, float*, int64_t, bool,
+                       const char*, int64_t);
 
-template <int... MR>
+template <typename W, int... MR>
 constexpr auto micro_table(std::integer_sequence<int, MR...>) {
-  return std::array<Micro, sizeof...(MR)>{&microkernel<MR + 1>...};
+  return std::array<Micro<W>, sizeof...(MR)>{&microkernel<W, MR + 1>...};
 }
-constexpr auto kMicro = micro_table(std::make_integer_sequence<int, kMaxMR>{});
+template <typename W>
+constexpr auto kMicro = micro_table<W>(std::make_integer_sequence<int, kMaxMR>{});
 
-// Rows [m0, m1) of the output through panel p. A full panel accumulates straight into out; the
-// last panel of an N that is not a multiple of kNR accumulates into a scratch tile per row tile.
-void run_panel(const float* x, int64_t ldx, const float* packed, const float* bias, float* out,
-               int64_t n, int64_t k, int64_t m0, int64_t m1, int64_t p) {
-  const float* panel = packed + p * k * kNR;
+// Rows [m0, m1) of the fp32 output through panel p (no bias). A full panel accumulates straight
+// into out; the last panel of an N that is not a multiple of kNR accumulates into a scratch
+// tile per row tile.
+template <typename W>
+void run_panel(const float* x, int64_t ldx, const W* packed, float* out, int64_t n, int64_t k,
+               int64_t m0, int64_t m1, int64_t p) {
+  const W* panel = packed + p * k * kNR;
   const int64_t col = p * kNR, width = std::min<int64_t>(kNR, n - col);
   const int64_t rows = m1 - m0;
   // Balanced row tiles: ceil(rows / kMaxMR) tiles whose sizes differ by at most one.
@@ -81,38 +93,31 @@ void run_panel(const float* x, int64_t ldx, const float* packed, const float* bi
       // The weight is streamed from memory once per call, in address order (panels are
       // contiguous): while the row tiles reuse this slice from L1, they prefetch the next
       // slice, a share each, since hardware prefetchers do not run that far ahead.
-      const float* next = panel + (kc + kn) * kNR;
-      const int64_t share = (kn * kNR / kLanes + tiles - 1) / tiles;
+      const char* next = reinterpret_cast<const char*>(panel + (kc + kn) * kNR);
+      const int64_t lines = (kn * kNR * static_cast<int64_t>(sizeof(W)) + kLine - 1) / kLine;
+      const int64_t share = (lines + tiles - 1) / tiles;
       for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t)
-        kMicro[tile_rows(t) - 1](kn, x + r0 * ldx + kc, ldx, panel + kc * kNR, out + r0 * n + col,
-                                 n, kc == 0, next + t * share * kLanes, share);
+        kMicro<W>[tile_rows(t) - 1](kn, x + r0 * ldx + kc, ldx, panel + kc * kNR,
+                                    out + r0 * n + col, n, kc == 0, next + t * share * kLine,
+                                    share);
     }
   } else {
     alignas(64) float tail[kMaxMR * kNR];
     for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t) {
       const int64_t mr = tile_rows(t);
       for (int64_t kc = 0; kc < k; kc += kKC)
-        kMicro[mr - 1](std::min(kKC, k - kc), x + r0 * ldx + kc, ldx, panel + kc * kNR, tail, kNR,
-                       kc == 0, nullptr, 0);
+        kMicro<W>[mr - 1](std::min(kKC, k - kc), x + r0 * ldx + kc, ldx, panel + kc * kNR, tail,
+                          kNR, kc == 0, nullptr, 0);
       for (int64_t r = 0; r < mr; ++r)
         std::copy_n(tail + r * kNR, width, out + (r0 + r) * n + col);
     }
   }
-  if (bias != nullptr)
-    for (int64_t r = m0; r < m1; ++r)
-      for (int64_t j = 0; j < width; ++j) out[r * n + col + j] += bias[col + j];
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
-                      const std::optional<at::Tensor>& bias, int64_t n) {
-  const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op_ = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+// out[M, n] fp32 = x[M, K] fp32 (row stride ldx) times the panels, no bias.
+template <typename W>
+void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* wp,
+                   int64_t panels, float* op, int64_t n) {
   // Work items are (row block, panel), panel-major within a row block: a thread's contiguous
   // share of items is a run of panels, so with few rows each thread streams its own share of
   // the weight, and a row block (the rows one panel slice is reused over) stays in L2.
@@ -121,10 +126,65 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t rb = i / panels;
-      run_panel(xp, ldx, wp, b, op_, n, k, rb * kRowBlock, std::min(m, (rb + 1) * kRowBlock),
+      run_panel(xp, ldx, wp, op, n, k, rb * kRowBlock, std::min(m, (rb + 1) * kRowBlock),
                 i % panels);
     }
   });
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, int64_t n) {
+  const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  float* op = out.data_ptr<float>();
+  panel_product(x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), packed.size(0),
+                op, n);
+  if (b != nullptr)
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < n; ++j) op[r * n + j] += b[j];
+    });
+  return out;
+}
+
+// y = round_T(x W^T + b) for bf16 / fp16 x, W (panels of T) and b: fp32 products and sums.
+template <typename T>
+void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, int64_t n,
+                 at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]: a Vec of inputs per splat
+  at::Tensor acc = at::empty({m, n}, xf.options());
+  float* ap = acc.data_ptr<float>();
+  panel_product(xf.data_ptr<float>(), k, m, k, packed.data_ptr<T>(), packed.size(0), ap, n);
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = ap[r * n + j] + (bias != nullptr ? static_cast<float>(bias[j]) : 0.0f);
+        op[r * n + j] = static_cast<T>(v);
+      }
+  });
+}
+
+at::Tensor linear_half(const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  const char* op = "linear_half: ";
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, op, "bfloat16 or float16 only");
+  TORCH_CHECK(packed.scalar_type() == dtype, op, "x and the packed weight must share a dtype");
+  check_panel_shapes(op, x, packed, n);
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n, op,
+                "bias must be a contiguous [n] tensor of x's dtype");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (dtype == at::kBFloat16)
+    half_linear<c10::BFloat16>(x, packed, bias ? bias->data_ptr<c10::BFloat16>() : nullptr, n,
+                               out);
+  else
+    half_linear<c10::Half>(x, packed, bias ? bias->data_ptr<c10::Half>() : nullptr, n, out);
   return out;
 }
 
@@ -246,13 +306,15 @@ at::Tensor greedy_from_approx(const at::Tensor& approx, const at::Tensor& x,
 }  // namespace
 }  // namespace tierserve
 
-TORCH_LIBRARY_FRAGMENT(tierserve, m) {
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("linear_half(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("greedy_from_approx(Tensor approx, Tensor x, Tensor packed, Tensor norms, int n, "
         "float rel, float out_rel) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("linear_f32", &tierserve::linear_f32);
+  m.impl("linear_half", &tierserve::linear_half);
   m.impl("greedy_from_approx", &tierserve::greedy_from_approx);
 }

@@ -8,16 +8,16 @@
 // in separate tiles, added once at the end, so the sum's rounding error is that of one fp32 dot
 // product of length K rather than 6K: a few times below MKL's sgemm against float64.
 //
-// AMX does ~16x the bf16 FLOPs of AVX-512 fp32 FMAs; at six products per fp32 product, this
-// runs ~1.25x MKL's sgemm on SmolLM2's shapes at 2048 rows. The weight arrives in
-// linear.cpp's panels ([K][32] per 32 output features) and is split into pieces on every call
-// (6 bytes a weight, [N / 32][K / 32][2 column tiles][3 pieces][16 k pairs][16 columns][2]),
-// about what MKL's path spends rebuilding W^T from the panels. Decode-sized inputs stay on the
-// panel kernel (PanelWeight.KERNEL_MAX_ROWS): with few rows the split and AMX's tile loads
+// AMX does ~16x the bf16 FLOPs of AVX-512 fp32 FMAs, so six products per fp32 product still
+// leave it ahead of MKL's sgemm on prefill-sized inputs (bench/linear_kernels.py). The weight
+// arrives in linear.cpp's panels ([K][32] per 32 output features) and is split into pieces on
+// every call (6 bytes a weight, [N / 32][K / 32][2 column tiles][3 pieces][16 k pairs]
+// [16 columns][2]), about what MKL's path spends rebuilding W from the panels. Decode-sized inputs stay on the
+// panel kernel (the backend's panel_max_rows): with few rows the split and AMX's tile loads
 // cost more than its FMAs. Activations are split per call into [3 pieces][M to 16][K to 32].
 //
-// Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
-// amx_available() is false and the op refuses.
+// Compiled in only by the amx variant (kernels.py: -mamx-tile -mamx-bf16 -mavx512bf16); in
+// the others amx_available() is false and the op refuses.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -261,11 +261,11 @@ bool has_amx() { return amx_available(); }
 }  // namespace
 }  // namespace tierserve
 
-TORCH_LIBRARY_FRAGMENT(tierserve, m) {
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("has_amx() -> bool", &tierserve::has_amx);
 }
 
-TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("linear_amx", &tierserve::linear_amx);
 }

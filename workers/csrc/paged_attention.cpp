@@ -10,8 +10,8 @@
 // meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 //
-// Vectorised with vec.h's Vec (16 floats, head dims are multiples of it). Plain loops proved
-// fragile here: g++ turned the V accumulation into gathers and the dot-product reductions into
+// Vectorised with vec.h's Vec (one register of floats; head dims are multiples of it). Plain
+// loops proved fragile here: g++ turned the V accumulation into gathers and the dot-product reductions into
 // scalar adds. D is a template parameter, so a row is a fixed number of Vecs and a row of
 // accumulators stays in registers.
 
@@ -36,17 +36,6 @@ namespace {
 constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
 constexpr int kAhead = 2;   // tiles between a prefetch and the use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Tree reduction of the 16 lanes: 4 shuffle + add steps.
-inline float hsum(Vec v) {
-  using V8 = float __attribute__((vector_size(8 * sizeof(float))));
-  using V4 = float __attribute__((vector_size(4 * sizeof(float))));
-  const V8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
-                __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
 
 // exp(x) for x <= 0 (it is only taken of score - running max). Below -87 the result is
 // exactly 0, so -inf (an empty running max, tile padding) gives 0.
@@ -168,21 +157,30 @@ void score_tile(const float* q, int64_t span, int64_t group, const float* const*
 // the new max; the accumulated outputs are rescaled to the same reference.
 template <int D>
 void softmax_update(int64_t group, float* p, float* m, float* l, float* acc) {
-  static_assert(kTile == 2 * kLanes);
+  static_assert(kTile % kLanes == 0);
+  constexpr int kTileVecs = kTile / kLanes;
   for (int64_t g = 0; g < group; ++g) {
     float* pg = p + g * kTile;
-    const Vec s0 = load(pg), s1 = load(pg + kLanes);
-    const float new_max = std::max(m[g], hmax(s0 > s1 ? s0 : s1));
-    const Vec e0 = exp_nonpositive(s0 - new_max), e1 = exp_nonpositive(s1 - new_max);
-    store(pg, e0);
-    store(pg + kLanes, e1);
+    Vec s[kTileVecs];
+    Vec top = s[0] = load(pg);
+    for (int i = 1; i < kTileVecs; ++i) {
+      s[i] = load(pg + i * kLanes);
+      top = top > s[i] ? top : s[i];
+    }
+    const float new_max = std::max(m[g], hmax(top));
+    Vec sum{};
+    for (int i = 0; i < kTileVecs; ++i) {
+      const Vec e = exp_nonpositive(s[i] - new_max);
+      store(pg + i * kLanes, e);
+      sum += e;
+    }
     if (new_max != m[g]) {
       const float alpha = exp_nonpositive(m[g] - new_max);
       for (int d = 0; d < D; d += kLanes) store(acc + g * D + d, load(acc + g * D + d) * alpha);
       l[g] *= alpha;
       m[g] = new_max;
     }
-    l[g] += hsum(e0 + e1);
+    l[g] += hsum(sum);
   }
 }
 
@@ -388,12 +386,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 }  // namespace
 }  // namespace tierserve
 
-TORCH_LIBRARY(tierserve, m) {
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("decode_head_dims() -> int[]", &tierserve::decode_head_dims);
 }
 
-TORCH_LIBRARY_IMPL(tierserve, CPU, m) {
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("paged_decode_attention", &tierserve::paged_decode_attention);
 }

@@ -1,26 +1,24 @@
 // The panel layout of fp32 linear weights, shared by linear.cpp (which defines it) and
 // linear_amx.cpp (which reads it): [ceil(N / kPanel), K, kPanel], panel p holding output
 // features [p * kPanel, (p + 1) * kPanel) as a contiguous [K][kPanel] block, the last one
-// zero-padded. Every kernel source includes it, so kernels.build_dir_for hashes it with them.
+// zero-padded; a panel is two Vecs wide, so its width depends on the build's ISA. Every kernel source includes it, so kernels.build_dir_for hashes it with them.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include "vec.h"
 
 #include <cstdint>
 #include <optional>
 
 namespace tierserve {
 
-constexpr int64_t kPanel = 32;  // output features per panel
+constexpr int64_t kPanel = 2 * kLanes;  // output features per panel: two Vecs
 
-// Checks y = x W^T + b's inputs, W in panels of N = n output features; returns b's data (or
-// nullptr).
-inline const float* check_panel_linear(const char* op, const at::Tensor& x,
-                                       const at::Tensor& packed,
-                                       const std::optional<at::Tensor>& bias, int64_t n) {
+// Checks the shapes of y = x W^T + b's inputs, W in panels of N = n output features.
+inline void check_panel_shapes(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                               int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, op,
-              "float32 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
               "packed weight must be a contiguous [panels, K, ", kPanel, "] tensor");
@@ -29,6 +27,15 @@ inline const float* check_panel_linear(const char* op, const at::Tensor& x,
               packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, "n = ", n,
               " does not match ", panels, " panels");
+}
+
+// Checks an fp32 y = x W^T + b's inputs; returns b's data (or nullptr).
+inline const float* check_panel_linear(const char* op, const at::Tensor& x,
+                                       const at::Tensor& packed,
+                                       const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, op,
+              "float32 only");
+  check_panel_shapes(op, x, packed, n);
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
               op, "bias must be a contiguous float32 [n] tensor");
