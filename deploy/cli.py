@@ -4,27 +4,29 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 
 from tierserve.runtime import envs
+from tierserve.runtime.config import field_kind, option_fields
 
 __all__ = ["main", "build_parser"]
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
-                   default=1)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--cpu-isa", default=None, choices=list(envs.CPU_ISAS),
-                   help="highest ISA of the CPU kernels (default: TIERSERVE_CPU_ISA, else auto)")
+    """One flag per EngineConfig field, named, typed, limited and documented by the field
+    (runtime/config.py); a flag left out keeps EngineConfig's default."""
+    g = p.add_argument_group("engine options (every EngineConfig field)")
+    for f in option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        meta, kind = f.metadata, field_kind(f)
+        help_text = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if kind is bool:
+            g.add_argument(flag, *meta["flags"], dest=f.name, default=argparse.SUPPRESS,
+                           action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        g.add_argument(flag, *meta["flags"], dest=f.name, type=kind, default=argparse.SUPPRESS,
+                       choices=meta["choices"],
+                       metavar=None if meta["choices"] else kind.__name__.upper(), help=help_text)
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -34,24 +36,32 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of this request's sampling (--seed is the engine's)")
     g.add_argument("--stop", action="append", default=[])
 
 
-_ENGINE_KEYS = ("model", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes",
-                "enable_prefix_caching", "cpu_isa")
+def options_table() -> str:
+    """The README's table of engine options, one row per EngineConfig field."""
+    rows = ["| option | CLI flag | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in option_fields():
+        flags = ", ".join(["--" + f.name.replace("_", "-"), *f.metadata["flags"]])
+        choices = f.metadata["choices"]
+        meaning = f.metadata["help"] + (f" ({' / '.join(choices)})" if choices else "")
+        rows.append(f"| `{f.name}` | `{flags}` | `{f.default}` | {meaning} |")
+    return "\n".join(rows)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in _ENGINE_KEYS}
+    """The engine options given on the command line."""
+    return {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
 
 
 def sampling_params(args: argparse.Namespace):
     from tierserve.scheduler.params import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                          stop=args.stop)
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.sampling_seed, stop=args.stop)
 
 
 def _deployment_flags(p: argparse.ArgumentParser, required: bool) -> None:
@@ -62,8 +72,17 @@ def _deployment_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help=f"Ray namespace (default: {envs.default_namespace()})")
 
 
+def _options_epilog() -> str:
+    names = ", ".join("--" + f.name.replace("_", "-") for f in option_fields())
+    return textwrap.fill(f"engine options (generate, chat and serve take each; `tierserve "
+                         f"COMMAND --help` documents them): {names}", width=79,
+                         break_on_hyphens=False, break_long_words=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__,
+                                     epilog=_options_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
@@ -72,9 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(gen)
     srv = sub.add_parser("serve", help="start (or reuse) a named deployment on Ray")
     _deployment_flags(srv, required=True)
-    srv.add_argument("--placement-strategy", default="PACK",
-                     choices=["PACK", "STRICT_PACK", "SPREAD"])
-    srv.add_argument("--cpus-per-worker", type=int, default=None)
     _engine_flags(srv)
     for cmd, text in (("status", "a deployment's requests, KV usage and prefix hit rate"),
                       ("stop", "stop a deployment: engine, workers, placement group")):
@@ -92,10 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import serve
-    options = engine_options(args)
-    options.update(placement_strategy=args.placement_strategy,
-                   cpus_per_worker=args.cpus_per_worker)
-    handle = serve(args.name, args.namespace, **options)
+    handle = serve(args.name, args.namespace, **engine_options(args))
     info = handle.info()
     ns = args.namespace or envs.default_namespace()
     print(f"tierserve deployment {args.name!r} is running (namespace {ns!r}, "
@@ -108,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tierserve.runtime.client import connect
+    from tierserve.deploy.ray_engine import connect
     stats = connect(args.name, args.namespace).stats()
     print(f"deployment {args.name!r}: " + ("DEAD: " + stats["dead"] if stats["dead"]
                                             else "running"))
@@ -136,7 +149,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def _generate_remote(args: argparse.Namespace) -> int:
     import asyncio
-    from tierserve.runtime.client import connect
+    from tierserve.deploy.ray_engine import connect
     handle = connect(args.name, args.namespace)
 
     async def run() -> str | None:

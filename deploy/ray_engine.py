@@ -1,8 +1,10 @@
 """Deployments on Ray: a placement group, the EngineCore actor on rank 0's node, its workers.
 
-`serve(name=...)` starts a detached, named deployment (or returns the running one);
-`stop(name)` removes every actor and the placement group. `RayEngineClient` is an anonymous
-deployment owned by one `tierserve.LLM` / `AsyncLLM` and gone with it.
+`serve(name=...)` starts a detached, named deployment (or connects to the running one);
+`stop(name)` removes every actor and the placement group. `RayEngineClient` is the client side
+of one deployment, an engine client for runtime's `LLM` and `AsyncLLM`: anonymous and owned by
+one of them (gone with it), or connected to a named one. `RayDeployments` is the transport
+runtime/ is given (`tierserve` registers it).
 """
 from __future__ import annotations
 
@@ -16,14 +18,30 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tierserve.deploy.engine_actor import EngineActor
 from tierserve.deploy.placement import make_placement_group, rank_bundles
 from tierserve.runtime import envs
-from tierserve.runtime.client import EngineHandle, actor_name, connect, ensure_ray
+from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import load_model_tokenizer, make_worker_spec
+from tierserve.runtime.engine_core import load_model_tokenizer
+from tierserve.runtime.executor import EngineDeadError
+from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
 from tierserve.workers.worker import resolve_device
 
-__all__ = ["serve", "stop", "RayEngineClient", "AsyncLLM", "start_deployment"]
+__all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
+           "ensure_ray", "actor_name"]
 
 log = logging.getLogger("tierserve.deploy")
+
+_ACTOR_PREFIX = "tierserve-engine-"
+
+
+def actor_name(name: str) -> str:
+    return _ACTOR_PREFIX + name
+
+
+def ensure_ray(namespace: str | None = None) -> None:
+    """Joins the cluster RAY_ADDRESS names (or this job's), else starts a local instance."""
+    if not ray.is_initialized():
+        ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
+                 log_to_driver=False)
 
 
 def _cpus_per_worker(config: EngineConfig) -> int:
@@ -64,8 +82,8 @@ def _pg_name(name: str, namespace: str | None) -> str:
     return f"tierserve-{namespace or envs.default_namespace()}-{name}"
 
 
-def serve(name: str, namespace: str | None = None, **options) -> EngineHandle:
-    """Starts the named deployment, or returns a handle on the running one."""
+def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
+    """Starts the named deployment, or connects to the running one."""
     ensure_ray(namespace)
     try:
         return connect(name, namespace)
@@ -74,7 +92,11 @@ def serve(name: str, namespace: str | None = None, **options) -> EngineHandle:
     config = EngineConfig.from_kwargs(**options)
     actor, pg = start_deployment(config, name, namespace)
     _remember_pg(actor, pg, name, namespace)
-    return EngineHandle(actor, name)
+    return AsyncLLM(client=RayEngineClient(actor, name), name=name)
+
+
+def connect(name: str, namespace: str | None = None) -> AsyncLLM:
+    return AsyncLLM(client=RayEngineClient.connect(name, namespace), name=name)
 
 
 def _remember_pg(actor, pg, name: str, namespace: str | None) -> None:
@@ -119,31 +141,95 @@ def stop(name: str, namespace: str | None = None) -> bool:
     return True
 
 
-class RayEngineClient(EngineHandle):
-    """An anonymous deployment owned by this process (LLM / AsyncLLM with Ray)."""
+class RayEngineClient:
+    """The client side of one deployment: the engine actor's handle. It pickles (as the
+    handle), so a connected client travels into Ray tasks and actors."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        ensure_ray()
-        actor, self._pg = start_deployment(config)
-        super().__init__(actor)
-        self.config = config
+    def __init__(self, actor, name: str | None = None, *, config: EngineConfig | None = None,
+                 pg=None) -> None:
+        self.actor = actor
+        self.name = name
+        self.config = config  # set on an owned engine
+        self._pg = pg  # an owned engine's placement group, removed with it
+        self._codec = ClientChannelCodec()
         self._tokenizer = None
         info = self.info()
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
+        self._tokenizer_path = info["tokenizer_path"]
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> "RayEngineClient":
+        """An anonymous deployment owned by this client."""
+        ensure_ray()
+        actor, pg = start_deployment(config)
+        return cls(actor, config=config, pg=pg)
+
+    @classmethod
+    def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
+        ensure_ray(namespace)
+        ns = namespace or envs.default_namespace()
+        try:
+            actor = ray.get_actor(actor_name(name), namespace=ns)
+        except ValueError:
+            raise ValueError(f"no tierserve deployment named {name!r} in namespace "
+                             f"{ns!r}") from None
+        return cls(actor, name)
 
     def __reduce__(self):
-        return (EngineHandle, (self.actor, self.name))
+        return (RayEngineClient, (self.actor, self.name))
 
     @property
     def tokenizer(self):
+        """The engine's tokenizer, loaded here on first use (None for a model without one)."""
         if self._tokenizer is None:
-            self._tokenizer = load_model_tokenizer(self.config.tokenizer
-                                                   or make_worker_spec(self.config).model)
+            self._tokenizer = load_model_tokenizer(self._tokenizer_path)
         return self._tokenizer
 
+    async def generate(self, requests: list[EngineCoreRequest]):
+        stream = self.actor.generate.options(num_returns="streaming").remote(requests)
+        pending = {r.req_id for r in requests}
+        try:
+            async for ref in stream:
+                batch = self._codec.decode(await ref).outputs
+                pending.difference_update(o.req_id for o in batch if o.finish_reason is not None)
+                yield batch
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"the engine actor died: {e}") from e
+        finally:
+            if pending:
+                ray.cancel(stream)
+                self.actor.abort.remote(list(pending))
+
+    def stream_batch(self, requests: list[EngineCoreRequest]):
+        stream = self.actor.generate.options(num_returns="streaming").remote(requests)
+        done = False
+        try:
+            for ref in stream:
+                yield self._codec.decode(ray.get(ref)).outputs
+            done = True
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"the engine actor died: {e}") from e
+        finally:
+            if not done:
+                ray.cancel(stream)
+                self.actor.abort.remote([r.req_id for r in requests])
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.actor.abort.remote(list(request_ids))
+
+    def stats(self) -> dict:
+        return ray.get(self.actor.stats.remote())
+
+    def info(self) -> dict:
+        return ray.get(self.actor.info.remote())
+
+    def reset_prefix_cache(self) -> bool:
+        return ray.get(self.actor.reset_prefix_cache.remote())
+
     def shutdown(self) -> None:
-        if self.actor is None:
+        """Stops an owned engine; a connected client just lets go of the deployment."""
+        if self._pg is None or self.actor is None:
             return
         try:
             ray.get(self.actor.shutdown.remote(), timeout=30)
@@ -154,10 +240,11 @@ class RayEngineClient(EngineHandle):
         self.actor = None
 
 
-class AsyncLLM(RayEngineClient):
-    """`AsyncLLM(model, **options)`: an engine on Ray with the streaming `generate` of
-    EngineHandle; many concurrent callers share it."""
+class RayDeployments:
+    """runtime's transport to engines on Ray (client.Deployments)."""
 
-    def __init__(self, model: str | None = None, **options) -> None:
-        super().__init__(EngineConfig.from_kwargs(model=model, **options))
+    def start(self, config: EngineConfig) -> RayEngineClient:
+        return RayEngineClient.start(config)
 
+    def connect(self, name: str, namespace: str | None) -> RayEngineClient:
+        return RayEngineClient.connect(name, namespace)

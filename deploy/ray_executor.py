@@ -23,7 +23,7 @@ from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import (
     FromWorker, SchedulerOutput, ShutdownWorker, ToWorker, WorkerError,
 )
-from tierserve.workers.worker import Worker, WorkerSpec
+from tierserve.workers.worker import ModelInfo, Worker, WorkerSpec
 
 __all__ = ["RayExecutor", "WorkerActor"]
 
@@ -75,7 +75,7 @@ class WorkerActor:
     def kernels_ready(self) -> bool:
         return self.worker.kernels_ready()
 
-    def load_model(self, use_kernels: bool) -> dict:
+    def load_model(self, use_kernels: bool) -> ModelInfo:
         return self.worker.load_model(use_kernels)
 
     def determine_num_blocks(self) -> int:
@@ -114,7 +114,7 @@ class RayExecutor:
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
             # A single-threaded actor: the forward then runs on the process's main thread.
             # From a second thread glibc serves torch's temporaries from a per-thread arena that
-            # trims eagerly, and the page faults cost TP=1 on Ray ~20% against in-process.
+            # trims eagerly, and the page faults slow TP=1 on Ray well below in-process.
             # Nothing needs a concurrent call: shutdown rides the data plane, liveness the
             # run_loop ObjectRef.
             self.workers.append(cls.options(
@@ -139,9 +139,7 @@ class RayExecutor:
         ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
-        info = infos[0]
-        return WorkerInfo(num_blocks, info["vocab_size"], info["max_position_embeddings"],
-                          tuple(info["eos_token_ids"]), tuple(i["backend"] for i in infos))
+        return WorkerInfo.from_ranks(num_blocks, infos)
 
     def _await_subscribers(self) -> None:
         try:

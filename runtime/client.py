@@ -1,49 +1,112 @@
-"""Client handles on an engine running as a Ray actor.
+"""The client API: `AsyncLLM` (streaming) here and `LLM` (offline batches, llm.py), over any
+transport.
 
-`EngineHandle` streams RequestOutput deltas from any process, Ray job, task or actor (it
-pickles: it is just the actor handle). Leaving or cancelling the stream aborts the request, which
-frees its blocks. `connect(name)` finds a named deployment started by `tierserve.serve`.
+An engine client is what the two need of an engine, wherever it runs: in this process (an
+EngineCore for `LLM`, an AsyncEngine for `AsyncLLM`) or behind a transport (deploy/'s Ray
+actor). runtime/ never imports a transport: the one for remote engines is injected with
+`set_deployments` (the `tierserve` package registers the Ray one), so `LLM(...,
+tensor_parallel_size=2)`, `AsyncLLM(...)` and `connect(name)` reach it without this package
+depending on Ray.
 """
 from __future__ import annotations
 
 import itertools
 import os
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator, Protocol
 
-import ray
-
-from tierserve.runtime import envs
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import CompletionOutput, RequestOutput, logprob_dict
-from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutput, EngineCoreRequest
+from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import FinishReason, SamplingParams
 
-__all__ = ["EngineHandle", "connect", "ensure_ray", "actor_name"]
-
-_ACTOR_PREFIX = "tierserve-engine-"
-
-
-def actor_name(name: str) -> str:
-    return _ACTOR_PREFIX + name
+__all__ = ["EngineClient", "SyncEngineClient", "AsyncEngineClient", "Deployments",
+           "set_deployments", "deployments", "AsyncLLM", "connect", "make_request", "to_delta"]
 
 
-def ensure_ray(namespace: str | None = None) -> None:
-    """Joins the cluster RAY_ADDRESS names (or this job's), else starts a local instance."""
-    if not ray.is_initialized():
-        ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
-                 log_to_driver=False)
+class EngineClient(Protocol):
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def tokenizer(self): ...
+
+    def stats(self) -> dict: ...
+
+    def info(self) -> dict: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
 
 
-class EngineHandle:
-    def __init__(self, actor, name: str | None = None) -> None:
-        self.actor = actor
+class SyncEngineClient(EngineClient, Protocol):
+    def stream_batch(self, requests: list[EngineCoreRequest]
+                     ) -> Iterator[list[EngineCoreOutput]]:
+        """Each step's outputs until every request finished; closing the iterator aborts the
+        rest."""
+
+
+class AsyncEngineClient(EngineClient, Protocol):
+    def generate(self, requests: list[EngineCoreRequest]
+                 ) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Each step's outputs until every request finished; leaving early aborts the rest."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+class Deployments(Protocol):
+    """A transport to engines in other processes (deploy/ provides the Ray one)."""
+
+    def start(self, config: EngineConfig) -> SyncEngineClient | AsyncEngineClient:
+        """An anonymous engine owned by this process; its shutdown stops it."""
+
+    def connect(self, name: str, namespace: str | None) -> AsyncEngineClient:
+        """The running named deployment; ValueError when there is none."""
+
+
+_deployments: Deployments | None = None
+
+
+def set_deployments(transport: Deployments) -> None:
+    global _deployments
+    _deployments = transport
+
+
+def deployments() -> Deployments:
+    if _deployments is None:
+        raise RuntimeError("no transport for remote engines is registered; `import tierserve` "
+                           "registers the Ray one")
+    return _deployments
+
+
+class AsyncLLM:
+    """`AsyncLLM(model, **options)`: an engine of its own (in this process, or on Ray when
+    tensor_parallel_size > 1 or distributed=True) that many concurrent callers stream from;
+    `connect(name)` gives one on a running deployment. It pickles into Ray tasks and actors
+    when its engine is on Ray."""
+
+    def __init__(self, model: str | None = None, *, client: AsyncEngineClient | None = None,
+                 name: str | None = None, **options) -> None:
+        if client is None:
+            config = EngineConfig.from_kwargs(model=model, **options)
+            if config.use_ray:
+                client = deployments().start(config)
+            else:
+                from tierserve.runtime.async_engine import AsyncEngine
+                client = AsyncEngine(config)
+        elif model is not None or options:
+            raise ValueError("pass either a client or engine options, not both")
+        self.engine = client
         self.name = name
-        self._codec = ClientChannelCodec()
         self._ids = itertools.count()
         self._prefix = os.urandom(3).hex()
 
     def __reduce__(self):
-        return (EngineHandle, (self.actor, self.name))
+        return (_rebuild, (self.engine, self.name))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
     def _next_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -53,50 +116,47 @@ class EngineHandle:
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutput deltas (the new tokens and text of each step). A prompt is text,
-        token ids, or a list of chat messages."""
+        token ids, or a list of chat messages. Leaving the loop early aborts the request."""
         request = make_request(request_id or self._next_id(), prompt,
                                sampling_params or SamplingParams(), priority, cache_salt)
-        stream = self.actor.generate.options(num_returns="streaming").remote([request])
-        finished = False
+        stream = self.engine.generate([request])
         try:
-            async for ref in stream:
-                for o in self._codec.decode(await ref).outputs:
-                    delta = to_delta(request, o)
-                    finished = delta.finished
-                    yield delta
-        except ray.exceptions.RayActorError as e:
-            raise EngineDeadError(f"the engine actor died: {e}") from e
+            async for batch in stream:
+                for o in batch:
+                    yield to_delta(request, o)
         finally:
-            if not finished:
-                ray.cancel(stream)
-                self.actor.abort.remote([request.req_id])
-
-    def stream_batch(self, requests: list[EngineCoreRequest]):
-        """Synchronous stream of EngineCoreOutput lists for many requests (offline LLM)."""
-        stream = self.actor.generate.options(num_returns="streaming").remote(requests)
-        done = False
-        try:
-            for ref in stream:
-                yield self._codec.decode(ray.get(ref)).outputs
-            done = True
-        except ray.exceptions.RayActorError as e:
-            raise EngineDeadError(f"the engine actor died: {e}") from e
-        finally:
-            if not done:
-                ray.cancel(stream)
-                self.actor.abort.remote([r.req_id for r in requests])
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote([request_id])
+        self.engine.abort([request_id])
 
     def stats(self) -> dict:
-        return ray.get(self.actor.stats.remote())
+        return self.engine.stats()
 
     def info(self) -> dict:
-        return ray.get(self.actor.info.remote())
+        return self.engine.info()
 
     def reset_prefix_cache(self) -> bool:
-        return ray.get(self.actor.call.remote("reset_prefix_cache"))
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops an engine this object started; a connected deployment keeps running."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _rebuild(client: AsyncEngineClient, name: str | None) -> AsyncLLM:
+    return AsyncLLM(client=client, name=name)
+
+
+def connect(name: str, namespace: str | None = None) -> AsyncLLM:
+    """An AsyncLLM on the named deployment; raises ValueError when there is none."""
+    return AsyncLLM(client=deployments().connect(name, namespace), name=name)
 
 
 def make_request(rid: str, prompt, params: SamplingParams, priority: int,
@@ -119,15 +179,3 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:
     return RequestOutput(o.req_id, request.prompt, list(o.prompt_token_ids), [completion],
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
                          error=o.error or None)
-
-
-def connect(name: str, namespace: str | None = None) -> EngineHandle:
-    """A handle on the named deployment; raises ValueError when there is none."""
-    ensure_ray(namespace)
-    try:
-        actor = ray.get_actor(actor_name(name), namespace=namespace or envs.default_namespace())
-    except ValueError:
-        raise ValueError(f"no tierserve deployment named {name!r} in namespace "
-                         f"{namespace or envs.default_namespace()!r}") from None
-    return EngineHandle(actor, name)
-

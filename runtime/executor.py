@@ -14,7 +14,7 @@ from typing import Protocol
 from tierserve.scheduler.messages import (
     EngineChannelCodec, FromWorker, ShutdownWorker, ToWorker, WorkerChannelCodec,
 )
-from tierserve.workers.worker import Worker, WorkerSpec
+from tierserve.workers.worker import ModelInfo, Worker, WorkerSpec
 
 __all__ = ["WorkerInfo", "Executor", "InProcessExecutor", "EngineDeadError"]
 
@@ -30,7 +30,15 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    backends: tuple[dict, ...] = ()  # each rank's CpuBackend.describe()
+    backends: tuple[dict, ...]  # each rank's CpuBackend.describe()
+
+    @classmethod
+    def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo]) -> "WorkerInfo":
+        """The engine's view of its ranks: the pool size they agreed on, the model as rank 0
+        reports it, and every rank's backend."""
+        first = ranks[0]
+        return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
+                   first.eos_token_ids, tuple(r.backend for r in ranks))
 
 
 class Executor(Protocol):
@@ -56,8 +64,7 @@ class InProcessExecutor:
         info = self.worker.load_model(use_kernels=self.worker.kernels_ready())
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(num_blocks)
-        return WorkerInfo(num_blocks, info["vocab_size"], info["max_position_embeddings"],
-                          tuple(info["eos_token_ids"]), (info["backend"],))
+        return WorkerInfo.from_ranks(num_blocks, [info])
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
         frame = self._to_worker.encode(msg)

@@ -1,7 +1,7 @@
 """`tierserve.LLM`: offline batched generation, vLLM's shape.
 
-In-process (one device, no Ray) by default; on Ray when tensor_parallel_size > 1 or
-distributed=True, with the same API.
+In-process (one device, no Ray) by default; on the registered remote transport (Ray) when
+tensor_parallel_size > 1 or distributed=True, with the same API (client.py).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.messages import EngineCoreRequest
@@ -25,10 +26,9 @@ _PROGRESS_MIN = 16
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.engine: SyncEngineClient
         if self.config.use_ray:
-            # deploy/ builds on runtime/; imported only when Ray is asked for.
-            from tierserve.deploy.ray_engine import RayEngineClient
-            self.engine = RayEngineClient(self.config)
+            self.engine = deployments().start(self.config)
         else:
             from tierserve.runtime.engine_core import EngineCore
             self.engine = EngineCore(self.config)

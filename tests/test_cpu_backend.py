@@ -2,6 +2,7 @@
 (never above what the CPU has, never switched by a build finishing later), and what stats show."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import stat
 
@@ -12,11 +13,12 @@ from tests.checkpoints import make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.engine_core import make_worker_spec
 from tierserve.workers import worker as worker_module
 from tierserve.workers.backend import _half_linear, plan_for, torch_backend
 from tierserve.workers.cpu_features import CpuFeatures, detect_cpu_features, isa_rank
 from tierserve.workers.kernels import KernelLibrary
-from tierserve.workers.worker import Worker, WorkerSpec
+from tierserve.workers.worker import Worker
 
 V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -116,9 +118,9 @@ def test_engine_keeps_the_torch_backend_when_kernels_finish_later(tiny, tmp_path
     monkeypatch.setenv("CXX", _slow_failing_compiler(tmp_path))
     library = KernelLibrary(isa)  # not the process's loaded one: this one must build
     monkeypatch.setattr(worker_module, "kernel_library", lambda _: library)
-    spec = WorkerSpec(model=tiny, dtype="float32", device="cpu", block_size=4,
-                      tensor_parallel_size=1, max_num_batched_tokens=64, num_kv_blocks=16,
-                      cpu_kernels="background", cache_dir=str(tmp_path / "cache"))
+    config = EngineConfig(model=tiny, block_size=4, max_num_batched_tokens=64, num_kv_blocks=16)
+    spec = dataclasses.replace(make_worker_spec(config), cpu_kernels="background",
+                               cpu_isa="auto", cache_dir=str(tmp_path / "cache"))
     worker = Worker(spec)
     worker.init_device()
     assert library.building and not worker.kernels_ready()
@@ -126,7 +128,7 @@ def test_engine_keeps_the_torch_backend_when_kernels_finish_later(tiny, tmp_path
         worker.load_model(use_kernels=True)
     with caplog.at_level(logging.INFO, logger="tierserve.worker"):
         info = worker.load_model(use_kernels=False)
-    assert info["backend"]["name"] == "torch"
+    assert info.backend["name"] == "torch"
     assert "still building" in caplog.text
     library.wait(60)
     assert worker.model.backend is torch_backend()

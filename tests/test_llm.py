@@ -1,11 +1,14 @@
 """LLM.generate against transformers' generate on the same tiny random weights, token for
 token, under prefix caching on/off, chunked prefill and forced preemption."""
+import asyncio
+import time
+
 import pytest
 
 from tests.checkpoints import (
     TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2,
 )
-from tierserve import LLM, SamplingParams
+from tierserve import LLM, AsyncLLM, SamplingParams
 
 MAX_NEW = 10
 
@@ -130,3 +133,38 @@ def test_logprobs_are_returned_for_the_sampled_token(checkpoints):
         assert len(entry) == 3
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                        zip(out.token_ids, out.logprobs)))
+
+
+def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
+    """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
+    streams get the same tokens as LLM, and leaving a stream early frees its blocks."""
+    async def collect(llm, prompt):
+        tokens = []
+        async for delta in llm.generate(prompt, GREEDY):
+            assert delta.error is None
+            tokens.extend(delta.outputs[0].token_ids)
+        return tokens
+
+    async def leave_early(llm, prompt):
+        async for _ in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200,
+                                                           ignore_eos=True)):
+            break
+
+    with AsyncLLM(str(checkpoints["llama"]), block_size=4) as llm:
+        prompts = _prompts(llm.engine.vocab_size)
+
+        async def scenario():
+            got = await asyncio.gather(*[collect(llm, p) for p in prompts])
+            await leave_early(llm, prompts[2])
+            return got
+
+        assert asyncio.run(scenario()) == references["llama"]
+        # A second event loop drives the same engine.
+        assert asyncio.run(collect(llm, prompts[0])) == references["llama"][0]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = llm.stats()
+            if stats["num_running"] == stats["num_waiting"] == 0:
+                break
+            time.sleep(0.1)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -117,7 +117,7 @@ def test_named_deployment_streams_to_other_drivers_tasks_and_many_callers(tiny, 
                              tensor_parallel_size=2, block_size=4)
     try:
         # The same deployment is reused, not started twice.
-        assert tierserve.serve("t-stream", namespace=ns).actor == handle.actor
+        assert tierserve.serve("t-stream", namespace=ns).engine.actor == handle.engine.actor
         # A second driver process.
         run = subprocess.run([sys.executable, "-c", SECOND_DRIVER, "t-stream", ns,
                               json.dumps(PROMPTS)], env=_driver_env(), capture_output=True,

@@ -66,13 +66,12 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class _Prefaulter:
     """Faults CPU pools in before they serve, on `threads` threads, 4 MiB per call.
 
-    Left to first touch, every fresh 4 KiB of a pool costs the serving thread a page fault:
-    a decode step writes each sequence's new K/V slot, opening a page every ~5 tokens per pool,
-    ~700 faults a step for SmolLM2 with 64 sequences (~3% of the step). MADV_POPULATE_WRITE
-    (Linux 5.14+) maps zeroed pages in the kernel, ~0.2 s per GiB on two threads here, where
-    zeroing from user space went through a fault per page. Where it is missing, pools stay
-    lazy. (Faulting in on a background thread instead held the address-space lock against the
-    engine's own mmap/munmap calls and slowed its first steps.)"""
+    Left to first touch, every fresh 4 KiB of a pool costs the serving thread a page fault: a
+    decode step writes each sequence's new K/V slot, opening a fresh page every few tokens of
+    every pool. MADV_POPULATE_WRITE (Linux 5.14+) maps zeroed pages in the kernel, where zeroing
+    from user space went through a fault per page. Where it is missing, pools stay lazy.
+    Faulting in on a background thread instead would hold the address-space lock against the
+    engine's own mmap/munmap calls."""
 
     CHUNK = 4 << 20
     MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module has no name for it
@@ -257,10 +256,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through SDPA, whose GEMM-shaped work wins there. bench/prefill_attention.py,
-# TTFT of one SmolLM2 prompt, kernel vs SDPA: 124 vs 126 ms at 128 tokens, 401 vs 397 at 384,
-# 555 vs 522 at 512, 1244 vs 1110 at 1024. Up to the limit a lone prompt breaks even; a batch of
-# short prompts gains (one call instead of an SDPA call, gathers and copies per chunk).
+# token; longer ones through SDPA, whose GEMM-shaped work wins there (bench/prefill_attention.py
+# finds the crossover). Up to the limit a lone prompt breaks even; a batch of short prompts gains
+# (one call instead of an SDPA call, gathers and copies per chunk).
 KERNEL_PREFILL_MAX_CONTEXT = 384
 
 
@@ -269,9 +267,8 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                  backend: CpuBackend) -> torch.Tensor:
     """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
     the short chunks' tokens, each as one query over its causal context read in place from the
-    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls. On the
-    offline bench's 2048-token SmolLM2 prefill steps: 127 ms of attention a step, against 140
-    ms of SDPA and ~80 ms of gathers and copies (bench/step_profile.py)."""
+    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls
+    (bench/step_profile.py splits a step's time by op)."""
     tables, lens = attn.token_tables()
     long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
     if not long:

@@ -57,7 +57,8 @@ _READY = "ready"
 
 
 def _flags(isa: str) -> list[str]:
-    return [*_CFLAGS, *ISA_CFLAGS[isa], f"-DTIERSERVE_OPS=tierserve_{isa}", f"-DTIERSERVE_ISA={isa}"]
+    return [*_CFLAGS, *ISA_CFLAGS[isa], f"-DTIERSERVE_OPS=tierserve_{isa}",
+            f"-DTIERSERVE_ISA={isa}"]
 
 
 def build_dir_for(cache_root: str | os.PathLike, isa: str) -> Path:

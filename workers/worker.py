@@ -22,7 +22,7 @@ from tierserve.workers.kernels import KernelLibrary, kernel_library
 from tierserve.workers.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 
-__all__ = ["WorkerSpec", "Worker", "resolve_device"]
+__all__ = ["WorkerSpec", "ModelInfo", "Worker", "resolve_device"]
 
 log = logging.getLogger("tierserve.worker")
 
@@ -34,7 +34,8 @@ _CPU_DEFAULT_MAX_BLOCKS = 32768
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """Plain values a rank needs; built by the runtime from its EngineConfig."""
+    """Plain values a rank needs; built by the runtime from its EngineConfig (make_worker_spec),
+    which owns every default."""
 
     model: str
     dtype: str  # float32 / bfloat16 / float16 (already resolved from "auto")
@@ -42,18 +43,28 @@ class WorkerSpec:
     block_size: int
     tensor_parallel_size: int
     max_num_batched_tokens: int
-    seed: int = 0
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    cpu_threads: int | None = None
-    collective_timeout_s: float = 60.0
+    seed: int
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    num_kv_blocks: int | None
+    cpu_threads: int | None
+    collective_timeout_s: float
     # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
     # cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
     # ("auto": the CPU's best; "torch": none).
-    cpu_kernels: str = "background"
-    cpu_isa: str = "auto"
-    cache_dir: str | None = None
+    cpu_kernels: str
+    cpu_isa: str
+    cache_dir: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a rank reports once its shard is loaded."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    backend: dict  # CpuBackend.describe() of the backend the rank runs
 
 
 def resolve_device(device: str) -> str:
@@ -111,8 +122,8 @@ class Worker:
         self._kernels.start_build(spec.cache_dir, sync=spec.cpu_kernels == "sync")
         if self._kernels.building and self.num_threads > 1:
             # A compiler now shares the cores. With an OpenMP thread on every core, the one it
-            # preempts stalls the others at each barrier (a first run took 3x longer): one
-            # thread fewer until the build ends (see handle).
+            # preempts stalls the others at each barrier: one thread fewer until the build
+            # ends (see handle).
             torch.set_num_threads(self.num_threads - 1)
             self._threads_reduced = True
 
@@ -121,7 +132,7 @@ class Worker:
         build. The engine runs the kernels only if every rank's are ready."""
         return self._kernels is not None and self._kernels.available
 
-    def load_model(self, use_kernels: bool = False) -> dict:
+    def load_model(self, use_kernels: bool = False) -> ModelInfo:
         """Loads this rank's shard; on CPU with use_kernels, the model runs this rank's kernel
         variant, else the torch backend, for the engine's whole life."""
         if use_kernels and not self.kernels_ready():
@@ -138,10 +149,8 @@ class Worker:
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
         config, self.model = load_model(self.spec.model, self.dtype, self.device, self.backend)
-        return {"vocab_size": config.vocab_size,
-                "max_position_embeddings": config.max_position_embeddings,
-                "eos_token_ids": list(config.eos_token_ids),
-                "backend": self.backend.describe()}
+        return ModelInfo(config.vocab_size, config.max_position_embeddings,
+                         tuple(config.eos_token_ids), self.backend.describe())
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""

@@ -280,8 +280,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const 
 // ---------------------------------------------------------------- Greedy sampling
 
 // The first index of each row's maximum, NaN above every number (as torch's max(dim) picks):
-// one pass, kLanes running (max, index) lanes, where max(dim) on CPU took ~2 ms for SmolLM2's
-// [64, 49152] fp32 logits (bench/step_profile.py: decode_max_ms).
+// one pass, kLanes running (max, index) lanes, where torch's max(dim) makes several
+// (bench/step_profile.py times both).
 template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
   IVec lane = lane_ids();

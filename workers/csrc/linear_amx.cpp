@@ -12,9 +12,10 @@
 // leave it ahead of MKL's sgemm on prefill-sized inputs (bench/linear_kernels.py). The weight
 // arrives in linear.cpp's panels ([K][32] per 32 output features) and is split into pieces on
 // every call (6 bytes a weight, [N / 32][K / 32][2 column tiles][3 pieces][16 k pairs]
-// [16 columns][2]), about what MKL's path spends rebuilding W from the panels. Decode-sized inputs stay on the
-// panel kernel (the backend's panel_max_rows): with few rows the split and AMX's tile loads
-// cost more than its FMAs. Activations are split per call into [3 pieces][M to 16][K to 32].
+// [16 columns][2]), about what MKL's path spends rebuilding W from the panels. Decode-sized
+// inputs stay on the panel kernel (the backend's panel_max_rows): with few rows the split and
+// AMX's tile loads cost more than its FMAs. Activations are split per call into
+// [3 pieces][M to 16][K to 32].
 //
 // Compiled in only by the amx variant (kernels.py: -mamx-tile -mamx-bf16 -mavx512bf16); in
 // the others amx_available() is false and the op refuses.
