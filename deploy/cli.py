@@ -92,11 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="start (or reuse) a named deployment on Ray")
     _deployment_flags(srv, required=True)
     _engine_flags(srv)
-    for cmd, text in (("status", "a deployment's requests, KV usage and prefix hit rate"),
-                      ("stop", "stop a deployment: engine, workers, placement group")):
+    for cmd, text in (("status", "a deployment's health, requests, KV usage and prefix hits "
+                                 "(exits 1 when it is dead)"),
+                      ("stop", "stop a deployment: engine, workers, placement group"),
+                      ("abort", "abort one request of a deployment")):
         p = sub.add_parser(cmd, help=text)
         p.add_argument("name")
         p.add_argument("--namespace", default=None)
+        if cmd == "status":
+            p.add_argument("--requests", action="store_true",
+                           help="also list the unfinished requests")
+        if cmd == "abort":
+            p.add_argument("request_id")
     chat = sub.add_parser("chat", help="chat with the model (one message, or a REPL)")
     chat.add_argument("message", nargs="?", default=None,
                       help="one user message; without it, read messages from stdin")
@@ -122,9 +129,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import connect
-    stats = connect(args.name, args.namespace).stats()
-    print(f"deployment {args.name!r}: " + ("DEAD: " + stats["dead"] if stats["dead"]
-                                            else "running"))
+    from tierserve.runtime.executor import EngineDeadError
+    try:
+        llm = connect(args.name, args.namespace)
+        stats = llm.stats()
+    except EngineDeadError as e:
+        print(f"deployment {args.name!r}: DEAD: {e}")
+        return 1
+    if stats["dead"]:
+        print(f"deployment {args.name!r}: DEAD: {stats['dead']}")
+        return 1
+    print(f"deployment {args.name!r}: running")
     print(f"  running requests   {stats['num_running']}")
     print(f"  waiting requests   {stats['num_waiting']}")
     print(f"  KV usage           {stats['kv_usage']:.1%} of {stats['num_total_blocks']} blocks")
@@ -135,7 +150,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     if backend:
         paths = ", ".join(backend["paths"]) or "plain torch ops"
         print(f"  CPU backend        {backend['name']} ({paths}) on {backend['cpu']}")
+    if args.requests:
+        requests = llm.list_requests()
+        print(f"  requests ({len(requests)}):")
+        for r in requests:
+            print(f"    {r['request_id']}  {r['status']:<9} prompt {r['prompt_tokens']:>6}  "
+                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s")
     return 0
+
+
+def cmd_abort(args: argparse.Namespace) -> int:
+    from tierserve.deploy.ray_engine import connect
+    if args.request_id in connect(args.name, args.namespace).engine.abort_now([args.request_id]):
+        print(f"aborted {args.request_id!r}")
+        return 0
+    print(f"no unfinished request {args.request_id!r} in {args.name!r}", file=sys.stderr)
+    return 1
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -211,7 +241,7 @@ def _read_messages():
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "status": cmd_status, "stop": cmd_stop}
+            "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,10 @@ never to every interface.
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import re
 import shutil
 import tempfile
 import threading
@@ -22,7 +25,8 @@ from tierserve.scheduler.messages import (
     WorkerChannelCodec,
 )
 
-__all__ = ["DataPlaneServer", "DataPlaneClient", "DataPlaneTimeout", "Endpoints"]
+__all__ = ["DataPlaneServer", "DataPlaneClient", "DataPlaneTimeout", "Endpoints",
+           "remove_stale_ipc_dirs", "remove_ipc_dirs"]
 
 log = logging.getLogger("tierserve.dataplane")
 
@@ -47,10 +51,85 @@ class Endpoints:
         return self.tcp_pub, self.tcp_pull
 
 
+_IPC_PREFIX = "tsdp-"
+_IPC_ROOT = "/tmp"
+_OWNER_FILE = "owner"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process pid (field 22 of /proc/PID/stat), which tells a live owner
+    from a later process that reused its pid; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+
+
+def make_ipc_dir(label: str = "") -> str:
+    """A private (0700) folder for this process's IPC sockets, marked with its owner; label
+    (a deployment's id) lets `remove_ipc_dirs` find it."""
+    path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{_label(label)}-", dir=_IPC_ROOT)
+    with open(os.path.join(path, _OWNER_FILE), "w") as f:
+        f.write(f"{os.getpid()} {_process_start(os.getpid())}")
+    return path
+
+
+def remove_ipc_dirs(label: str, wait_s: float = 10.0, root: str = _IPC_ROOT) -> list[str]:
+    """Removes the IPC folders labelled `label` (a deployment being stopped), once their owner
+    has exited or wait_s has passed."""
+    paths = glob.glob(os.path.join(root, f"{_IPC_PREFIX}{glob.escape(_label(label))}-*"))
+    deadline = time.monotonic() + wait_s
+    for path in paths:
+        while time.monotonic() < deadline and _owner_alive(path):
+            time.sleep(0.1)
+        shutil.rmtree(path, ignore_errors=True)
+    return paths
+
+
+def _owner_alive(path: str) -> bool:
+    try:
+        with open(os.path.join(path, _OWNER_FILE)) as f:
+            pid, start = f.read().split()
+        return _process_start(int(pid)) == start
+    except (OSError, ValueError):
+        return False
+
+
+def remove_stale_ipc_dirs(root: str = _IPC_ROOT) -> list[str]:
+    """Removes the IPC folders of data-plane servers that died without closing (a killed
+    engine cannot clean up after itself); returns them. A folder whose owner still runs, or
+    another user's, is left alone."""
+    removed = []
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(_IPC_PREFIX) and e.is_dir()]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            info = entry.stat()
+        except OSError:  # gone meanwhile
+            continue
+        if info.st_uid != os.getuid() or _owner_alive(entry.path):
+            continue
+        # No owner file: a server still setting up, unless the folder is old.
+        if not os.path.exists(os.path.join(entry.path, _OWNER_FILE)) \
+                and time.time() - info.st_mtime < 60:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
 class DataPlaneServer:
-    def __init__(self, host: str, node_id: str) -> None:
+    def __init__(self, host: str, node_id: str, label: str = "") -> None:
+        remove_stale_ipc_dirs()
         self._ctx = zmq.Context()
-        self._ipc_dir = tempfile.mkdtemp(prefix="tsdp-", dir="/tmp")
+        self._ipc_dir = make_ipc_dir(label)
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)

@@ -12,6 +12,7 @@ import ray
 
 from tierserve.deploy.ray_executor import RayExecutor, restore_priority
 from tierserve.runtime.async_engine import AsyncEngine
+from tierserve.runtime.client import CLIENT_LEASE_S
 from tierserve.runtime.config import EngineConfig
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutputs, EngineCoreRequest
 
@@ -27,12 +28,21 @@ class EngineActor:
         self._codec = ClientChannelCodec()
 
     async def generate(self, requests: list[EngineCoreRequest]):
-        """Streams msgspec-encoded EngineCoreOutputs batches until every request finished."""
-        async for batch in self.engine.generate(requests):
+        """Streams msgspec-encoded EngineCoreOutputs batches until every request finished. The
+        requests are leased: the client renews them while it streams (`renew`)."""
+        async for batch in self.engine.generate(requests, lease_s=CLIENT_LEASE_S):
             yield self._codec.encode(EngineCoreOutputs(batch))
 
-    async def abort(self, request_ids: list[str]) -> None:
-        self.engine.abort(request_ids)
+    async def renew(self, request_ids: list[str]) -> None:
+        self.engine.renew(request_ids)
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Aborts the requests; returns those that were running or waiting."""
+        return await asyncio.wrap_future(self.engine.abort(request_ids))
+
+    async def list_requests(self) -> list[dict]:
+        return await asyncio.wrap_future(self.engine.run_on_loop(
+            lambda core: core.describe_requests()))
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.wrap_future(self.engine.run_on_loop(

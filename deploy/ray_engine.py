@@ -8,19 +8,22 @@ runtime/ is given (`tierserve` registers it).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 
 import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
 from tierserve.deploy.engine_actor import EngineActor
-from tierserve.deploy.placement import make_placement_group, rank_bundles
+from tierserve.deploy.placement import make_placement_group, rank_bundles, worker_bundle
 from tierserve.runtime import envs
-from tierserve.runtime.client import AsyncLLM
+from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import load_model_tokenizer
+from tierserve.runtime.engine_core import check_model, load_model_tokenizer
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
 from tierserve.workers.worker import resolve_device
@@ -53,45 +56,85 @@ def _cpus_per_worker(config: EngineConfig) -> int:
 def start_deployment(config: EngineConfig, name: str | None = None,
                      namespace: str | None = None):
     """Creates the placement group and the engine actor; returns (actor, placement group).
-    The actor's constructor starts the workers, so this returns once the model is loaded."""
+    The actor's constructor starts the workers, so this returns once the model is loaded. A
+    model, TP size or placement that cannot work fails here at once, before anything waits;
+    a start that fails later leaves no actor, placement group or folder behind."""
+    check_model(config)
     device = resolve_device(config.device)
     cpus = _cpus_per_worker(config)
     config = config.replace(cpus_per_worker=cpus)
+    check_placement(config.tensor_parallel_size, device, config.placement_strategy, cpus)
     detached = name is not None
     pg = make_placement_group(config.tensor_parallel_size, device, config.placement_strategy,
                               cpus, detached=detached)
-    bundles = rank_bundles(pg)
-    options = dict(num_cpus=0, max_concurrency=1000,
-                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                       pg, placement_group_bundle_index=bundles[0]))
-    if detached:
-        options.update(name=actor_name(name), namespace=namespace or envs.default_namespace(),
-                       lifetime="detached")
     uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
-    actor = ray.remote(EngineActor).options(**options).remote(config, pg, bundles, uid)
+    holder = _remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
+        else None
+    actor = None
     try:
+        bundles = rank_bundles(pg)
+        options = dict(num_cpus=0, max_concurrency=1000,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(
+                           pg, placement_group_bundle_index=bundles[0]),
+                       # The engine and its workers (which inherit it) see this process's
+                       # TIERSERVE_* settings, not those the cluster was started with.
+                       runtime_env={"env_vars": envs.tierserve_variables()})
+        if detached:
+            options.update(name=uid, namespace=namespace or envs.default_namespace(),
+                           lifetime="detached")
+        actor = ray.remote(EngineActor).options(**options).remote(config, pg, bundles, uid)
         ray.get(actor.health.remote())
-    except Exception:
-        ray.kill(actor, no_restart=True)
+    except BaseException:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
+        if holder is not None:
+            ray.kill(holder, no_restart=True)
         raise
     return actor, pg
 
 
-def _pg_name(name: str, namespace: str | None) -> str:
-    return f"tierserve-{namespace or envs.default_namespace()}-{name}"
+def _holder_name(name: str) -> str:
+    return f"tierserve-pg-{name}"
+
+
+def _remember(pg, tp_size: int, uid: str, name: str, namespace: str | None):
+    """A named, detached holder of what a named deployment owns beyond its engine actor (the
+    detached placement group, the workers' names), made before the engine starts, so that
+    `stop` can remove all of it whatever died."""
+    holder = ray.remote(_DeploymentHolder).options(
+        name=_holder_name(name), namespace=namespace or envs.default_namespace(),
+        lifetime="detached", num_cpus=0).remote(pg, tp_size, uid)
+    ray.get(holder.ping.remote())
+    return holder
+
+
+class _DeploymentHolder:
+    def __init__(self, pg, tp_size: int, uid: str) -> None:
+        self.pg, self.tp_size, self.uid = pg, tp_size, uid
+
+    def ping(self) -> bool:
+        return True
+
+    def get(self) -> tuple:
+        return self.pg, self.tp_size, self.uid
 
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
-    """Starts the named deployment, or connects to the running one."""
+    """Starts the named deployment, or connects to the running one. A deployment that died
+    (its engine, or a worker) is torn down and started afresh."""
     ensure_ray(namespace)
     try:
-        return connect(name, namespace)
-    except ValueError:
+        llm = connect(name, namespace)
+        llm.engine.health()
+        return llm
+    except ValueError:  # none running
         pass
+    except EngineDeadError as e:
+        log.warning("deployment %r is dead (%s); starting a new one", name, e)
+    stop(name, namespace)  # whatever a dead or half-started one left behind
     config = EngineConfig.from_kwargs(**options)
-    actor, pg = start_deployment(config, name, namespace)
-    _remember_pg(actor, pg, name, namespace)
+    actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
 
 
@@ -99,46 +142,63 @@ def connect(name: str, namespace: str | None = None) -> AsyncLLM:
     return AsyncLLM(client=RayEngineClient.connect(name, namespace), name=name)
 
 
-def _remember_pg(actor, pg, name: str, namespace: str | None) -> None:
-    # A detached placement group outlives its creator; keep its id with a named, detached
-    # holder so `stop` (from any process) can remove it.
-    holder = ray.remote(_PGHolder).options(
-        name=_pg_name(name, namespace), namespace=namespace or envs.default_namespace(),
-        lifetime="detached", num_cpus=0).remote(pg)
-    ray.get(holder.ping.remote())
-
-
-class _PGHolder:
-    def __init__(self, pg) -> None:
-        self.pg = pg
-
-    def ping(self) -> bool:
-        return True
-
-    def get(self):
-        return self.pg
+def _lookup(name: str, namespace: str):
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def stop(name: str, namespace: str | None = None) -> bool:
-    """Shuts the named deployment down: engine actor, workers, placement group. False if absent."""
+    """Shuts the named deployment down: engine actor, workers, placement group, IPC folders,
+    whatever state it is in. False if there was nothing of it."""
     ensure_ray(namespace)
     ns = namespace or envs.default_namespace()
-    try:
-        actor = ray.get_actor(actor_name(name), namespace=ns)
-    except ValueError:
-        return False
-    try:
-        ray.get(actor.shutdown.remote(), timeout=30)
-    except Exception as e:  # a dead engine still gets its resources removed
-        log.warning("engine %s did not shut down cleanly: %s", name, e)
-    ray.kill(actor, no_restart=True)
-    try:
-        holder = ray.get_actor(_pg_name(name, namespace), namespace=ns)
-        remove_placement_group(ray.get(holder.get.remote()))
+    actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
+    if actor is not None:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        except Exception as e:  # a dead engine still gets its resources removed
+            log.warning("engine %s did not shut down cleanly: %s", name, e)
+        ray.kill(actor, no_restart=True)
+    if holder is not None:
+        try:
+            pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
+            for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
+                worker = _lookup(f"{uid}-rank{rank}", ns)
+                if worker is not None:
+                    ray.kill(worker, no_restart=True)
+            remove_placement_group(pg)
+        except Exception as e:
+            log.warning("could not release the placement group of %s: %s", name, e)
         ray.kill(holder, no_restart=True)
-    except ValueError:
-        pass
-    return True
+    # The engine's folder, on this node (elsewhere, the next data-plane server there sweeps
+    # folders whose owner died).
+    remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
+    remove_stale_ipc_dirs()
+    return actor is not None or holder is not None
+
+
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int) -> None:
+    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles."""
+    bundle = worker_bundle(device, cpus_per_worker)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+    def fits(resources: dict) -> int:
+        return min(int(resources.get(k, 0) // v) for k, v in bundle.items())
+
+    if strategy == "STRICT_PACK":
+        room, where = max((fits(r) for r in nodes), default=0), "one node"
+    elif strategy == "STRICT_SPREAD":
+        room, where = sum(min(fits(r), 1) for r in nodes), "distinct nodes"
+    else:
+        room, where = sum(fits(r) for r in nodes), "the cluster"
+    if room < tp_size:
+        total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
+            f"({strategy}); {where} can hold {room} (cluster: {total}). Lower "
+            f"tensor_parallel_size or cpus_per_worker, or add nodes")
 
 
 class RayEngineClient:
@@ -169,11 +229,13 @@ class RayEngineClient:
     def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
         ensure_ray(namespace)
         ns = namespace or envs.default_namespace()
-        try:
-            actor = ray.get_actor(actor_name(name), namespace=ns)
-        except ValueError:
-            raise ValueError(f"no tierserve deployment named {name!r} in namespace "
-                             f"{ns!r}") from None
+        actor = _lookup(actor_name(name), ns)
+        if actor is None:
+            if _lookup(_holder_name(name), ns) is not None:
+                raise EngineDeadError(f"deployment {name!r} is dead: its engine actor is gone "
+                                      f"(`tierserve stop {name}` cleans up; serving it again "
+                                      f"replaces it)")
+            raise ValueError(f"no tierserve deployment named {name!r} in namespace {ns!r}")
         return cls(actor, name)
 
     def __reduce__(self):
@@ -189,6 +251,7 @@ class RayEngineClient:
     async def generate(self, requests: list[EngineCoreRequest]):
         stream = self.actor.generate.options(num_returns="streaming").remote(requests)
         pending = {r.req_id for r in requests}
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(pending))
         try:
             async for ref in stream:
                 batch = self._codec.decode(await ref).outputs
@@ -197,35 +260,65 @@ class RayEngineClient:
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"the engine actor died: {e}") from e
         finally:
+            heartbeat.cancel()
             if pending:
                 ray.cancel(stream)
                 self.actor.abort.remote(list(pending))
 
+    async def _heartbeat(self, pending: set[str]) -> None:
+        """Renews the leases of this stream's unfinished requests while it is consumed."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if pending:
+                self.actor.renew.remote(list(pending))
+
     def stream_batch(self, requests: list[EngineCoreRequest]):
         stream = self.actor.generate.options(num_returns="streaming").remote(requests)
-        done = False
+        pending = {r.req_id for r in requests}
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat_thread, args=(pending, stop), daemon=True,
+                                name="tierserve-heartbeat")
+        beat.start()
         try:
             for ref in stream:
-                yield self._codec.decode(ray.get(ref)).outputs
-            done = True
+                batch = self._codec.decode(ray.get(ref)).outputs
+                pending.difference_update(o.req_id for o in batch if o.finish_reason is not None)
+                yield batch
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"the engine actor died: {e}") from e
         finally:
-            if not done:
+            stop.set()
+            if pending:
                 ray.cancel(stream)
-                self.actor.abort.remote([r.req_id for r in requests])
+                self.actor.abort.remote(list(pending))
+
+    def _heartbeat_thread(self, pending: set[str], stop: threading.Event) -> None:
+        while not stop.wait(HEARTBEAT_S):
+            if pending:
+                self.actor.renew.remote(list(pending))
 
     def abort(self, request_ids: list[str]) -> None:
         self.actor.abort.remote(list(request_ids))
 
+    def abort_now(self, request_ids: list[str]) -> list[str]:
+        """Aborts and waits; the ids that were running or waiting."""
+        return _get(self.actor.abort.remote(list(request_ids)))
+
+    def list_requests(self) -> list[dict]:
+        return _get(self.actor.list_requests.remote())
+
     def stats(self) -> dict:
-        return ray.get(self.actor.stats.remote())
+        return _get(self.actor.stats.remote())
 
     def info(self) -> dict:
-        return ray.get(self.actor.info.remote())
+        return _get(self.actor.info.remote())
+
+    def health(self) -> bool:
+        """True, or EngineDeadError (the engine died or its actor is gone)."""
+        return _get(self.actor.health.remote(), timeout=30)
 
     def reset_prefix_cache(self) -> bool:
-        return ray.get(self.actor.reset_prefix_cache.remote())
+        return _get(self.actor.reset_prefix_cache.remote())
 
     def shutdown(self) -> None:
         """Stops an owned engine; a connected client just lets go of the deployment."""
@@ -238,6 +331,16 @@ class RayEngineClient:
         ray.kill(self.actor, no_restart=True)
         remove_placement_group(self._pg)
         self.actor = None
+
+
+def _get(ref, timeout: float | None = None):
+    """ray.get, with a dead engine actor reported as EngineDeadError."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayActorError as e:
+        raise EngineDeadError(f"the engine actor is gone: {e}") from e
+    except ray.exceptions.GetTimeoutError as e:
+        raise EngineDeadError(f"the engine actor does not answer: {e}") from e
 
 
 class RayDeployments:

@@ -128,7 +128,8 @@ class RayExecutor:
         self._spawn_workers()
         self.worker_nodes = ray.get([w.node_id.remote() for w in self.workers])
         self._plane = DataPlaneServer(ray.util.get_node_ip_address(),
-                                      ray.get_runtime_context().get_node_id())
+                                      ray.get_runtime_context().get_node_id(),
+                                      label=self.name_prefix)
         host, port = ray.get(self.workers[0].node_address.remote())
         init_method = f"tcp://{host}:{port}"
         ray.get([w.init.remote(init_method, self._plane.endpoints) for w in self.workers])

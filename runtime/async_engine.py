@@ -4,6 +4,10 @@ The EngineCore is touched by one thread only, the step loop; callers hand it wor
 inbox of typed messages and receive each step's outputs through a per-stream queue on their own
 event loop. The same class serves an in-process `AsyncLLM` and, inside a Ray actor
 (deploy/engine_actor.py), a deployment.
+
+Requests of a remote client can be leased: unless the client renews the lease (a heartbeat
+while it streams), the engine aborts them when it runs out, so a client that vanishes (killed,
+partitioned) never leaves requests generating and holding blocks.
 """
 from __future__ import annotations
 
@@ -12,11 +16,12 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import EngineCore
+from tierserve.runtime.engine_core import EngineCore, rejection
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import FinishReason
@@ -33,10 +38,18 @@ _IDLE_WAIT_S = 0.1
 @dataclass(frozen=True, slots=True)
 class AddRequests:
     requests: list[EngineCoreRequest]
+    lease_s: float | None = None  # None: the requests live until they finish or are aborted
 
 
 @dataclass(frozen=True, slots=True)
 class AbortRequests:
+    request_ids: list[str]
+    # Receives the ids that were found (and aborted), where the caller wants to know.
+    future: concurrent.futures.Future | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RenewLeases:
     request_ids: list[str]
 
 
@@ -49,7 +62,10 @@ class RunOnLoop:
     future: concurrent.futures.Future
 
 
-InboxMessage = AddRequests | AbortRequests | RunOnLoop
+InboxMessage = AddRequests | AbortRequests | RenewLeases | RunOnLoop
+
+# How often the step loop looks for leases that ran out.
+_LEASE_CHECK_S = 0.5
 
 
 @dataclass(slots=True)
@@ -74,6 +90,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
+        # Step-loop state: lease length and deadline (monotonic) of each leased request.
+        self._leases: dict[str, tuple[float, float]] = {}
+        self._next_lease_check = 0.0
         self._stats = self.core.stats()
         self._dead: str | None = None
         self._stopping = False
@@ -105,6 +124,9 @@ class AsyncEngine:
         return self.core.info()
 
     def health(self) -> bool:
+        """True, or EngineDeadError saying why the engine cannot serve."""
+        if self._dead is None and not self._thread.is_alive() and not self._stopping:
+            self._dead = "the engine's step loop is gone"
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         return True
@@ -113,18 +135,38 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_inbox()
-            core = self.core
-            if self._dead is None and (core.has_unfinished_requests()
-                                       or core.scheduler.has_pending_worker_updates()):
-                outputs = core.step()
-                # Set before publishing: a stream that sees the death outputs must also see this.
-                self._dead = core.dead_reason
-                self._stats = core.stats()
-                self._publish(outputs)
-            else:
-                self._wake.wait(_IDLE_WAIT_S)
-                self._wake.clear()
+            try:
+                self._iterate()
+            except Exception as e:  # never a silent death: every waiter hears of it
+                log.exception("engine loop failed")
+                self._fail_all(f"the engine loop failed: {type(e).__name__}: {e}")
+
+    def _iterate(self) -> None:
+        self._drain_inbox()
+        if self._leases:
+            self._expire_leases()
+        core = self.core
+        if self._dead is None and (core.has_unfinished_requests()
+                                   or core.scheduler.has_pending_worker_updates()):
+            outputs = core.step()
+            # Set before publishing: a stream that sees the death outputs must also see this.
+            self._dead = core.dead_reason
+            self._stats = core.stats()
+            self._publish(outputs)
+            if self._leases:
+                for o in outputs:
+                    if o.finish_reason is not None:
+                        self._leases.pop(o.req_id, None)
+        else:
+            self._wake.wait(_IDLE_WAIT_S)
+            self._wake.clear()
+
+    def _fail_all(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+            self._stats = dict(self._stats)
+        self._publish([EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=reason)
+                       for rid in list(self._sinks)])
 
     def _drain_inbox(self) -> None:
         while True:
@@ -133,22 +175,54 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(msg, AddRequests):
-                self._publish([self._add(r) for r in msg.requests])
+                self._publish([self._add(r, msg.lease_s) for r in msg.requests])
             elif isinstance(msg, AbortRequests):
-                self._publish(self.core.abort_requests(msg.request_ids))
+                self._abort(msg.request_ids, msg.future)
+            elif isinstance(msg, RenewLeases):
+                now = time.monotonic()
+                for rid in msg.request_ids:
+                    if rid in self._leases:
+                        length = self._leases[rid][0]
+                        self._leases[rid] = (length, now + length)
             else:
                 try:
                     msg.future.set_result(msg.fn(self.core))
                 except Exception as e:
                     msg.future.set_exception(e)
 
-    def _add(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+    def _abort(self, request_ids: list[str],
+               future: concurrent.futures.Future | None = None) -> None:
+        outputs = self.core.abort_requests(request_ids)
+        for o in outputs:
+            self._leases.pop(o.req_id, None)
+        self._publish(outputs)
+        if future is not None:
+            future.set_result([o.req_id for o in outputs])
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + _LEASE_CHECK_S
+        expired = [rid for rid, (_, deadline) in self._leases.items() if deadline < now]
+        if expired:
+            log.warning("aborting %d request(s) whose client stopped renewing: %s",
+                        len(expired), ", ".join(expired[:5]))
+            self._abort(expired)
+
+    def _add(self, request: EngineCoreRequest, lease_s: float | None) -> EngineCoreOutput | None:
+        """None once queued; else the request's one (error) output. Whatever goes wrong in
+        adding it fails this request alone."""
         try:
             self.core.add_request(request)
+            if lease_s is not None:
+                self._leases[request.req_id] = (lease_s, time.monotonic() + lease_s)
             return None
-        except (ValueError, EngineDeadError) as e:
+        except EngineDeadError as e:
             return EngineCoreOutput(request.req_id, finish_reason=FinishReason.ERROR,
                                     error=str(e))
+        except Exception as e:
+            return rejection(request, e)
 
     def _publish(self, outputs: list[EngineCoreOutput | None]) -> None:
         batches: dict[int, tuple[_Sink, list]] = {}
@@ -164,13 +238,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ callers
 
-    async def generate(self, requests: list[EngineCoreRequest]
+    async def generate(self, requests: list[EngineCoreRequest], *, lease_s: float | None = None
                        ) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs for these requests until every one has finished. Leaving the
-        iteration early (break, cancel, an error) aborts what is left and frees its blocks."""
+        iteration early (break, cancel, an error) aborts what is left and frees its blocks.
+        With lease_s, requests not renewed (`renew`) for that long are aborted."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         ids = [r.req_id for r in requests]
+        if not all(isinstance(rid, str) and rid for rid in ids):
+            raise ValueError("request ids must be non-empty strings")
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be distinct")
         taken = [rid for rid in ids if rid in self._sinks]
@@ -180,7 +257,7 @@ class AsyncEngine:
         pending = set(ids)
         for rid in ids:
             self._sinks[rid] = sink
-        self._submit(AddRequests(list(requests)))
+        self._submit(AddRequests(list(requests), lease_s))
         try:
             while pending:
                 batch = await sink.queue.get()
@@ -196,8 +273,19 @@ class AsyncEngine:
             for rid in ids:
                 self._sinks.pop(rid, None)
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._submit(AbortRequests(list(request_ids)))
+    def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
+        """Aborts the requests; the future gets the ids that were running or waiting."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(AbortRequests(list(request_ids), future))
+        return future
+
+    def renew(self, request_ids: list[str]) -> None:
+        """Extends the leases of these requests by their full length."""
+        self._submit(RenewLeases(list(request_ids)))
+
+    def list_requests(self) -> list[dict]:
+        """The engine's unfinished requests, oldest first."""
+        return self.run_on_loop(EngineCore.describe_requests).result()
 
     def run_on_loop(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future:
         """fn(core) on the step-loop thread between steps; its result as a future."""

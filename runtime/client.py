@@ -20,7 +20,14 @@ from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "SyncEngineClient", "AsyncEngineClient", "Deployments",
-           "set_deployments", "deployments", "AsyncLLM", "connect", "make_request", "to_delta"]
+           "set_deployments", "deployments", "AsyncLLM", "connect", "make_request", "prompt_fields",
+           "to_delta",
+           "CLIENT_LEASE_S", "HEARTBEAT_S"]
+
+# A remote client renews the leases of the requests it streams every HEARTBEAT_S; the engine
+# aborts a request whose lease (CLIENT_LEASE_S) ran out: its client is gone.
+CLIENT_LEASE_S = 6.0
+HEARTBEAT_S = 1.5
 
 
 class EngineClient(Protocol):
@@ -52,6 +59,8 @@ class AsyncEngineClient(EngineClient, Protocol):
         """Each step's outputs until every request finished; leaving early aborts the rest."""
 
     def abort(self, request_ids: list[str]) -> None: ...
+
+    def list_requests(self) -> list[dict]: ...
 
 
 class Deployments(Protocol):
@@ -130,6 +139,10 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self.engine.abort([request_id])
 
+    def list_requests(self) -> list[dict]:
+        """The engine's unfinished requests (id, status, tokens, age), oldest first."""
+        return self.engine.list_requests()
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -159,15 +172,30 @@ def connect(name: str, namespace: str | None = None) -> AsyncLLM:
     return AsyncLLM(client=deployments().connect(name, namespace), name=name)
 
 
+def prompt_fields(prompt) -> dict:
+    """EngineCoreRequest fields for a prompt: text, token ids, chat messages, or a dict of
+    prompt / prompt_token_ids / messages; ValueError for anything else (the engine checks the
+    values themselves)."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
+        if unknown or not prompt:
+            raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages; got "
+                             f"{sorted(map(str, prompt)) or 'nothing'}")
+        return dict(prompt)
+    if isinstance(prompt, (list, tuple)):
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return {"messages": list(prompt)}
+        return {"prompt_token_ids": list(prompt)}
+    raise ValueError(f"a prompt is a string, a list of token ids, a list of chat messages or a "
+                     f"dict, got {type(prompt).__name__}")
+
+
 def make_request(rid: str, prompt, params: SamplingParams, priority: int,
                  cache_salt: str | None) -> EngineCoreRequest:
-    if isinstance(prompt, str):
-        fields = {"prompt": prompt}
-    elif prompt and isinstance(prompt[0], dict):
-        fields = {"messages": list(prompt)}
-    else:
-        fields = {"prompt_token_ids": list(prompt)}
-    return EngineCoreRequest(rid, params, priority=priority, cache_salt=cache_salt, **fields)
+    return EngineCoreRequest(rid, params, priority=priority, cache_salt=cache_salt,
+                             **prompt_fields(prompt))
 
 
 def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:

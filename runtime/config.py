@@ -46,6 +46,9 @@ class EngineConfig:
                                      "attention heads)", low=1, flags=("--tp",))
     max_model_len: int | None = _opt(
         None, "longest prompt + output; default: the model's positions, at most 8192", low=1)
+    allow_long_max_model_len: bool = _opt(
+        False, "let max_model_len exceed the model's max_position_embeddings (the model was "
+        "not trained for those positions)")
     block_size: int = _opt(16, "tokens per KV block", low=1)
     max_num_seqs: int = _opt(256, "requests in one step at most", low=1)
     max_num_batched_tokens: int = _opt(2048, "tokens (prefill and decode) in one step at most",

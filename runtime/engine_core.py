@@ -6,8 +6,10 @@ one device, Ray + ZMQ in deployment (deploy/); the EngineCore code is the same.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from typing import Callable, Iterator
 
 from tierserve.kvcache import BlockHasher, KVCacheManager
@@ -15,15 +17,19 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
+from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput, RequestStatus, SamplingParams, Scheduler,
     SchedulerOutput, WorkerError,
 )
-from tierserve.workers.loader import default_model_path
+from tierserve.workers.layers import partition_heads
+from tierserve.workers.loader import default_model_path, load_model_config
+from tierserve.workers.model_config import ModelConfig
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
-__all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError"]
+__all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",
+           "rejection", "check_model"]
 
 log = logging.getLogger("tierserve.engine")
 
@@ -46,7 +52,34 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
-        cache_dir=envs.cache_dir())
+        cache_dir=envs.cache_dir(), debug_stall=envs.debug_stall())
+
+
+def check_model(config: EngineConfig) -> ModelConfig:
+    """The model's config, read before anything starts; a model path that does not exist or
+    does not parse, a TP size its heads cannot split over, or a max_model_len beyond its
+    positions is a ValueError naming the option."""
+    path = config.model or default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(f"model: {path!r} does not exist")
+    try:
+        model = load_model_config(path)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"model: cannot read the model config of {path!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"model: {e}") from e
+    try:
+        partition_heads(model.num_attention_heads, model.num_key_value_heads,
+                        config.tensor_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"tensor_parallel_size: {e}") from None
+    if config.max_model_len is not None and not config.allow_long_max_model_len \
+            and config.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({model.max_position_embeddings}); set "
+                         f"allow_long_max_model_len=True to force it")
+    return model
 
 
 def load_model_tokenizer(path: str) -> Tokenizer | None:
@@ -58,14 +91,29 @@ def load_model_tokenizer(path: str) -> Tokenizer | None:
     return load_tokenizer(path, cache_dir=envs.cache_dir())
 
 
+def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
+    """The one output of a request that could not be added: bad input says what was wrong;
+    anything else is logged as the engine's bug, and still fails this request alone."""
+    if not isinstance(error, ValueError):
+        log.error("request %r could not be added", request.req_id, exc_info=error)
+    message = str(error) if isinstance(error, ValueError) else (
+        f"internal error adding the request: {type(error).__name__}: {error}")
+    return EngineCoreOutput(str(request.req_id), finish_reason=FinishReason.ERROR, error=message)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
+        check_model(config)
         spec = make_worker_spec(config)
         self.tokenizer_path = config.tokenizer or spec.model
         self.tokenizer = load_model_tokenizer(self.tokenizer_path)
         self.executor = executor_factory(spec)
-        info = self.executor.start()
+        try:
+            info = self.executor.start()
+        except BaseException:
+            self.executor.shutdown()  # a failed start leaves no worker, folder or socket
+            raise
         self.config = config
         self.scheduler = self._make_scheduler(config, info)
         self.max_model_len = self.scheduler.max_model_len
@@ -96,29 +144,37 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def tokenize(self, request: EngineCoreRequest) -> list[int]:
+        """The prompt's token ids; a request check_request passed. A tokenizer or template
+        that fails on it is a ValueError for this request."""
         if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
+            return token_ids(request.prompt_token_ids)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
-        if request.messages is not None:
-            return self.tokenizer.apply_chat_template(request.messages)
-        if request.prompt is None:
-            raise ValueError("a request needs a prompt, prompt token ids or chat messages")
-        return self.tokenizer.encode(request.prompt)
+        try:
+            if request.messages is not None:
+                return self.tokenizer.apply_chat_template(request.messages)
+            return self.tokenizer.encode(request.prompt)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
 
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
+        check_request(request)
         params = request.sampling_params
         prompt_ids = self.tokenize(request)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         rid = request.req_id
+        # Everything that can fail comes before the scheduler takes the request.
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, stop=params.stop)
         self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
                                    priority=request.priority, cache_salt=request.cache_salt)
-        if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids,
-                                                      stop=params.stop)
+        if detok is not None:
+            self._detok[rid] = detok
         self._unannounced[rid] = prompt_ids
         return prompt_ids
 
@@ -127,16 +183,17 @@ class EngineCore:
         A request that fails validation yields one error output; closing the iterator early
         aborts what is left."""
         pending, failed = set(), []
-        for request in requests:
-            try:
-                self.add_request(request)
-                pending.add(request.req_id)
-            except ValueError as e:
-                failed.append(EngineCoreOutput(request.req_id, finish_reason=FinishReason.ERROR,
-                                               error=str(e)))
-        if failed:
-            yield failed
         try:
+            for request in requests:
+                try:
+                    self.add_request(request)
+                    pending.add(request.req_id)
+                except EngineDeadError:
+                    raise
+                except Exception as e:  # this request alone fails
+                    failed.append(rejection(request, e))
+            if failed:
+                yield failed
             while pending:
                 outputs = self.step()
                 for o in outputs:
@@ -158,14 +215,22 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs. An unexpected error anywhere in it kills the engine visibly:
+        every request fails with the error, and every later call raises EngineDeadError."""
         self._check_alive()
+        try:
+            return self._step()
+        except EngineDeadError as e:
+            return self._die(str(e))
+        except Exception as e:
+            log.exception("engine step failed")
+            return self._die(f"the engine failed in a step: {type(e).__name__}: {e}")
+
+    def _step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids):
             return []
-        try:
-            reply = self.executor.execute(out)
-        except EngineDeadError as e:
-            return self._die(str(e))
+        reply = self.executor.execute(out)
         if isinstance(reply, WorkerError):
             return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
@@ -211,8 +276,11 @@ class EngineCore:
 
     def _die(self, message: str) -> list[EngineCoreOutput]:
         self._dead = message
-        ids = self.scheduler.finish_requests(list(self.scheduler.requests),
-                                             RequestStatus.FINISHED_ERROR)
+        ids = list(self.scheduler.requests)
+        try:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        except Exception:  # the state that failed the step may be broken: fail them anyway
+            log.exception("could not release the requests of a dead engine")
         self._forget(ids)
         return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message)
                 for rid in ids]
@@ -240,6 +308,14 @@ class EngineCore:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
         return stats
+
+    def describe_requests(self) -> list[dict]:
+        """Each unfinished request: id, status, prompt and output tokens, age in seconds."""
+        now = time.monotonic()
+        return [{"request_id": r.request_id, "status": r.status.name.lower(),
+                 "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
+                 "age_s": round(now - r.arrival_time, 3)}
+                for r in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)]
 
     def info(self) -> dict:
         return {"model": self.config.model, "max_model_len": self.max_model_len,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
-           "CPU_ISAS"]
+           "CPU_ISAS", "debug_stall", "tierserve_variables"]
 
 
 def cache_dir() -> str:
@@ -50,3 +50,23 @@ def cpu_isa() -> str:
     if value not in CPU_ISAS:
         raise ValueError(f"TIERSERVE_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {value!r}")
     return value
+
+
+def debug_stall() -> tuple[int, int, float] | None:
+    """Test-only fault injection, TIERSERVE_DEBUG_STALL=RANK:STEP:SECONDS: that rank sleeps that
+    long before running that step (the step ids of one engine count from 0), as a rank stuck
+    in a forward or a collective would. Unset (the default) injects nothing."""
+    value = os.environ.get("TIERSERVE_DEBUG_STALL")
+    if not value:
+        return None
+    try:
+        rank, step, seconds = value.split(":")
+        return int(rank), int(step), float(seconds)
+    except ValueError:
+        raise ValueError(f"TIERSERVE_DEBUG_STALL must be RANK:STEP:SECONDS, got {value!r}") from None
+
+
+def tierserve_variables() -> dict[str, str]:
+    """This process's TIERSERVE_* variables: a deployment's actors run with the environment of
+    the process that started it, whatever the Ray cluster's processes were started with."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TIERSERVE_")}

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from tierserve.runtime.client import SyncEngineClient, deployments
+from tierserve.runtime.client import SyncEngineClient, deployments, prompt_fields
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.messages import EngineCoreRequest
@@ -66,7 +66,6 @@ class LLM:
     def _request(self, prompt: PromptType, params, salt,
                  priority) -> EngineCoreRequest | RequestOutput:
         rid = str(next(self._ids))
-        fields = _prompt_fields(prompt)
         try:
             if isinstance(params, dict):
                 params = SamplingParams(**params)
@@ -75,9 +74,7 @@ class LLM:
             elif not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams or a dict, got "
                                  f"{type(params).__name__}")
-            if fields is None:
-                raise ValueError(f"a prompt is a string, a list of token ids or a dict, got "
-                                 f"{type(prompt).__name__}")
+            fields = prompt_fields(prompt)
         except (ValueError, TypeError) as e:
             return RequestOutput.failed(rid, prompt if isinstance(prompt, str) else None, [],
                                         str(e))
@@ -122,24 +119,9 @@ def _as_batch(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids (bools among them are refused later)
     return prompts
-
-
-def _prompt_fields(prompt: PromptType) -> dict | None:
-    """EngineCoreRequest fields for a prompt, or None when it is no kind of prompt."""
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, dict):
-        keys = {"prompt", "prompt_token_ids", "messages"}
-        unknown = set(prompt) - keys
-        if unknown or not prompt:
-            return None
-        return dict(prompt)
-    if isinstance(prompt, (list, tuple)):
-        return {"prompt_token_ids": list(prompt)}
-    return None
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -69,27 +69,48 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         _check(self.temperature, "temperature", lambda v: 0.0 <= v < math.inf,
                "must be finite and >= 0")
         _check(self.top_p, "top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
-        _check(self.top_k, "top_k", lambda v: v >= -1, "must be -1, 0 (disabled) or >= 1")
+        _check_int(self.top_k, "top_k", lambda v: -1 <= v < 2**63,
+                   "must be -1, 0 (disabled) or >= 1")
         _check(self.min_p, "min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
         if self.max_tokens is not None:
-            _check(self.max_tokens, "max_tokens", lambda v: v >= 1, "must be >= 1")
+            _check_int(self.max_tokens, "max_tokens", lambda v: 1 <= v < 2**63, "must be >= 1")
         _check(self.presence_penalty, "presence_penalty", lambda v: -2.0 <= v <= 2.0,
                "must be in [-2, 2]")
         _check(self.frequency_penalty, "frequency_penalty", lambda v: -2.0 <= v <= 2.0,
                "must be in [-2, 2]")
         _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
         if self.logprobs is not None:
-            _check(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+            _check_int(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
             raise ValueError(f"SamplingParams.seed must be an int in [0, 2**64), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s
+                                                  for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"SamplingParams.stop holds invalid Unicode: {s!r}") from None
+        if not isinstance(self.stop_token_ids, list) or any(
+                type(t) is not int or not 0 <= t < 2**63 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, 2**63), got "
+                             f"{self.stop_token_ids!r}")
+        if type(self.ignore_eos) is not bool:
+            raise ValueError(f"SamplingParams.ignore_eos must be True or False, got "
+                             f"{self.ignore_eos!r}")
+
+
+def _check_int(value, name: str, ok, requirement: str) -> None:
+    if type(value) is not int or not ok(value):
+        raise ValueError(f"SamplingParams.{name} {requirement} (an int), got {value!r}")
 
 
 def _check(value, name: str, ok, requirement: str) -> None:

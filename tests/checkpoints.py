@@ -65,13 +65,24 @@ def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, hidden_size: int = 64,
     return _save(Qwen2ForCausalLM, config, path, seed)
 
 
-def make_tiny_mistral(path: Path, *, seed: int = 3) -> Path:
+def make_tiny_mistral(path: Path, *, seed: int = 3, sliding_window: int | None = None) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
-    # head_dim 32 != hidden / heads exercises an explicit head_dim; no sliding window.
-    config = MistralConfig(**_common(256, 64, 2, 4, 1), head_dim=32, sliding_window=None,
+    # head_dim 32 != hidden / heads exercises an explicit head_dim.
+    config = MistralConfig(**_common(256, 64, 2, 4, 1), head_dim=32,
+                           sliding_window=sliding_window,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return _save(MistralForCausalLM, config, path, seed)
+
+
+def make_tiny_qwen2_sliding(path: Path, *, window: int, seed: int = 4) -> Path:
+    """Qwen2 with sliding-window attention in its layers from max_window_layers on."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_common(320, 64, 3, 4, 2), use_sliding_window=True,
+                         sliding_window=window, max_window_layers=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _save(Qwen2ForCausalLM, config, path, seed)
 
 
 def _save(model_cls, config, path: Path, seed: int) -> Path:

@@ -18,6 +18,7 @@ from tests.checkpoints import (
     make_tiny_llama,
     make_tiny_mistral,
     make_tiny_qwen2,
+    make_tiny_qwen2_sliding,
     write_llama_gguf,
 )
 from tierserve.workers.attention import (
@@ -136,6 +137,44 @@ def test_greedy_generation_matches_hf_generate(pair):
     prompts = [_tokens(rng, n, ours.config.vocab_size) for n in (4, 11, 1)]
     got = PagedRunner(ours, num_blocks=64, seed=4).greedy(prompts, 12)
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sliding")
+    return {"mistral_w8": make_tiny_mistral(root / "mistral", sliding_window=8, seed=7),
+            "qwen2_w6": make_tiny_qwen2_sliding(root / "qwen2", window=6)}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["mistral_w8", "qwen2_w6"])
+def test_sliding_window_matches_hf_past_the_window(sliding, name, backend):
+    """Mistral's sliding window (every layer) and Qwen2's (layers past max_window_layers):
+    prefill logits of prompts 3-4x the window, in one chunk and as a chunk after a cached
+    prefix, then decode steps and greedy tokens, against transformers."""
+    path = sliding[name]
+    hf, ours = load_hf(path), load_model(str(path), backend=backend)[1]
+    window = ours.config.sliding_window
+    assert window is not None and any(ours.config.window_of(i) for i in range(3))
+    rng = random.Random(11)
+    vocab = ours.config.vocab_size
+    seqs = [_tokens(rng, n, vocab) for n in (3 * window + 1, 4 * window, window - 1)]
+    runner = PagedRunner(ours, block_size=4, seed=2)
+    logits = runner.step([Work("a", seqs[0], 0), Work("b", seqs[1][:10], 0),
+                          Work("c", seqs[2], 0)])
+    torch.testing.assert_close(logits[0], hf_logits(hf, seqs[0]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[2], hf_logits(hf, seqs[2]), atol=ATOL, rtol=0)
+    got = runner.step([Work("b", seqs[1][10:], 10)])[0]  # a chunk after a cached prefix
+    torch.testing.assert_close(got, hf_logits(hf, seqs[1])[10:], atol=ATOL, rtol=0)
+    for _ in range(3):  # decodes, each past the window
+        for s in seqs:
+            s.append(rng.randrange(3, vocab))
+        steps = runner.step([Work(k, s[-1:], len(s) - 1) for k, s in zip("abc", seqs)])
+        for s, got in zip(seqs, steps):
+            torch.testing.assert_close(got[0], hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
+    prompts = [seqs[0][:2 * window + 3], seqs[2]]
+    assert PagedRunner(ours, seed=5).greedy(prompts, 12) == [hf_greedy(hf, p, 12)
+                                                             for p in prompts]
 
 
 @pytest.mark.parity

@@ -115,6 +115,19 @@ class PrefillChunk:
     block_ids: torch.Tensor | None
     # [query_len, seq_len] bool, True = may attend; None when is_causal suffices.
     mask: torch.Tensor | None
+    _window_masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The causal mask cut to a sliding window: query position p sees keys p - W < j <= p
+        (Mistral's). [query_len, seq_len] bool, built once per step and window."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            query_len = self.query_end - self.query_start
+            q_pos = torch.arange(self.seq_len - query_len, self.seq_len)[:, None]
+            k_pos = torch.arange(self.seq_len)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            self._window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -193,20 +206,23 @@ class AttentionMetadata:
         mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
         return PrefillChunk(start, end, seq_len, block_ids, mask.to(device))
 
-    def decode_gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_gather(self, dtype: torch.dtype, window: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """For the gather path: block ids [num_decodes * decode_blocks] int64 and the additive
         padding mask [num_decodes, 1, 1, decode_blocks * block_size] in `dtype` (0 = real token,
-        -inf = padding), built once per step and shared by all layers (the CPU SDPA kernel is
-        faster with an additive mask than a boolean one)."""
-        cached = self._decode_gather.get(dtype)
+        -inf = padding, or outside a sliding window), built once per step and shared by all
+        layers (the CPU SDPA kernel is faster with an additive mask than a boolean one)."""
+        cached = self._decode_gather.get((dtype, window))
         if cached is None:
             table, lens = self.decode_tables()
             positions = torch.arange(table.shape[1] * self.block_size, device=table.device)
             padding = positions[None, :] >= lens[:, None]
+            if window is not None:
+                padding |= positions[None, :] < (lens[:, None] - window)
             bias = torch.zeros(padding.shape, dtype=dtype, device=table.device)
             bias.masked_fill_(padding, float("-inf"))
             cached = (table.reshape(-1).long(), bias.view(self.num_decodes, 1, 1, -1))
-            self._decode_gather[dtype] = cached
+            self._decode_gather[(dtype, window)] = cached
         return cached
 
 
@@ -234,24 +250,28 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                    scale: float, backend: CpuBackend, kv_written: bool = False) -> torch.Tensor:
+                    scale: float, backend: CpuBackend, window: int | None = None,
+                    kv_written: bool = False) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D].
-    kv_written: k and v are already in their pool slots (a fused op put them there)."""
+    window: a sliding window (each token sees the last `window` tokens of its context), or
+    None. kv_written: k and v are already in their pool slots (a fused op put them there)."""
     k_cache, v_cache = kv_cache
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
     num_tokens, heads, head_dim = q.shape
     if q.device.type == "cpu" and backend.attends(q.dtype, head_dim):
-        return _kernel_step(q, k, v, k_cache, v_cache, attn, scale, backend).view(
+        return _kernel_step(q, k, v, k_cache, v_cache, attn, scale, backend, window).view(
             num_tokens, heads * head_dim)
     nd = attn.num_decodes
     if nd == num_tokens:
-        return _decode(q, k_cache, v_cache, attn, scale).view(num_tokens, heads * head_dim)
+        return _decode(q, k_cache, v_cache, attn, scale, window).view(num_tokens,
+                                                                      heads * head_dim)
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, attn, scale)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, attn, scale, window)
     for chunk in attn.prefills:
-        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale)
+        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk,
+                                                            scale, window)
     return out.view(num_tokens, heads * head_dim)
 
 
@@ -264,7 +284,7 @@ KERNEL_PREFILL_MAX_CONTEXT = 384
 
 def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
-                 backend: CpuBackend) -> torch.Tensor:
+                 backend: CpuBackend, window: int | None) -> torch.Tensor:
     """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
     the short chunks' tokens, each as one query over its causal context read in place from the
     pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls
@@ -272,26 +292,27 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     tables, lens = attn.token_tables()
     long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
     if not long:
-        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale)
+        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     keep = torch.ones(q.shape[0], dtype=torch.bool)
     for chunk in long:
         keep[chunk.query_start : chunk.query_end] = False
-        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale)
+        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk,
+                                                            scale, window)
     rows = keep.nonzero().squeeze(1).to(q.device)
     if rows.numel():
         out[rows] = backend.paged_attention(
             q.index_select(0, rows), k_cache, v_cache, tables.index_select(0, rows).contiguous(),
-            lens.index_select(0, rows), scale)
+            lens.index_select(0, rows), scale, window)
     return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            attn: AttentionMetadata, scale: float) -> torch.Tensor:
+            attn: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """Batched single-token attention through gathered K/V -> [num_decodes, heads, D]."""
     nd, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    block_ids, bias = attn.decode_gather(q.dtype)
+    block_ids, bias = attn.decode_gather(q.dtype, window)
     # [nd, kv_heads, L, D]; whole-block gathers are large contiguous copies.
     keys = k_cache.index_select(0, block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
     values = v_cache.index_select(0, block_ids).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
@@ -303,7 +324,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+             v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+             window: int | None = None) -> torch.Tensor:
     """Causal attention of one chunk over its context -> [query_len, heads, D]."""
     s, e = chunk.query_start, chunk.query_end
     query = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
@@ -315,8 +337,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         values = v_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
     keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
     values = values.transpose(0, 1).unsqueeze(0)
+    mask = chunk.mask
+    if window is not None and chunk.seq_len > window:
+        mask = chunk.window_mask(window).to(query.device)
     out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+        query, keys, values, attn_mask=mask, is_causal=mask is None,
         scale=scale, enable_gqa=True,
     )
     return out[0].transpose(0, 1)

@@ -75,10 +75,13 @@ class CpuBackend:
 
     # ---------------------------------------------------------------- kernel ops
 
-    def paged_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float):
+    def paged_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                        window: int | None = None):
         """q [n, heads, D] over pools [num_blocks, block_size, kv_heads, D], block_tables int32
-        [n, max_blocks], seq_lens int32 [n] -> [n, heads, D] in q's dtype."""
-        return self.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        [n, max_blocks], seq_lens int32 [n] -> [n, heads, D] in q's dtype; each row sees the
+        last `window` tokens of its context where window is set."""
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                               window or 0)
 
     def linear_f32(self, x, panels, bias, out_features: int):
         """x [M, K] float32 times a weight in panels [ceil(N / W), K, W] -> [M, N] (+ bias)."""

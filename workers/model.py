@@ -49,9 +49,10 @@ def _shards_of(param_name: str) -> tuple:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
-                 backend: CpuBackend):
+                 backend: CpuBackend, window: int | None = None):
         super().__init__()
         self.backend = backend
+        self.window = window  # sliding window of this layer, None for full attention
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(
@@ -76,14 +77,14 @@ class LlamaAttention(nn.Module):
             q, k = self.backend.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], *kv_cache,
                                                attn.slot_mapping, self.num_heads)
             out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend,
-                                  kv_written=True)
+                                  self.window, kv_written=True)
         else:
             # q and k share one rotation call: [T, heads + kv_heads, D]
             qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1),
                                    cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             # [T, heads * D]
-            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend)
+            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend, self.window)
         return self.o_proj(out)
 
 
@@ -103,11 +104,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
-                 backend: CpuBackend):
+                 backend: CpuBackend, layer: int = 0):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
-        self.self_attn = LlamaAttention(config, rotary, dtype, device, backend)
+        self.self_attn = LlamaAttention(config, rotary, dtype, device, backend,
+                                        config.window_of(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
         self.mlp = LlamaMLP(config, dtype, device, backend)
 
@@ -129,8 +131,8 @@ class LlamaModel(nn.Module):
         # One rotary table for all layers; its inv_freq stays float32 like HF's.
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling_dict, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, dtype, device, backend)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, dtype, device, backend, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, backend)
 

@@ -35,8 +35,10 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
     attention_output_bias: bool = False  # bias on o_proj (Llama's attention_bias only)
     mlp_bias: bool = False
-    # Attention here is always full; a runtime must cap the context at sliding_window when set.
+    # Sliding-window attention: a token sees the last sliding_window tokens of its context, in
+    # every layer, or (layer_types given) in the layers marked "sliding_attention" only.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -53,6 +55,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -87,6 +100,7 @@ class ModelConfig:
             attention_output_bias=llama_bias if arch == "llama" else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
             sliding_window=_sliding_window(arch, cfg),
+            layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,8 @@ class WorkerSpec:
     cpu_kernels: str
     cpu_isa: str
     cache_dir: str | None
+    # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
+    debug_stall: tuple[int, int, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +223,11 @@ class Worker:
     def handle(self, msg: ToWorker) -> FromWorker | None:
         """Executes one message; returns the reply for the driver rank (None elsewhere)."""
         if isinstance(msg, SchedulerOutput):
+            stall = self.spec.debug_stall
+            if stall is not None and stall[:2] == (self.rank, msg.step_id):
+                log.warning("rank %d: stalling step %d for %.1f s (TIERSERVE_DEBUG_STALL)",
+                            self.rank, msg.step_id, stall[2])
+                time.sleep(stall[2])
             if self._threads_reduced and not self._kernels.building:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False

@@ -9,6 +9,8 @@
 // is read from memory exactly once, and the tile kAhead ahead is prefetched a token at a time
 // meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
+// With a sliding window W > 0, a token attends to the last W tokens of its context only
+// (Mistral's: keys j with q - W < j <= q); tiles start at the window's first token.
 //
 // Vectorised with vec.h's Vec (one register of floats; head dims are multiples of it). Plain
 // loops proved fragile here: g++ turned the V accumulation into gathers and the dot-product reductions into
@@ -67,6 +69,7 @@ struct DecodeArgs {
   const int32_t* seq_lens;
   int64_t kv_heads, group, block_size;
   float scale;
+  int window;  // 0: the whole context
   T* out;  // [nd, kv_heads * group, D], contiguous
 };
 
@@ -214,6 +217,7 @@ template <typename T, int D>
 void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch& s) {
   const int64_t group = a.group, heads = (h1 - h0) * group;
   const int len = a.seq_lens[seq];
+  const int start = a.window > 0 && len > a.window ? len - a.window : 0;
   const int32_t* table = a.block_tables + seq * a.table_stride;
   for (int64_t h = 0; h < heads; ++h) {
     const T* src = a.q + seq * a.q_seq_stride + (h0 * group + h) * a.q_head_stride;
@@ -229,14 +233,14 @@ void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch
   const float* vrows[kTile];
   const char* kpf[kTile];
   const char* vpf[kTile];
-  for (int t = 0; t < kAhead * kTile && t < len; t += kTile) {
+  for (int t = start; t < start + kAhead * kTile && t < len; t += kTile) {
     row_addresses<T, D>(a, table, h0, t, std::min(kTile, len - t), kpf, vpf);
     for (int j = 0; j < kTile; ++j) {
       prefetch_row(kpf[j], span);
       prefetch_row(vpf[j], span);
     }
   }
-  for (int t0 = 0; t0 < len; t0 += kTile) {
+  for (int t0 = start; t0 < len; t0 += kTile) {
     const int n = std::min(kTile, len - t0);
     row_addresses<T, D>(a, table, h0, t0 + kAhead * kTile,
                         std::clamp(len - t0 - kAhead * kTile, 0, kTile), kpf, vpf);
@@ -350,7 +354,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 template <typename T>
 DecodeArgs<T> make_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        at::Tensor& out) {
+                        int64_t window, at::Tensor& out) {
   const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   return DecodeArgs<T>{
       q.data_ptr<T>(), q.stride(0), q.stride(1),
@@ -359,14 +363,16 @@ DecodeArgs<T> make_args(const at::Tensor& q, const at::Tensor& k_cache, const at
       block_tables.data_ptr<int32_t>(), block_tables.size(1),
       seq_lens.data_ptr<int32_t>(),
       kv_heads, q.size(1) / kv_heads, k_cache.size(1),
-      static_cast<float>(scale),
+      static_cast<float>(scale), static_cast<int>(window),
       out.data_ptr<T>()};
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
   check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 31), "paged_decode_attention: window ",
+              window, " must be in [0, 2^31)");
   const int64_t head_dim = k_cache.size(3);
   check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
   // Rows of q may be strided (a slice of the fused qkv projection); each head's D values must
@@ -374,12 +380,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat)
-    dispatch_head_dim(make_args<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out),
-                      q.size(0), head_dim);
-  else
     dispatch_head_dim(
-        make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out),
+        make_args<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out),
         q.size(0), head_dim);
+  else
+    dispatch_head_dim(make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens,
+                                               scale, window, out),
+                      q.size(0), head_dim);
   return out;
 }
 
@@ -388,7 +395,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0) -> Tensor");
   m.def("decode_head_dims() -> int[]", &tierserve::decode_head_dims);
 }
 
