@@ -21,9 +21,9 @@ from tierserve.deploy.dataplane import (
 )
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import (
-    FromWorker, SchedulerOutput, ShutdownWorker, ToWorker, WorkerError,
+    FlushTiers, FromWorker, ShutdownWorker, ToWorker, WorkerError,
 )
-from tierserve.workers.worker import ModelInfo, Worker, WorkerSpec
+from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
 __all__ = ["RayExecutor", "WorkerActor"]
 
@@ -81,8 +81,8 @@ class WorkerActor:
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int) -> TierReport:
+        return self.worker.initialize_cache(num_blocks)
 
     def run_loop(self) -> None:
         # OpenMP's thread count is per calling thread and Ray starts workers with
@@ -137,10 +137,10 @@ class RayExecutor:
         use_kernels = all(ray.get([w.kernels_ready.remote() for w in self.workers]))
         infos = ray.get([w.load_model.remote(use_kernels) for w in self.workers])
         num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
-        ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
+        tiers = ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
-        return WorkerInfo.from_ranks(num_blocks, infos)
+        return WorkerInfo.from_ranks(num_blocks, infos, tiers)
 
     def _await_subscribers(self) -> None:
         try:
@@ -166,13 +166,15 @@ class RayExecutor:
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
         self._plane.broadcast(msg)
-        if not isinstance(msg, SchedulerOutput):
+        if isinstance(msg, ShutdownWorker):
             return None
-        return self._await_reply(msg.step_id)
+        # A flush writes for up to its deadline before it answers.
+        extra = msg.deadline_s if isinstance(msg, FlushTiers) else 0.0
+        return self._await_reply(msg.step_id, self.step_timeout_s + extra)
 
-    def _await_reply(self, step_id: int) -> FromWorker:
+    def _await_reply(self, step_id: int, timeout_s: float) -> FromWorker:
         """Waits in short slices, checking between them that every worker is alive."""
-        deadline = time.monotonic() + self.step_timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

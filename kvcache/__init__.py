@@ -6,8 +6,10 @@ from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, K
 from tierserve.kvcache.block_pool import BlockPool
 from tierserve.kvcache.hashing import HASH_ALGORITHMS, BlockHasher, encode_extra_keys
 from tierserve.kvcache.manager import KVCacheManager, PrefixCacheStats
+from tierserve.kvcache.tiers import SlotState, SlotTier, TierHit, TierManager, TierSlot, TierStats
 
 __all__ = [
     "BlockHash", "BlockId", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockPool",
     "BlockHasher", "HASH_ALGORITHMS", "encode_extra_keys", "KVCacheManager", "PrefixCacheStats",
+    "SlotState", "SlotTier", "TierHit", "TierManager", "TierSlot", "TierStats",
 ]

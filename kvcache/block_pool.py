@@ -14,8 +14,9 @@ from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, K
 
 __all__ = ["BlockPool", "EvictCallback"]
 
-# Called with (block_id, block_hash) when a cached block loses its hash because its slot is reused.
-EvictCallback = Callable[[int, BlockHash], None]
+# Called with (block_id, block_hash, hashed key) when a cached block loses its hash because its
+# slot is about to be reused (the tiers copy it out first).
+EvictCallback = Callable[[int, BlockHash, "bytes | None"], None]
 
 
 class BlockPool:
@@ -131,7 +132,7 @@ class BlockPool:
             entry[block.block_id] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
+        block_hash, key = block.block_hash, block.hash_key
         entry = self._cached[block_hash]
         if isinstance(entry, KVCacheBlock):
             del self._cached[block_hash]
@@ -142,4 +143,4 @@ class BlockPool:
         block.reset_hash()
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(block.block_id, block_hash)
+            self.on_evict(block.block_id, block_hash, key)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash, KVCacheBlock
-from tierserve.kvcache.block_pool import BlockPool, EvictCallback
+from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.tiers import TierHit, TierManager
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "CacheableRequest"]
 
@@ -42,14 +43,17 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  verify_hits: bool = True, watermark: float = 0.01,
-                 on_evict: EvictCallback | None = None) -> None:
+                 tiers: TierManager | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, verify_hits, on_evict)
+        # With tiers, a cached block is demoted to the CPU tier when its slot is reused.
+        self.tiers = tiers if enable_caching else None
+        self.pool = BlockPool(num_blocks, enable_caching, verify_hits,
+                              self.tiers.demote if self.tiers is not None else None)
         # Reserved from new admissions only, so running requests can always take a next block.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -79,6 +83,14 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def find_tier_hits(self, request: CacheableRequest, num_device_hits: int) -> list[TierHit]:
+        """The prefix continued below the device pool: the blocks after the device hits found in
+        the CPU tier or on SSD, up to the first miss; never the whole prompt either."""
+        if self.tiers is None:
+            return []
+        stop = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        return self.tiers.find(request.block_hashes, request.block_keys, num_device_hits, stop)
+
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
                        num_new_computed_tokens: int = 0,
@@ -86,6 +98,8 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` past the computed (and newly hit) tokens.
 
         Returns the newly allocated blocks, or None when they don't fit; on None nothing changed.
+        num_new_computed_tokens may count blocks beyond new_computed_blocks (a tier hit being
+        copied in, a swapped-out request's blocks): the first new blocks hold those.
         """
         if num_new_tokens <= 0:
             raise RuntimeError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
@@ -128,7 +142,11 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tiers is not None:
+            self.tiers.clear()
+        return True
 
     def _cache_full_blocks(self, request: CacheableRequest, held: list[KVCacheBlock],
                            num_tokens: int) -> None:
@@ -173,3 +191,5 @@ class KVCacheManager:
             assert not block.is_null
         for rid, blocks in self.req_to_blocks.items():
             assert all(b.block_hash is not None for b in blocks[:self._num_cached[rid]])
+        if self.tiers is not None:
+            self.tiers.check_integrity()

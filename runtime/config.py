@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tierserve.kvcache import HASH_ALGORITHMS
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.scheduler.queues import POLICIES
+from tierserve.scheduler.tiering import PREEMPTION_MODES
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 
@@ -68,6 +69,18 @@ class EngineConfig:
                                          high=1.0, low_open=True)
     num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (one is the null "
                                      "block)", low=2)
+    kv_offload_cpu_bytes: int = _opt(
+        0, "bytes per rank of the CPU tier below the KV pool: evicted cached blocks are kept "
+        "there and copied back on a prefix hit; 0: no tiers", low=0)
+    kv_offload_ssd_path: str | None = _opt(
+        None, "folder of the SSD tier below the CPU tier (needs kv_offload_cpu_bytes); it "
+        "survives restarts: an engine started on it again serves its blocks")
+    kv_offload_ssd_bytes: int = _opt(
+        16 << 30, "bytes per rank of the SSD tier, with kv_offload_ssd_path", low=1)
+    preemption_mode: str = _opt(
+        "auto", "what preemption does with a victim's KV: swap it to the CPU tier, recompute "
+        "it later, or auto: whichever the measured costs say is cheaper",
+        choices=PREEMPTION_MODES)
     seed: int = _opt(0, "seed of unseeded random sampling", low=0, high=2**64 - 1)
     distributed: bool = _opt(False, "run on Ray even at tensor_parallel_size 1")
     placement_strategy: str = _opt("PACK", "Ray placement of the ranks",
@@ -82,6 +95,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
+        if self.kv_offload_ssd_path is not None and self.kv_offload_cpu_bytes == 0:
+            raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through it "
+                             "(set kv_offload_cpu_bytes)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHasher, KVCacheManager
+from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
@@ -20,7 +20,7 @@ from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecu
 from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
 from tierserve.scheduler import (
-    EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput, RequestStatus, SamplingParams, Scheduler,
+    EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput, RequestStatus, SamplingParams, Scheduler,
     SchedulerOutput, WorkerError,
 )
 from tierserve.workers.layers import partition_heads
@@ -35,6 +35,11 @@ log = logging.getLogger("tierserve.engine")
 
 # Longest context a default config admits, whatever the model's positions allow.
 _DEFAULT_MAX_MODEL_LEN = 8192
+# A step that only asks the workers how far their asynchronous tier copies got waits this long
+# first, so that waiting for an SSD load does not spin the engine.
+_POLL_S = 0.002
+# How long a clean shutdown may spend writing the KV cache to SSD.
+FLUSH_DEADLINE_S = 30.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -52,7 +57,11 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
-        cache_dir=envs.cache_dir(), debug_stall=envs.debug_stall())
+        cache_dir=envs.cache_dir(), debug_stall=envs.debug_stall(),
+        kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
+        kv_offload_ssd_path=config.kv_offload_ssd_path,
+        kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
+        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}")
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
@@ -118,6 +127,9 @@ class EngineCore:
         self.scheduler = self._make_scheduler(config, info)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
+        tiering = self.scheduler.tiering
+        self.ssd_restored = 0 if tiering is None or tiering.tiers.ssd is None else \
+            len(tiering.tiers.ssd.coldest_ids())
         self.backends = info.backends
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
@@ -128,18 +140,36 @@ class EngineCore:
         self._dead: str | None = None
 
     @staticmethod
-    def _make_scheduler(config: EngineConfig, info: WorkerInfo) -> Scheduler:
+    def _make_tiers(config: EngineConfig, info: WorkerInfo) -> TierManager | None:
+        """The CPU and SSD tiers the ranks allocated, with the SSD blocks an earlier engine left
+        (every rank's entry holding the same block)."""
+        if not info.cpu_slots or not config.enable_prefix_caching:
+            return None
+        tiers = TierManager(info.cpu_slots, info.ssd_entries, block_bytes=info.kv_block_bytes,
+                            verify_hits=config.verify_prefix_hits)
+        if tiers.ssd is not None:
+            for entry, block_hash, key in info.ssd_found:
+                tiers.ssd.restore(entry, BlockHash(block_hash), key or None)
+        return tiers
+
+    @classmethod
+    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.verify_prefix_hits)
+                            config.verify_prefix_hits, tiers=cls._make_tiers(config, info))
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
         max_model_len = config.max_model_len or min(
             info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
         hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, config.hash_seed)
-        return Scheduler(kv, hasher, max_num_seqs=config.max_num_seqs,
-                         max_num_batched_tokens=config.max_num_batched_tokens,
-                         max_model_len=max_model_len,
-                         long_prefill_token_threshold=config.long_prefill_token_threshold,
-                         policy=config.scheduling_policy, vocab_size=info.vocab_size)
+        scheduler = Scheduler(kv, hasher, max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              max_model_len=max_model_len,
+                              long_prefill_token_threshold=config.long_prefill_token_threshold,
+                              policy=config.scheduling_policy, vocab_size=info.vocab_size,
+                              preemption_mode=config.preemption_mode)
+        if scheduler.tiering is not None:
+            costs = scheduler.tiering.costs
+            costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
+        return scheduler
 
     # ------------------------------------------------------------------ requests
 
@@ -228,18 +258,34 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids):
-            return []
+        if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
+                or out.tier_ops):
+            if not self.scheduler.has_pending_worker_updates():
+                return []
+            # Only asynchronous tier copies to hear about: an empty step asks, without spinning.
+            time.sleep(_POLL_S)
+        t0 = time.perf_counter()
         reply = self.executor.execute(out)
         if isinstance(reply, WorkerError):
             return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
+        self._observe(out, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(out, reply)
         if self._detok:
             self._detokenize(outputs)
         if self._unannounced:
             self._announce(outputs)
         return outputs
+
+    def _observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """Prefill throughput, for the swap-vs-recompute choice (an average over steps)."""
+        tiering = self.scheduler.tiering
+        if tiering is None or seconds <= 0 or max(out.num_scheduled_tokens, default=1) <= 1:
+            return
+        rate = sum(out.num_scheduled_tokens) / seconds
+        costs = tiering.costs
+        costs.prefill_tokens_per_s = rate if not costs.prefill_tokens_per_s else (
+            0.8 * costs.prefill_tokens_per_s + 0.2 * rate)
 
     def _announce(self, outputs: list[EngineCoreOutput]) -> None:
         for o in outputs:
@@ -267,6 +313,7 @@ class EngineCore:
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """A worker raised: the step's requests fail, the rest keep going."""
+        self.scheduler.step_failed(out)
         ids = self.scheduler.finish_requests(out.scheduled_req_ids(),
                                              RequestStatus.FINISHED_ERROR)
         log.error("step %d failed, failing %d requests: %s", out.step_id, len(ids), message)
@@ -307,6 +354,8 @@ class EngineCore:
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
+        if self.scheduler.tiering is not None and self.scheduler.tiering.tiers.ssd is not None:
+            stats["ssd_restored_blocks"] = self.ssd_restored
         return stats
 
     def describe_requests(self) -> list[dict]:
@@ -327,5 +376,52 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """A clean shutdown first writes every cached block not yet on SSD to it (within
+        FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
+        try:
+            if self._dead is None:
+                self._flush_tiers()
+        except Exception:  # the workers are gone or failing: nothing more to save
+            log.exception("could not write the KV cache to SSD at shutdown")
+        finally:
+            self.executor.shutdown()
+
+    def _flush_tiers(self) -> None:
+        tiering = self.scheduler.tiering
+        if tiering is None or tiering.tiers.ssd is None:
+            return
+        tiers, pool = tiering.tiers, self.scheduler.kv.pool
+        msg, entries = FlushTiers(step_id=self.scheduler.next_step_id(),
+                                  deadline_s=FLUSH_DEADLINE_S), []
+        sources = [(b.block_id, b.block_hash, b.hash_key, False)
+                   for b in pool.iter_cached_blocks()]
+        sources += [(s.slot, s.block_hash, s.hash_key, True) for s in tiers.cpu.cached_slots()
+                    if not s.clean]
+        for source, block_hash, key, from_cpu in sources:
+            if tiers.ssd.contains(block_hash):
+                continue
+            entry, _ = tiers.ssd.allocate(block_hash, key)
+            if entry is None:
+                break
+            entries.append(entry)
+            ids, ents, hashes, keys = (
+                (msg.cpu_slots, msg.cpu_entries, msg.cpu_hashes, msg.cpu_keys) if from_cpu else
+                (msg.device_blocks, msg.device_entries, msg.device_hashes, msg.device_keys))
+            ids.append(source)
+            ents.append(entry.slot)
+            hashes.append(block_hash)
+            keys.append(key or b"")
+        if not entries:
+            return
+        t0 = time.monotonic()
+        reply = self.executor.execute(msg)
+        written = set(reply.flushed_entries) if isinstance(reply, ModelRunnerOutput) else set()
+        for entry in entries:
+            if entry.slot in written:
+                tiers.ssd.commit(entry)
+            else:
+                entry.state = SlotState.READY
+                tiers.ssd.release(entry)
+        log.info("wrote %d of %d cached blocks to SSD in %.2f s", len(written), len(entries),
+                 time.monotonic() - t0)
 

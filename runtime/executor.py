@@ -14,7 +14,7 @@ from typing import Protocol
 from tierserve.scheduler.messages import (
     EngineChannelCodec, FromWorker, ShutdownWorker, ToWorker, WorkerChannelCodec,
 )
-from tierserve.workers.worker import ModelInfo, Worker, WorkerSpec
+from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
 __all__ = ["WorkerInfo", "Executor", "InProcessExecutor", "EngineDeadError"]
 
@@ -31,14 +31,27 @@ class WorkerInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     backends: tuple[dict, ...]  # each rank's CpuBackend.describe()
+    kv_block_bytes: int = 0  # one block id on one rank
+    cpu_slots: int = 0  # KV tiers: CPU slots and SSD entries, the same ids on every rank
+    ssd_entries: int = 0
+    # SSD entries from an earlier run found whole on every rank: (entry, block hash, key).
+    ssd_found: tuple[tuple[int, bytes, bytes], ...] = ()
+    copy_bytes_per_s: float = 0.0
 
     @classmethod
-    def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo]) -> "WorkerInfo":
+    def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo],
+                   tiers: list[TierReport]) -> "WorkerInfo":
         """The engine's view of its ranks: the pool size they agreed on, the model as rank 0
-        reports it, and every rank's backend."""
+        reports it, every rank's backend, and the tiers every rank has (an SSD entry counts
+        only where every rank holds the same block)."""
         first = ranks[0]
+        found = set(tiers[0].found)
+        for report in tiers[1:]:
+            found &= set(report.found)
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
-                   first.eos_token_ids, tuple(r.backend for r in ranks))
+                   first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
+                   min(t.cpu_slots for t in tiers), min(t.ssd_entries for t in tiers),
+                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers))
 
 
 class Executor(Protocol):
@@ -63,8 +76,8 @@ class InProcessExecutor:
         self.worker.init_device()
         info = self.worker.load_model(use_kernels=self.worker.kernels_ready())
         num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(num_blocks)
-        return WorkerInfo.from_ranks(num_blocks, [info])
+        tiers = self.worker.initialize_cache(num_blocks)
+        return WorkerInfo.from_ranks(num_blocks, [info], [tiers])
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
         frame = self._to_worker.encode(msg)

@@ -5,7 +5,8 @@ Pure CPU bookkeeping: imports kvcache and msgspec only (never torch or ray).
 from tierserve.scheduler.messages import (
     CachedRequestData, ClientChannelCodec, EngineChannelCodec, EngineCoreOutput,
     EngineCoreOutputs, EngineCoreRequest, MalformedFrameError, ModelRunnerOutput, NewRequestData,
-    SampleLogprobs, SchedulerOutput, ShutdownWorker, WorkerChannelCodec, WorkerError,
+    SampleLogprobs, SchedulerOutput, ShutdownWorker, TierOps, FlushTiers, WorkerChannelCodec,
+    WorkerError,
 )
 from tierserve.scheduler.params import FinishReason, RequestStatus, SamplingParams
 from tierserve.scheduler.request import Request
@@ -14,7 +15,8 @@ from tierserve.scheduler.scheduler import Scheduler
 __all__ = [
     "CachedRequestData", "ClientChannelCodec", "EngineChannelCodec", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "MalformedFrameError", "ModelRunnerOutput",
-    "NewRequestData", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker",
+    "NewRequestData", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker", "TierOps",
+    "FlushTiers",
     "WorkerChannelCodec", "WorkerError", "FinishReason", "RequestStatus", "SamplingParams",
     "Request", "Scheduler",
 ]

@@ -2,7 +2,7 @@
 
 Every message is a msgspec Struct encoded as a msgpack array (array_like) with defaults omitted.
 Each channel has one tagged union and one decoder, built once:
-  to workers    ToWorker   = SchedulerOutput | ShutdownWorker
+  to workers    ToWorker   = SchedulerOutput | FlushTiers | ShutdownWorker
   from workers  FromWorker = ModelRunnerOutput | WorkerError
   to clients    EngineCoreOutputs (a batch of per-request deltas)
 
@@ -19,7 +19,7 @@ import msgspec
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = [
-    "NewRequestData", "CachedRequestData", "SchedulerOutput",
+    "NewRequestData", "CachedRequestData", "SchedulerOutput", "TierOps", "FlushTiers",
     "ShutdownWorker", "SampleLogprobs", "ModelRunnerOutput", "WorkerError", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
     "EngineChannelCodec", "ClientChannelCodec",
@@ -90,6 +90,29 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
         return out
 
 
+class TierOps(msgspec.Struct, **_WIRE):
+    """A step's KV tier copies, executed by every rank on its own head shard before the forward,
+    in this order: swap-outs (device block -> CPU slot), swap-ins (CPU slot -> device block),
+    then the asynchronous copies it starts (kvcache/tiers.py). Ids match on every rank."""
+
+    out_blocks: list[int] = []
+    out_slots: list[int] = []
+    in_slots: list[int] = []
+    in_blocks: list[int] = []
+    # Asynchronous copies, flat: sequence number (increasing), kind (CopyKind: 1 load SSD ->
+    # CPU, 2 spill CPU -> SSD), CPU slot, SSD entry, and the block's hash and hashed key (an
+    # SSD entry's header carries them and a load checks them).
+    seqs: list[int] = []
+    kinds: list[int] = []
+    cpu_slots: list[int] = []
+    ssd_entries: list[int] = []
+    hashes: list[bytes] = []
+    keys: list[bytes] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.out_blocks or self.in_slots or self.seqs)
+
+
 class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
     step_id: int
     scheduled_new_reqs: list[NewRequestData] = []
@@ -100,6 +123,7 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
     finished_req_ids: list[str] = []
     # The workers keep these requests' tokens but forget their blocks until they resume.
     preempted_req_ids: list[str] = []
+    tier_ops: TierOps = msgspec.field(default_factory=TierOps)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -111,6 +135,22 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
 
 class ShutdownWorker(msgspec.Struct, tag=3, **_WIRE):
     pass
+
+
+class FlushTiers(msgspec.Struct, tag=4, **_WIRE):
+    """A clean shutdown's last step: write these cached blocks to their SSD entries, device
+    blocks and CPU slots alike, stopping at the deadline (seconds from receipt)."""
+
+    step_id: int
+    device_blocks: list[int] = []
+    device_entries: list[int] = []
+    device_hashes: list[bytes] = []
+    device_keys: list[bytes] = []
+    cpu_slots: list[int] = []
+    cpu_entries: list[int] = []
+    cpu_hashes: list[bytes] = []
+    cpu_keys: list[bytes] = []
+    deadline_s: float = 30.0
 
 
 class SampleLogprobs(msgspec.Struct, **_WIRE):
@@ -128,6 +168,12 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     sampled_token_ids: list[int] = []
     # Aligned with sampled_token_ids where any request asked for logprobs; None elsewhere.
     logprobs: list[SampleLogprobs | None] = []
+    # Asynchronous tier copies: every rank has completed those with seq < tier_done (-1: no
+    # news), and the ones in tier_failed failed on some rank.
+    tier_done: int = -1
+    tier_failed: list[int] = []
+    # A FlushTiers step: the SSD entries every rank wrote.
+    flushed_entries: list[int] = []
 
 
 class WorkerError(msgspec.Struct, tag=12, **_WIRE):
@@ -170,7 +216,7 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
     outputs: list[EngineCoreOutput] = []
 
 
-ToWorker = Union[SchedulerOutput, ShutdownWorker]
+ToWorker = Union[SchedulerOutput, FlushTiers, ShutdownWorker]
 FromWorker = Union[ModelRunnerOutput, WorkerError]
 
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager
 from tierserve.scheduler.messages import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+    TierOps,
 )
 from tierserve.scheduler.params import RequestStatus, SamplingParams, finish_reason_of
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import Request
+from tierserve.scheduler.tiering import Tiering
 
 __all__ = ["Scheduler"]
 
@@ -54,7 +56,7 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, preemption_mode: str = "recompute") -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -82,6 +84,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # The KV tiers' part of scheduling, where the cache has tiers (kvcache/tiers.py).
+        self.tiering = Tiering(kv_cache_manager.tiers, kv_cache_manager.block_size,
+                               preemption_mode) if kv_cache_manager.tiers is not None else None
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -132,7 +137,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif self.tiering is None or req.request_id not in self.tiering.loading:
                 self.waiting.remove(req)
             self._finish(req, status)
             done.append(rid)
@@ -144,6 +149,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        if self.tiering is not None:
+            self.tiering.forget(req)
         del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
@@ -197,10 +204,13 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
-        """Recompute preemption: free every block, go back to the front of the waiting queue.
-        Its full blocks stay cached, so resuming is mostly prefix hits."""
+        """Free every block and go back to the front of the waiting queue: to be recomputed
+        (its full blocks stay cached, so resuming is mostly prefix hits), or, with swap
+        preemption, with its KV copied to the CPU tier and back on resume."""
         self.running.remove(req)
         plan.drop(req)
+        if self.tiering is not None:
+            self.tiering.try_swap_out(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -210,25 +220,57 @@ class Scheduler:
         plan.preempted.append(req)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting.peek(), plan):
+        # A request waiting for SSD loads holds a sequence slot.
+        loading = len(self.tiering.loading) if self.tiering is not None else 0
+        while self.waiting and plan.budget > 0 and len(self.running) + loading < self.max_num_seqs:
+            admitted = self._admit(self.waiting.peek(), plan)
+            if admitted is None:
                 break  # head-of-line: later requests wait their turn
+            loading += not admitted
 
-    def _admit(self, req: Request, plan: _StepPlan) -> bool:
+    def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
+        """True: running from this step. False: it left the queue to wait for SSD loads
+        (the next may go). None: no room (nobody behind it goes either)."""
+        if req.swapped_slots:
+            return self._resume_swapped(req, plan)
         hits, num_hit = self.kv.get_computed_blocks(req)
+        admission = None
+        if self.tiering is not None:
+            admission = self.tiering.lookup(req, self.kv.find_tier_hits(req, len(hits)))
+            if admission.wait:
+                self.waiting.pop()
+                return False
+            num_hit += len(admission.cpu_hits) * self.kv.block_size
         n = self._chunk(req.num_tokens - num_hit, plan.budget)
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
-            return False
+            if admission is not None:
+                self.tiering.refused(admission)
+            return None
+        if admission is not None:
+            self.tiering.promoted(req, admission, blocks)
+        self._start_running(req, num_hit, n, plan)
+        return True
+
+    def _resume_swapped(self, req: Request, plan: _StepPlan) -> bool | None:
+        n = self._chunk(req.num_tokens - req.num_swapped_tokens, plan.budget)
+        blocks = self.kv.allocate_slots(req, n, (), req.num_swapped_tokens, apply_watermark=True)
+        if blocks is None:
+            return None
+        self.tiering.swap_in(req, blocks)
+        self._start_running(req, req.num_swapped_tokens, n, plan)
+        return True
+
+    def _start_running(self, req: Request, num_computed: int, n: int, plan: _StepPlan) -> None:
+        """The waiting head runs from this step, its first num_computed tokens in the pool."""
         self.waiting.pop()
-        req.num_computed_tokens = num_hit
+        req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_hit
+            req.num_cached_tokens = num_computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
         plan.add(group, req, n, self.kv.get_block_ids(req.request_id))
-        return True
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_data = []
@@ -249,18 +291,22 @@ class Scheduler:
         num_tokens = plan.num_tokens
         scheduled = itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs)
         finished, self._finished_ids = self._finished_ids, []
+        step_id = next(self._step_ids)
+        tier_ops = self.tiering.end_schedule(step_id) if self.tiering is not None else TierOps()
         return SchedulerOutput(
-            step_id=next(self._step_ids), scheduled_new_reqs=new_data,
+            step_id=step_id, scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
             finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in plan.preempted])
+            preempted_req_ids=[r.request_id for r in plan.preempted], tier_ops=tier_ops)
 
     # ---------------------------------------------------------------- after the forward
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes stopped requests and frees their blocks."""
+        if self.tiering is not None:
+            self._requeue(self.tiering.complete(scheduler_output, runner_output))
         outputs = []
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
@@ -291,13 +337,29 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def next_step_id(self) -> int:
+        """A step id for a message outside schedule() (a shutdown flush)."""
+        return next(self._step_ids)
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """The workers failed the step: its tier copies did not happen."""
+        if self.tiering is not None:
+            self._requeue(self.tiering.complete(scheduler_output, None))
+
+    def _requeue(self, ready: list[Request]) -> None:
+        """Requests whose SSD loads completed go back to the head of the waiting queue."""
+        for req in reversed(ready):
+            self.waiting.prepend(req)
+
     # ---------------------------------------------------------------- introspection
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def has_pending_worker_updates(self) -> bool:
-        return bool(self._finished_ids)
+        """Something only a step (even without tokens) tells the workers or learns from them:
+        finished requests to drop, tier copies to start or in flight."""
+        return bool(self._finished_ids) or (self.tiering is not None and self.tiering.has_work())
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -317,15 +379,20 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        }
+        } | (self.tiering.stats() if self.tiering is not None else {})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
-        assert len(running_ids) == len(self.running) <= self.max_num_seqs
-        assert not running_ids & waiting_ids
-        assert running_ids | waiting_ids == set(self.requests), "requests lost or leaked"
+        loading_ids = set(self.tiering.loading) if self.tiering is not None else set()
+        assert len(running_ids) + len(loading_ids) <= self.max_num_seqs
+        assert len(running_ids) == len(self.running)
+        assert not running_ids & waiting_ids and not loading_ids & (running_ids | waiting_ids)
+        assert running_ids | waiting_ids | loading_ids == set(self.requests), \
+            "requests lost or leaked"
+        for rid in loading_ids:
+            assert self.tiering.tiers.is_loading(rid), f"{rid} waits for no load"
         assert set(self.kv.req_to_blocks) <= running_ids, "a non-running request holds blocks"
         bs = self.kv.block_size
         for req in self.running:

@@ -46,14 +46,28 @@ class WorkerMirror:
                 self.computed[rid] = resumed_computed
             else:
                 self.blocks[rid].extend(new_blocks)
-        sampled = []
+        sampled, spans = [], []
         for rid, n in zip(out.scheduled_req_ids(), out.num_scheduled_tokens):
             toks = self.tokens[rid]
-            end = self.computed[rid] + n
+            start = self.computed[rid]
+            end = start + n
+            spans.append((rid, start, end))
             self.computed[rid] = end
             assert end <= len(toks)
             sampled.append(next_token(toks) if end == len(toks) else -1)
+        # As the model does: every token's K/V is written first, then each token attends over
+        # its context (which may include blocks another request writes in this same step).
+        for rid, start, end in spans:
+            self.compute(rid, start, end)
+        for rid, _, end in spans:
+            self.check_context(rid, end)
         return sampled
+
+    def compute(self, rid: str, start: int, end: int) -> None:
+        """The forward writes the K/V of tokens [start, end) (the plain mirror keeps no KV)."""
+
+    def check_context(self, rid: str, end: int) -> None:
+        """Tokens [0, end) of the request are in the pool (the plain mirror keeps no KV)."""
 
 
 def step(sched: Scheduler, mirror: WorkerMirror):
@@ -65,4 +79,82 @@ def step(sched: Scheduler, mirror: WorkerMirror):
         assert mirror.blocks[rid] == sched.kv.get_block_ids(rid)
         assert mirror.computed[rid] == req.num_computed_tokens
     outputs = sched.update_from_output(out, ModelRunnerOutput(out.step_id, sampled))
+    return out, outputs
+
+
+class TieredMirror(WorkerMirror):
+    """A WorkerMirror that also holds the KV itself, as the token each slot of each block was
+    computed for, in the pool, the CPU tier and on SSD, and runs the tier copies as a rank
+    would (asynchronous ones completing `delay` steps later, those in `corrupt` failing their
+    checks). Every step it checks that the context every scheduled token attends to is in the
+    pool: a hit, a promotion or a swap-in that brought the wrong KV fails at once."""
+
+    def __init__(self, block_size: int, delay: int = 1):
+        super().__init__()
+        self.bs = block_size
+        self.delay = delay
+        self.device: dict[int, list] = {}
+        self.cpu: dict[int, list] = {}
+        self.ssd: dict[int, list] = {}
+        self.corrupt: set[int] = set()  # SSD entries whose reads fail
+        self.queue: list[tuple[int, int, int, int, int]] = []  # (due step, seq, kind, slot, entry)
+        self.done = 0
+        self.failed: list[int] = []
+        self.step_no = 0
+
+    def _block(self, b):
+        return self.device.setdefault(b, [None] * self.bs)
+
+    def run_tiers(self, ops) -> None:
+        for b, s in zip(ops.out_blocks, ops.out_slots):
+            self.cpu[s] = list(self._block(b))
+        for s, b in zip(ops.in_slots, ops.in_blocks):
+            self.device[b] = list(self.cpu[s])
+        for seq, kind, slot, entry in zip(ops.seqs, ops.kinds, ops.cpu_slots, ops.ssd_entries):
+            self.queue.append((self.step_no + self.delay, seq, kind, slot, entry))
+
+    def finish_async(self) -> tuple[int, list[int]]:
+        due = [c for c in self.queue if c[0] <= self.step_no]
+        if not due and not self.queue:
+            return -1, []
+        failed = []
+        for copy in sorted(due, key=lambda c: c[1]):
+            _, seq, kind, slot, entry = copy
+            if seq != self.done:
+                break  # in issue order
+            self.queue.remove(copy)
+            if kind == 2:  # spill
+                self.ssd[entry] = list(self.cpu[slot])
+            elif entry in self.corrupt:
+                failed.append(seq)
+                self.cpu[slot] = [None] * self.bs  # what was read is garbage
+            else:
+                self.cpu[slot] = list(self.ssd[entry])
+            self.done = seq + 1
+        return self.done, failed
+
+    def apply(self, out) -> list[int]:
+        self.step_no += 1
+        self.run_tiers(out.tier_ops)
+        return super().apply(out)
+
+    def compute(self, rid: str, start: int, end: int) -> None:
+        toks, blocks, bs = self.tokens[rid], self.blocks[rid], self.bs
+        for p in range(start, end):
+            self._block(blocks[p // bs])[p % bs] = toks[p]
+
+    def check_context(self, rid: str, end: int) -> None:
+        toks, blocks, bs = self.tokens[rid], self.blocks[rid], self.bs
+        for p in range(end):  # the context is in the pool, computed for these tokens
+            assert self._block(blocks[p // bs])[p % bs] == toks[p], (
+                f"{rid}: position {p} has the KV of {self._block(blocks[p // bs])[p % bs]}, "
+                f"not {toks[p]}")
+
+
+def tiered_step(sched: Scheduler, mirror: "TieredMirror"):
+    out = sched.schedule()
+    sampled = mirror.apply(out)
+    done, failed = mirror.finish_async()
+    reply = ModelRunnerOutput(out.step_id, sampled, tier_done=done, tier_failed=failed)
+    outputs = sched.update_from_output(out, reply)
     return out, outputs

@@ -176,14 +176,16 @@ def test_reset_prefix_cache_refused_while_blocks_are_held():
     kv.check_integrity()
 
 
-def test_eviction_callback_reports_block_and_hash():
+def test_eviction_callback_reports_block_hash_and_key():
+    from tierserve.kvcache import BlockPool
     hasher = BlockHasher(4)
     seen = []
-    kv = KVCacheManager(4, 4, watermark=0.0, on_evict=lambda bid, h: seen.append((bid, h)))
+    kv = KVCacheManager(4, 4, watermark=0.0)
+    kv.pool = BlockPool(4, on_evict=lambda bid, h, key: seen.append((bid, h, key)))
     a = _req("a", list(range(9)), hasher)
     _admit(kv, a)
-    hashes = list(a.block_hashes)
+    hashes, keys = list(a.block_hashes), list(a.block_keys)
     kv.free(a)
     b = _req("b", list(range(50, 61)), hasher)
     _admit(kv, b)
-    assert sorted(seen) == sorted(zip([0, 1], hashes))
+    assert sorted(seen) == sorted(zip([0, 1], hashes, keys))

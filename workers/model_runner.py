@@ -8,6 +8,7 @@ from tierserve.workers.attention import AttentionMetadata
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
+from tierserve.workers.tiers import TierStore
 
 __all__ = ["ModelRunner"]
 
@@ -25,9 +26,25 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator, model.backend)
         self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device))
+        # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).
+        self.tiers: TierStore | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.tiers is not None:
+            # Before the forward: swap-outs before a block id is reused, swap-ins before it is
+            # read. Then every rank agrees on the async copies completed so far.
+            self.tiers.run(out.tier_ops)
+            done, failed = self.tiers.agree()
+        elif out.tier_ops:
+            raise RuntimeError("tier copies were sent to a rank without tiers")
+        else:
+            done, failed = -1, []
+        result = self._execute(out)
+        result.tier_done, result.tier_failed = done, failed
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.apply(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(out.step_id)

@@ -65,6 +65,14 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of `x` over the TP group, in place."""
+    if _TP_SIZE == 1:
+        return x
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP_GROUP)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order (all shards have equal shape)."""
     if _TP_SIZE == 1:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.scheduler.messages import (
-    FromWorker, NewRequestData, SchedulerOutput, ShutdownWorker, ToWorker,
-    WorkerError,
+    FlushTiers, FromWorker, ModelRunnerOutput, NewRequestData, SchedulerOutput, ShutdownWorker,
+    ToWorker, WorkerError,
 )
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
@@ -22,8 +22,9 @@ from tierserve.workers.cpu_features import detect_cpu_features
 from tierserve.workers.kernels import KernelLibrary, kernel_library
 from tierserve.workers.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
+from tierserve.workers.tiers import SsdStore, TierStore, model_fingerprint, tier_slots
 
-__all__ = ["WorkerSpec", "ModelInfo", "Worker", "resolve_device"]
+__all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 
 log = logging.getLogger("tierserve.worker")
 
@@ -56,6 +57,12 @@ class WorkerSpec:
     cpu_kernels: str
     cpu_isa: str
     cache_dir: str | None
+    # KV tiers below the pool (workers/tiers.py): bytes per rank; 0 / None: none. hash_id names
+    # the block hash (algorithm and seed): SSD entries of another hash are never reused.
+    kv_offload_cpu_bytes: int
+    kv_offload_ssd_path: str | None
+    kv_offload_ssd_bytes: int
+    hash_id: str
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
 
@@ -68,6 +75,18 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     backend: dict  # CpuBackend.describe() of the backend the rank runs
+    kv_block_bytes: int  # one block id of the pool on this rank, all layers, K and V
+
+
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    """A rank's KV tiers once allocated: their sizes, the SSD entries it found from an earlier
+    run (entry, block hash, hashed key) and its pool <-> CPU tier copy bandwidth."""
+
+    cpu_slots: int
+    ssd_entries: int
+    found: tuple[tuple[int, bytes, bytes], ...]
+    copy_bytes_per_s: float
 
 
 def resolve_device(device: str) -> str:
@@ -152,8 +171,10 @@ class Worker:
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
         config, self.model = load_model(self.spec.model, self.dtype, self.device, self.backend)
+        block_bytes = kv_cache_bytes_per_block(config, self.spec.tensor_parallel_size,
+                                               self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
-                         tuple(config.eos_token_ids), self.backend.describe())
+                         tuple(config.eos_token_ids), self.backend.describe(), block_bytes)
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
@@ -201,10 +222,11 @@ class Worker:
         runner.execute(out)
         del runner
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int) -> TierReport:
         self.runner = self._make_runner(num_blocks)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
+        return self._make_tiers()
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.model.config
@@ -213,7 +235,35 @@ class Worker:
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
                            is_driver=self.rank == 0, seed=self.spec.seed)
 
+    def _make_tiers(self) -> TierReport:
+        spec = self.spec
+        block_bytes = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
+                                               spec.block_size, self.dtype)
+        ssd_bytes = spec.kv_offload_ssd_bytes if spec.kv_offload_ssd_path else 0
+        cpu_slots, ssd_entries = tier_slots(spec.kv_offload_cpu_bytes, ssd_bytes, block_bytes)
+        if cpu_slots == 0:
+            return TierReport(0, 0, (), 0.0)
+        kv = self.runner.kv_caches
+        ssd = None
+        if ssd_entries:
+            common = dict(dtype=str(self.dtype), tp=spec.tensor_parallel_size,
+                          block_size=spec.block_size, hash=spec.hash_id,
+                          layout=list(kv[0][0].shape[1:]), layers=len(kv))
+            ssd = SsdStore(spec.kv_offload_ssd_path, model_fingerprint(spec.model, **common),
+                           model_fingerprint(spec.model, rank=self.rank, **common), self.rank,
+                           ssd_entries, [len(kv), 2, *kv[0][0].shape[1:]], self.dtype)
+        store = TierStore(kv, cpu_slots, ssd, self.device)
+        self.runner.tiers = store
+        t0 = time.monotonic()
+        found = tuple(store.scan())
+        log.info("rank %d: KV tiers of %d CPU slots and %d SSD entries; %d entries found on "
+                 "SSD in %.2f s", self.rank, cpu_slots, ssd_entries, len(found),
+                 time.monotonic() - t0)
+        return TierReport(cpu_slots, ssd_entries, found, store.measure_copy_bandwidth())
+
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.tiers is not None:
+            self.runner.tiers.close()
         self.runner = None
         self.model = None
         parallel.destroy_distributed()
@@ -237,6 +287,11 @@ class Worker:
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)
                 return WorkerError(msg.step_id, self.rank, f"{type(e).__name__}: {e}")
             return result if self.rank == 0 else None
+        if isinstance(msg, FlushTiers):
+            tiers = self.runner.tiers if self.runner is not None else None
+            written = tiers.flush(msg) if tiers is not None else []
+            return ModelRunnerOutput(msg.step_id, flushed_entries=written) \
+                if self.rank == 0 else None
         if isinstance(msg, ShutdownWorker):
             self.shutdown()
             return None
