@@ -25,6 +25,7 @@ from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import check_model, load_model_tokenizer
 from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
 from tierserve.workers.worker import resolve_device
 
@@ -250,12 +251,12 @@ class RayEngineClient:
 
     async def generate(self, requests: list[EngineCoreRequest]):
         stream = self.actor.generate.options(num_returns="streaming").remote(requests)
-        pending = {r.req_id for r in requests}
+        pending = Outstanding(requests)
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(pending))
         try:
             async for ref in stream:
                 batch = self._codec.decode(await ref).outputs
-                pending.difference_update(o.req_id for o in batch if o.finish_reason is not None)
+                pending.update(batch)
                 yield batch
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"the engine actor died: {e}") from e
@@ -265,7 +266,7 @@ class RayEngineClient:
                 ray.cancel(stream)
                 self.actor.abort.remote(list(pending))
 
-    async def _heartbeat(self, pending: set[str]) -> None:
+    async def _heartbeat(self, pending: Outstanding) -> None:
         """Renews the leases of this stream's unfinished requests while it is consumed."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
@@ -274,7 +275,7 @@ class RayEngineClient:
 
     def stream_batch(self, requests: list[EngineCoreRequest]):
         stream = self.actor.generate.options(num_returns="streaming").remote(requests)
-        pending = {r.req_id for r in requests}
+        pending = Outstanding(requests)
         stop = threading.Event()
         beat = threading.Thread(target=self._heartbeat_thread, args=(pending, stop), daemon=True,
                                 name="tierserve-heartbeat")
@@ -282,7 +283,7 @@ class RayEngineClient:
         try:
             for ref in stream:
                 batch = self._codec.decode(ray.get(ref)).outputs
-                pending.difference_update(o.req_id for o in batch if o.finish_reason is not None)
+                pending.update(batch)
                 yield batch
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"the engine actor died: {e}") from e
@@ -292,7 +293,7 @@ class RayEngineClient:
                 ray.cancel(stream)
                 self.actor.abort.remote(list(pending))
 
-    def _heartbeat_thread(self, pending: set[str], stop: threading.Event) -> None:
+    def _heartbeat_thread(self, pending: Outstanding, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
             if pending:
                 self.actor.renew.remote(list(pending))

@@ -130,6 +130,30 @@ class KVCacheManager:
             self._cache_full_blocks(request, held, total)
         return new_blocks
 
+    def fork(self, parent: CacheableRequest, child: CacheableRequest,
+             num_tokens: int) -> tuple[int, int] | None | bool:
+        """Gives `child` the parent's KV of its first num_tokens tokens: the full blocks shared
+        by ref count, the partial last block as a fresh copy (copy-on-write: the parent writes
+        its next tokens there). Returns the (source, destination) block ids of that copy, True
+        when there is nothing to copy, or None when no block is free for it (nothing changed)."""
+        if child.request_id in self.req_to_blocks:
+            raise RuntimeError(f"{child.request_id!r} already holds blocks")
+        held = self.req_to_blocks[parent.request_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        assert len(held) * self.block_size >= num_tokens, "the parent has not computed them"
+        if partial and self.pool.num_free_blocks == 0:
+            return None
+        shared = held[:num_full]
+        self.pool.touch(shared)
+        blocks = self.req_to_blocks[child.request_id] = list(shared)
+        self._num_cached[child.request_id] = min(num_full, self._num_cached[parent.request_id])
+        self._record_admission(child, num_tokens)
+        if not partial:
+            return True
+        copy = self.pool.get_new_blocks(1)[0]
+        blocks.append(copy)
+        return held[num_full].block_id, copy.block_id
+
     def free(self, request: CacheableRequest) -> None:
         """Releases the request's blocks, last block first: a tail block extends fewer prefixes,
         so it should be evicted before the prefix blocks."""

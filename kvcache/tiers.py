@@ -16,7 +16,9 @@ The TierManager decides every move, the workers only execute them:
   spill     CPU slot -> SSD entry, writing back cold CPU slots so they can be dropped (async)
   swap      a preempted request's device blocks -> CPU slots it owns, and back on resume
 Synchronous copies complete with the step that carries them; asynchronous ones carry a sequence
-number and complete when the workers acknowledge it (every rank, in issue order).
+number of their kind (loads and spills count separately, and run on separate queues, so that a
+load is never stuck behind a backlog of write-backs) and complete when the workers acknowledge
+it (every rank, in issue order within the kind).
 """
 from __future__ import annotations
 
@@ -283,19 +285,20 @@ class TierManager:
     """The CPU and SSD tiers of one engine, and the copies in flight between them."""
 
     def __init__(self, cpu_slots: int, ssd_slots: int = 0, *, block_bytes: int = 0,
-                 verify_hits: bool = True, writeback_headroom: float = 0.5) -> None:
+                 verify_hits: bool = True, writeback_headroom: float = 1.0) -> None:
         if cpu_slots < 1:
             raise ValueError(f"the CPU tier needs at least one slot, got {cpu_slots}")
         self.cpu = SlotTier("cpu", cpu_slots, verify_hits)
         self.ssd = SlotTier("ssd", ssd_slots, verify_hits) if ssd_slots > 0 else None
         self.block_bytes = block_bytes  # one block on one rank, for bytes_copied
-        # Cold CPU slots are written back to SSD until this share of the tier is free or clean,
-        # so that demotions find a slot to drop without losing a block.
+        # Cold CPU slots are written back to SSD until this share of the tier is free or clean
+        # (by default all of it: write-through, in the background), so that demotions find a
+        # slot to drop without losing a block.
         self.headroom = max(1, int(writeback_headroom * cpu_slots))
         self.stats = TierStats()
         self.copies = StepCopies()
-        self._next_seq = 0
-        self.in_flight: dict[int, AsyncCopy] = {}
+        self._next_seq = {CopyKind.LOAD: 0, CopyKind.SPILL: 0}
+        self.in_flight: dict[tuple[CopyKind, int], AsyncCopy] = {}
         # Synchronous copies of the step being executed, completed by `complete_step`.
         self._sync_fills: list[TierSlot] = []
         self._sync_reads: list[TierSlot] = []
@@ -373,7 +376,7 @@ class TierManager:
         CPU hits and the load targets are held (pinned) for it until it is admitted or leaves.
         True when the request must now wait for loads."""
         started = False
-        held = self._held.setdefault(request_id, [])
+        held = []
         for h in hits:
             if h.tier == "cpu":
                 slot = h.slot
@@ -388,8 +391,11 @@ class TierManager:
                 started = True
             self.cpu.pin(slot)
             held.append(slot)
-        if not started:
-            self.release_held(request_id)
+        if started:
+            self._held.setdefault(request_id, []).extend(held)
+        else:  # nothing to wait for: these pins go (slots held in an earlier round stay)
+            for slot in held:
+                self.cpu.unpin(slot)
         return started
 
     def release_held(self, request_id: str) -> None:
@@ -412,23 +418,27 @@ class TierManager:
     def is_loading(self, request_id: str) -> bool:
         return bool(self._loading.get(request_id))
 
+    def could_load_later(self) -> bool:
+        """Copies in flight will free or unpin CPU slots: a load refused now may start then."""
+        return bool(self.in_flight) or bool(self._sync_fills)
+
     def forget_request(self, request_id: str) -> None:
         """A waiting request left (finished or aborted): its loads go on, for the cache."""
         self.release_held(request_id)
         for seq in self._loading.pop(request_id, ()):
-            copy = self.in_flight.get(seq)
+            copy = self.in_flight.get((CopyKind.LOAD, seq))
             if copy is not None:
                 copy.waiters.discard(request_id)
 
     # ---------------------------------------------------------------- write-back to SSD
 
-    def write_back(self, max_copies: int = 64) -> None:
+    def write_back(self) -> None:
         """Spills the coldest dirty CPU slots until `headroom` slots are free or clean."""
         if self.ssd is None or not self.ssd_writable:
             return
         room = self.cpu.num_free + sum(1 for s in self.cpu.cached_slots() if s.clean)
         spilling = sum(1 for c in self.in_flight.values() if c.kind == CopyKind.SPILL)
-        need = min(self.headroom - room - spilling, max_copies)
+        need = self.headroom - room - spilling
         if need <= 0:
             return
         for slot in self.cpu.cached_slots():
@@ -458,9 +468,9 @@ class TierManager:
 
     def _start(self, kind: CopyKind, cpu_slot: int, ssd_entry: int, block_hash: BlockHash,
                key: bytes | None) -> AsyncCopy:
-        copy = AsyncCopy(self._next_seq, kind, cpu_slot, ssd_entry, block_hash, key)
-        self._next_seq += 1
-        self.in_flight[copy.seq] = copy
+        copy = AsyncCopy(self._next_seq[kind], kind, cpu_slot, ssd_entry, block_hash, key)
+        self._next_seq[kind] += 1
+        self.in_flight[kind, copy.seq] = copy
         self.copies.started.append(copy)
         return copy
 
@@ -524,18 +534,20 @@ class TierManager:
         if ok:
             self.stats.bytes_copied += n_sync * self.block_bytes
 
-    def complete_async(self, upto: int, failed: Sequence[int] = ()) -> list[str]:
-        """Every rank completed the async copies with seq < upto; `failed` ones failed their
-        checks (a bad or missing SSD entry) or their I/O. Returns the requests whose loads
-        are all done (they may be scheduled again)."""
+    def complete_async(self, upto: dict[CopyKind, int],
+                       failed: Iterable[tuple[CopyKind, int]] = ()) -> list[str]:
+        """Every rank completed the async copies of each kind with seq < upto[kind] (a kind not
+        given: no news); `failed` ones, (kind, seq), failed their checks (a bad or missing SSD
+        entry) or their I/O. Returns the requests whose loads are all done (they may be
+        scheduled again)."""
         failed = set(failed)
         ready = []
-        for seq in [s for s in self.in_flight if s < upto]:
-            copy = self.in_flight.pop(seq)
+        for key in [k for k in self.in_flight if k[1] < upto.get(k[0], -1)]:
+            copy = self.in_flight.pop(key)
             if copy.kind == CopyKind.LOAD:
-                ready += self._complete_load(copy, seq not in failed)
+                ready += self._complete_load(copy, key not in failed)
             else:
-                self._complete_spill(copy, seq not in failed)
+                self._complete_spill(copy, key not in failed)
         return ready
 
     def _complete_load(self, copy: AsyncCopy, ok: bool) -> list[str]:
@@ -605,7 +617,8 @@ class TierManager:
             for slot in held:
                 readers[slot.slot] += 1
         for rid, seqs in self._loading.items():
-            assert seqs and all(s in self.in_flight for s in seqs), f"{rid}: stale loads"
+            assert seqs and all((CopyKind.LOAD, s) in self.in_flight for s in seqs), \
+                f"{rid}: stale loads"
         for slot in self.cpu.slots:
             # Pins come from in-flight spills, this step's swap-ins, and prefix hits the
             # scheduler holds between lookup and promotion (none between steps).

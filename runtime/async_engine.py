@@ -23,8 +23,9 @@ from typing import AsyncIterator, Callable
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore, rejection
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor
+from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import FinishReason
+from tierserve.scheduler.params import ErrorKind, FinishReason
 from tierserve.workers.worker import WorkerSpec
 
 __all__ = ["AsyncEngine"]
@@ -115,10 +116,11 @@ class AsyncEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead
+        # The core can die between steps too (a maintenance call on the loop).
+        return self._dead or self.core.dead_reason
 
     def stats(self) -> dict:
-        return dict(self._stats, dead=self._dead)
+        return dict(self._stats, dead=self.dead_reason)
 
     def info(self) -> dict:
         return self.core.info()
@@ -127,8 +129,8 @@ class AsyncEngine:
         """True, or EngineDeadError saying why the engine cannot serve."""
         if self._dead is None and not self._thread.is_alive() and not self._stopping:
             self._dead = "the engine's step loop is gone"
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         return True
 
     # ------------------------------------------------------------------ the step loop thread
@@ -155,7 +157,7 @@ class AsyncEngine:
             self._publish(outputs)
             if self._leases:
                 for o in outputs:
-                    if o.finish_reason is not None:
+                    if o.finish_reason is not None and not core.has_request(o.req_id):
                         self._leases.pop(o.req_id, None)
         else:
             self._wake.wait(_IDLE_WAIT_S)
@@ -165,7 +167,8 @@ class AsyncEngine:
         if self._dead is None:
             self._dead = reason
             self._stats = dict(self._stats)
-        self._publish([EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=reason)
+        self._publish([EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=reason,
+                                        error_kind=ErrorKind.ENGINE_DEAD)
                        for rid in list(self._sinks)])
 
     def _drain_inbox(self) -> None:
@@ -197,7 +200,7 @@ class AsyncEngine:
             self._leases.pop(o.req_id, None)
         self._publish(outputs)
         if future is not None:
-            future.set_result([o.req_id for o in outputs])
+            future.set_result(list(dict.fromkeys(o.req_id for o in outputs)))
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -220,7 +223,7 @@ class AsyncEngine:
             return None
         except EngineDeadError as e:
             return EngineCoreOutput(request.req_id, finish_reason=FinishReason.ERROR,
-                                    error=str(e))
+                                    error=str(e), error_kind=ErrorKind.ENGINE_DEAD)
         except Exception as e:
             return rejection(request, e)
 
@@ -243,8 +246,8 @@ class AsyncEngine:
         """Each step's outputs for these requests until every one has finished. Leaving the
         iteration early (break, cancel, an error) aborts what is left and frees its blocks.
         With lease_s, requests not renewed (`renew`) for that long are aborted."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         ids = [r.req_id for r in requests]
         if not all(isinstance(rid, str) and rid for rid in ids):
             raise ValueError("request ids must be non-empty strings")
@@ -254,7 +257,7 @@ class AsyncEngine:
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        pending = set(ids)
+        pending = Outstanding(requests)
         for rid in ids:
             self._sinks[rid] = sink
         self._submit(AddRequests(list(requests), lease_s))
@@ -263,9 +266,7 @@ class AsyncEngine:
                 batch = await sink.queue.get()
                 if self._dead is not None:
                     raise EngineDeadError(self._dead)
-                for o in batch:
-                    if o.finish_reason is not None:
-                        pending.discard(o.req_id)
+                pending.update(batch)
                 yield batch
         finally:
             if pending:  # the caller went away or cancelled: free the blocks now

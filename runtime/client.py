@@ -15,9 +15,9 @@ import os
 from typing import AsyncIterator, Iterator, Protocol
 
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.outputs import CompletionOutput, RequestOutput, logprob_dict
+from tierserve.runtime.outputs import CompletionOutput, Outstanding, RequestOutput, logprob_dict
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import FinishReason, SamplingParams
+from tierserve.scheduler.params import ErrorKind, FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "SyncEngineClient", "AsyncEngineClient", "Deployments",
            "set_deployments", "deployments", "AsyncLLM", "connect", "make_request", "prompt_fields",
@@ -129,10 +129,14 @@ class AsyncLLM:
         request = make_request(request_id or self._next_id(), prompt,
                                sampling_params or SamplingParams(), priority, cache_salt)
         stream = self.engine.generate([request])
+        left = Outstanding([request])
         try:
             async for batch in stream:
                 for o in batch:
-                    yield to_delta(request, o)
+                    left.update((o,))
+                    delta = to_delta(request, o)
+                    delta.finished = not left  # every sample has finished
+                    yield delta
         finally:
             await stream.aclose()
 
@@ -203,7 +207,10 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:
     logprobs = None
     if request.sampling_params.logprobs is not None:
         logprobs = [logprob_dict(lp) for lp in o.logprobs]
-    completion = CompletionOutput(0, o.new_text, list(o.new_token_ids), None, logprobs, reason)
+    completion = CompletionOutput(o.index, o.new_text, list(o.new_token_ids), None, logprobs,
+                                  reason)
     return RequestOutput(o.req_id, request.prompt, list(o.prompt_token_ids), [completion],
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
-                         error=o.error or None)
+                         error=o.error or None,
+                         error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
+                         if o.error else None)

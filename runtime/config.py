@@ -52,6 +52,10 @@ class EngineConfig:
         "not trained for those positions)")
     block_size: int = _opt(16, "tokens per KV block", low=1)
     max_num_seqs: int = _opt(256, "requests in one step at most", low=1)
+    max_queued_requests: int = _opt(
+        256, "requests waiting for a first token at most (the HTTP server's and the engine's "
+        "queue); more are refused at once (HTTP 503) so admitted ones keep a bounded TTFT",
+        low=1)
     max_num_batched_tokens: int = _opt(2048, "tokens (prefill and decode) in one step at most",
                                        low=1)
     long_prefill_token_threshold: int = _opt(

@@ -17,12 +17,15 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
+from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
 from tierserve.scheduler import (
-    EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput, RequestStatus, SamplingParams, Scheduler,
-    SchedulerOutput, WorkerError,
+    EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+    RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
 )
+from tierserve.scheduler.params import ErrorKind, QueueFullError
+from tierserve.scheduler.request import seq_id
 from tierserve.workers.layers import partition_heads
 from tierserve.workers.loader import default_model_path, load_model_config
 from tierserve.workers.model_config import ModelConfig
@@ -103,11 +106,15 @@ def load_model_tokenizer(path: str) -> Tokenizer | None:
 def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
     """The one output of a request that could not be added: bad input says what was wrong;
     anything else is logged as the engine's bug, and still fails this request alone."""
-    if not isinstance(error, ValueError):
+    kind = (ErrorKind.OVERLOADED if isinstance(error, QueueFullError) else
+            ErrorKind.ENGINE_DEAD if isinstance(error, EngineDeadError) else
+            ErrorKind.BAD_REQUEST if isinstance(error, ValueError) else ErrorKind.INTERNAL)
+    if kind == ErrorKind.INTERNAL:
         log.error("request %r could not be added", request.req_id, exc_info=error)
-    message = str(error) if isinstance(error, ValueError) else (
+    message = str(error) if kind != ErrorKind.INTERNAL else (
         f"internal error adding the request: {type(error).__name__}: {error}")
-    return EngineCoreOutput(str(request.req_id), finish_reason=FinishReason.ERROR, error=message)
+    return EngineCoreOutput(str(request.req_id), finish_reason=FinishReason.ERROR, error=message,
+                            error_kind=kind)
 
 
 class EngineCore:
@@ -165,7 +172,8 @@ class EngineCore:
                               max_model_len=max_model_len,
                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
-                              preemption_mode=config.preemption_mode)
+                              preemption_mode=config.preemption_mode,
+                              max_queued_requests=config.max_queued_requests)
         if scheduler.tiering is not None:
             costs = scheduler.tiering.costs
             costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
@@ -199,12 +207,13 @@ class EngineCore:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         rid = request.req_id
         # Everything that can fail comes before the scheduler takes the request.
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, stop=params.stop)
+        detoks = [] if self.tokenizer is None else [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+            for _ in range(params.n)]
         self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
                                    priority=request.priority, cache_salt=request.cache_salt)
-        if detok is not None:
-            self._detok[rid] = detok
+        for index, detok in enumerate(detoks):
+            self._detok[seq_id(rid, index)] = detok
         self._unannounced[rid] = prompt_ids
         return prompt_ids
 
@@ -212,23 +221,23 @@ class EngineCore:
         """Adds the requests and steps until all have finished, yielding each step's outputs.
         A request that fails validation yields one error output; closing the iterator early
         aborts what is left."""
-        pending, failed = set(), []
+        added, failed = [], []
+        pending = Outstanding(())
         try:
             for request in requests:
                 try:
                     self.add_request(request)
-                    pending.add(request.req_id)
+                    added.append(request)
                 except EngineDeadError:
                     raise
                 except Exception as e:  # this request alone fails
                     failed.append(rejection(request, e))
+                pending = Outstanding(added)
             if failed:
                 yield failed
             while pending:
                 outputs = self.step()
-                for o in outputs:
-                    if o.finish_reason is not None:
-                        pending.discard(o.req_id)
+                pending.update(outputs)
                 yield outputs
         finally:
             if pending and self._dead is None:
@@ -237,7 +246,13 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         done = self.scheduler.abort_requests(request_ids)
         self._forget(done)
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ABORT) for rid in done]
+        return [EngineCoreOutput(rid, finish_reason=FinishReason.ABORT, index=index)
+                for rid, index in done]
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether some sample of the request has not finished."""
+        sched = self.scheduler
+        return request_id in sched.requests or request_id in sched.families
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -296,45 +311,49 @@ class EngineCore:
     def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
         stopped = []
         for o in outputs:
-            detok = self._detok.get(o.req_id)
+            sid = seq_id(o.req_id, o.index)
+            detok = self._detok.get(sid)
             if detok is None:
                 continue
             text, hit_stop = detok.update(o.new_token_ids)
             if hit_stop and o.finish_reason is None:
-                stopped.append(o.req_id)
+                stopped.append(sid)
                 o.finish_reason = FinishReason.STOP
             elif o.finish_reason is not None and not hit_stop:
                 text += detok.finish()
             o.new_text = text
             if o.finish_reason is not None:
-                del self._detok[o.req_id]
+                del self._detok[sid]
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_seqs(stopped, RequestStatus.FINISHED_STOPPED)
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """A worker raised: the step's requests fail, the rest keep going."""
         self.scheduler.step_failed(out)
-        ids = self.scheduler.finish_requests(out.scheduled_req_ids(),
-                                             RequestStatus.FINISHED_ERROR)
-        log.error("step %d failed, failing %d requests: %s", out.step_id, len(ids), message)
-        self._forget(ids)
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message)
-                for rid in ids]
+        done = self.scheduler.finish_seqs(out.scheduled_req_ids(), RequestStatus.FINISHED_ERROR)
+        log.error("step %d failed, failing %d sequences: %s", out.step_id, len(done), message)
+        self._forget(done)
+        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
+                                 index=index, error_kind=ErrorKind.INTERNAL)
+                for rid, index in done]
 
     def _die(self, message: str) -> list[EngineCoreOutput]:
         self._dead = message
-        ids = list(self.scheduler.requests)
+        ids = sorted({r.family_id for r in self.scheduler.requests.values()})
         try:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         except Exception:  # the state that failed the step may be broken: fail them anyway
             log.exception("could not release the requests of a dead engine")
-        self._forget(ids)
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message)
-                for rid in ids]
+        self._forget((rid, 0) for rid in ids)
+        self._detok.clear()
+        # An error output finishes every sample of its request.
+        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
+                                 error_kind=ErrorKind.ENGINE_DEAD) for rid in ids]
 
-    def _forget(self, request_ids) -> None:
-        for rid in request_ids:
-            self._detok.pop(rid, None)
+    def _forget(self, seqs) -> None:
+        """Drops the state of finished sequences, given as (request id, sample index)."""
+        for rid, index in seqs:
+            self._detok.pop(seq_id(rid, index), None)
             self._unannounced.pop(rid, None)
 
     @property
@@ -356,18 +375,20 @@ class EngineCore:
             stats["backend"] = dict(self.backends[0])
         if self.scheduler.tiering is not None and self.scheduler.tiering.tiers.ssd is not None:
             stats["ssd_restored_blocks"] = self.ssd_restored
+        stats.update(self.executor.stats())
         return stats
 
     def describe_requests(self) -> list[dict]:
         """Each unfinished request: id, status, prompt and output tokens, age in seconds."""
         now = time.monotonic()
-        return [{"request_id": r.request_id, "status": r.status.name.lower(),
+        return [{"request_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
                  "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
                  "age_s": round(now - r.arrival_time, 3)}
                 for r in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)]
 
     def info(self) -> dict:
         return {"model": self.config.model, "max_model_len": self.max_model_len,
+                "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
                 "backends": [dict(b) for b in self.backends]}

@@ -82,7 +82,8 @@ class LLM:
 
     def _run(self, requests: list, progress: bool) -> list[RequestOutput]:
         results = [r if isinstance(r, RequestOutput) else RequestOutput.start(
-            r.req_id, r.prompt, r.sampling_params.logprobs is not None) for r in requests]
+            r.req_id, r.prompt, r.sampling_params.logprobs is not None, r.sampling_params.n)
+            for r in requests]
         by_id = {r.request_id: r for r in results if not r.finished}
         bar = tqdm(total=len(by_id), desc="generating", disable=not progress)
         try:

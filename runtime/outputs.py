@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierserve.scheduler.messages import EngineCoreOutput
-from tierserve.scheduler.params import FinishReason
+from tierserve.scheduler.params import ErrorKind, FinishReason
 
-__all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict"]
+__all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict", "Outstanding"]
 
 
 @dataclass(slots=True)
@@ -40,12 +40,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when the request failed (bad input, engine error); outputs then hold what was made.
     error: str | None = None
+    # Why it failed: an ErrorKind name (bad_request, overloaded, engine_dead, internal).
+    error_kind: str | None = None
 
     @classmethod
-    def start(cls, request_id: str, prompt: str | None, want_logprobs: bool) -> "RequestOutput":
-        completion = CompletionOutput(0, "", [], 0.0 if want_logprobs else None,
-                                      [] if want_logprobs else None)
-        return cls(request_id, prompt, [], [completion])
+    def start(cls, request_id: str, prompt: str | None, want_logprobs: bool,
+              n: int = 1) -> "RequestOutput":
+        completions = [CompletionOutput(i, "", [], 0.0 if want_logprobs else None,
+                                        [] if want_logprobs else None) for i in range(n)]
+        return cls(request_id, prompt, [], completions)
 
     @classmethod
     def failed(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -53,12 +56,13 @@ class RequestOutput:
         out = cls.start(request_id, prompt, False)
         out.prompt_token_ids = prompt_token_ids
         out.outputs[0].finish_reason = str(FinishReason.ERROR)
-        out.finished, out.error = True, error
+        out.finished, out.error, out.error_kind = True, error, str(ErrorKind.BAD_REQUEST)
         return out
 
     def add(self, delta: EngineCoreOutput) -> None:
-        """Folds one step's delta in (the cumulative, non-streaming view)."""
-        completion = self.outputs[0]
+        """Folds one step's delta in (the cumulative, non-streaming view). The request has
+        finished once each of its samples has, or at once on an error."""
+        completion = self.outputs[delta.index if delta.index < len(self.outputs) else 0]
         if delta.prompt_token_ids:
             self.prompt_token_ids = delta.prompt_token_ids
         completion.token_ids.extend(delta.new_token_ids)
@@ -70,9 +74,11 @@ class RequestOutput:
         self.num_cached_tokens = max(delta.num_cached_tokens, 0)
         if delta.error:
             self.error = delta.error
+            self.error_kind = str(ErrorKind(delta.error_kind or ErrorKind.INTERNAL))
         if delta.finish_reason is not None:
             completion.finish_reason = str(FinishReason(delta.finish_reason))
-            self.finished = True
+            self.finished = bool(delta.error) or all(c.finish_reason is not None
+                                                     for c in self.outputs)
 
 
 def logprob_dict(lp) -> dict[int, Logprob]:
@@ -80,3 +86,32 @@ def logprob_dict(lp) -> dict[int, Logprob]:
     for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
         out.setdefault(tid, Logprob(value, rank))
     return out
+
+
+class Outstanding:
+    """The unfinished requests of one stream, by id. A request with n samples finishes when
+    each sample has (one finishing output per sample), or at once with an error."""
+
+    __slots__ = ("_left",)
+
+    def __init__(self, requests) -> None:
+        self._left = {r.req_id: getattr(r.sampling_params, "n", 1) for r in requests}
+
+    def update(self, outputs) -> None:
+        left = self._left
+        for o in outputs:
+            if o.finish_reason is None or o.req_id not in left:
+                continue
+            if o.error or left[o.req_id] <= 1:
+                del left[o.req_id]
+            else:
+                left[o.req_id] -= 1
+
+    def __bool__(self) -> bool:
+        return bool(self._left)
+
+    def __iter__(self):
+        return iter(list(self._left))
+
+    def __len__(self) -> int:
+        return len(self._left)

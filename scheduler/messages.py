@@ -12,6 +12,7 @@ and its computed-token count.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Union
 
 import msgspec
@@ -22,7 +23,7 @@ __all__ = [
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "TierOps", "FlushTiers",
     "ShutdownWorker", "SampleLogprobs", "ModelRunnerOutput", "WorkerError", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
-    "EngineChannelCodec", "ClientChannelCodec",
+    "EngineChannelCodec", "ClientChannelCodec", "req_ids_digest",
 ]
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -99,9 +100,9 @@ class TierOps(msgspec.Struct, **_WIRE):
     out_slots: list[int] = []
     in_slots: list[int] = []
     in_blocks: list[int] = []
-    # Asynchronous copies, flat: sequence number (increasing), kind (CopyKind: 1 load SSD ->
-    # CPU, 2 spill CPU -> SSD), CPU slot, SSD entry, and the block's hash and hashed key (an
-    # SSD entry's header carries them and a load checks them).
+    # Asynchronous copies, flat: sequence number (increasing within its kind), kind (CopyKind:
+    # 1 load SSD -> CPU, 2 spill CPU -> SSD), CPU slot, SSD entry, and the block's hash and
+    # hashed key (an SSD entry's header carries them and a load checks them).
     seqs: list[int] = []
     kinds: list[int] = []
     cpu_slots: list[int] = []
@@ -124,6 +125,10 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
     # The workers keep these requests' tokens but forget their blocks until they resume.
     preempted_req_ids: list[str] = []
     tier_ops: TierOps = msgspec.field(default_factory=TierOps)
+    # Copy-on-write of forked samples: device block copy_src[i] is copied to copy_dst[i] after
+    # the tier copies and before the forward (the source's owner writes it this step).
+    copy_src: list[int] = []
+    copy_dst: list[int] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -168,12 +173,21 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     sampled_token_ids: list[int] = []
     # Aligned with sampled_token_ids where any request asked for logprobs; None elsewhere.
     logprobs: list[SampleLogprobs | None] = []
-    # Asynchronous tier copies: every rank has completed those with seq < tier_done (-1: no
-    # news), and the ones in tier_failed failed on some rank.
-    tier_done: int = -1
+    # Asynchronous tier copies, per kind (loads, spills): every rank has completed those with
+    # seq < tier_done[kind - 1] (-1: no news); tier_failed holds (kind, seq) pairs, flat, of
+    # copies that failed on some rank.
+    tier_done: list[int] = []
     tier_failed: list[int] = []
     # A FlushTiers step: the SSD entries every rank wrote.
     flushed_entries: list[int] = []
+    # req_ids_digest of the step's scheduled request ids: the engine checks that a reply
+    # answers the requests it scheduled, in its order.
+    req_ids_digest: bytes = b""
+
+
+def req_ids_digest(req_ids: list[str]) -> bytes:
+    """8 bytes naming an ordered list of request ids (ids never contain NUL)."""
+    return hashlib.blake2b("\0".join(req_ids).encode(), digest_size=8).digest()
 
 
 class WorkerError(msgspec.Struct, tag=12, **_WIRE):
@@ -197,6 +211,10 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     error: str = ""
     # Set on a request's first output only.
     prompt_token_ids: list[int] = []
+    # Which of the request's n samples this delta belongs to.
+    index: int = 0
+    # An ErrorKind value when error is set.
+    error_kind: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

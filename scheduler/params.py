@@ -10,7 +10,11 @@ import math
 
 import msgspec
 
-__all__ = ["SamplingParams", "RequestStatus", "FinishReason"]
+__all__ = ["SamplingParams", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
+           "MAX_N"]
+
+# Most samples one request may ask for (OpenAI's limit).
+MAX_N = 128
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,6 +39,24 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:  # vLLM's user-facing strings
         return self.name.lower()
+
+
+class ErrorKind(enum.IntEnum):
+    """Why a request failed, for a client to answer by (HTTP: 400, 503, 503, 500)."""
+
+    NONE = 0
+    BAD_REQUEST = 1
+    OVERLOADED = 2
+    ENGINE_DEAD = 3
+    INTERNAL = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class QueueFullError(ValueError):
+    """The waiting queue is at its bound (max_queued_requests): the request is refused now,
+    rather than queued behind work it could only wait for."""
 
 
 _STATUS_TO_REASON = {
@@ -65,6 +87,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Samples per prompt: the prompt's KV is computed once and each sample forks from it.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +112,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+        _check_int(self.n, "n", lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
             raise ValueError(f"SamplingParams.seed must be an int in [0, 2**64), got {self.seed!r}")

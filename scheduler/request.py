@@ -6,7 +6,15 @@ import time
 from tierserve.kvcache import BlockHash, BlockHasher, encode_extra_keys
 from tierserve.scheduler.params import RequestStatus, SamplingParams
 
-__all__ = ["Request"]
+__all__ = ["Request", "SAMPLE_SEP", "seq_id"]
+
+# Sample i > 0 of request R runs as its own sequence, id R + SAMPLE_SEP + i; a request id
+# cannot contain SAMPLE_SEP, so sequence ids never collide with request ids.
+SAMPLE_SEP = "\x1f"
+
+
+def seq_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}{SAMPLE_SEP}{index}"
 
 
 class Request:
@@ -15,15 +23,19 @@ class Request:
         "all_token_ids", "output_token_ids", "num_prompt_tokens", "status", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
-        "num_swapped_tokens",
+        "num_swapped_tokens", "family_id", "index",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, eos_token_id: int | None = None,
                  arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None, lora_id: int | None = None,
-                 hasher: BlockHasher | None = None, keep_keys: bool = True) -> None:
+                 hasher: BlockHasher | None = None, keep_keys: bool = True,
+                 family_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
+        # The client's request id and which of its samples this sequence is.
+        self.family_id = request_id if family_id is None else family_id
+        self.index = index
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -51,6 +63,22 @@ class Request:
         self._extra_first = encode_extra_keys(cache_salt=cache_salt)
         self._extra = encode_extra_keys(lora_id=lora_id)
         self._hash_new_blocks()
+
+    def fork(self, index: int, sampling_params: SamplingParams) -> "Request":
+        """Sample `index` of this request, before any output: the same prompt, hash chain,
+        salt and limits, nothing computed."""
+        assert not self.output_token_ids, "a request forks before its first output"
+        child = Request(seq_id(self.family_id, index), self.all_token_ids, sampling_params,
+                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
+                        priority=self.priority, cache_salt=self.cache_salt,
+                        family_id=self.family_id, index=index)
+        child.max_output_tokens = self.max_output_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child._hasher, child._extra_first, child._extra = (self._hasher, self._extra_first,
+                                                           self._extra)
+        child.block_hashes = self.block_hashes[:]
+        child.block_keys = None if self.block_keys is None else self.block_keys[:]
+        return child
 
     @property
     def num_tokens(self) -> int:

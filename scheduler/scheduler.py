@@ -11,14 +11,18 @@ import array
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager
 from tierserve.scheduler.messages import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
     TierOps,
 )
-from tierserve.scheduler.params import RequestStatus, SamplingParams, finish_reason_of
+from tierserve.scheduler.params import (
+    QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
+)
 from tierserve.scheduler.queues import make_waiting_queue
-from tierserve.scheduler.request import Request
+from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
 from tierserve.scheduler.tiering import Tiering
 
 __all__ = ["Scheduler"]
@@ -49,14 +53,24 @@ class _StepPlan:
             return
         self.budget += n
         del self.block_ids[req.request_id]
-        self.cached_reqs.remove(req)
+        (self.cached_reqs if req in self.cached_reqs else self.new_reqs).remove(req)
+
+
+@dataclass(slots=True)
+class _Family:
+    """The n samples of one request. Sample 0 runs first; the others fork from it once its
+    prompt is computed (`unforked` until then), sharing its blocks."""
+
+    unforked: list[int]
+    live: set[str]
 
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
-                 vocab_size: int | None = None, preemption_mode: str = "recompute") -> None:
+                 vocab_size: int | None = None, preemption_mode: str = "recompute",
+                 max_queued_requests: int | None = None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -73,12 +87,17 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.hasher = hasher if kv_cache_manager.enable_caching else None
         self.max_num_seqs = max_num_seqs
+        self.max_queued_requests = max_queued_requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.vocab_size = vocab_size
+        # Keyed by sequence id: a request's sample i > 0 is a sequence of its own.
         self.requests: dict[str, Request] = {}
+        self.families: dict[str, _Family] = {}
+        # Copy-on-write block copies of this step's forks, sent with the next SchedulerOutput.
+        self._copies: list[tuple[int, int]] = []
         self.waiting = make_waiting_queue(policy)
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
@@ -94,13 +113,20 @@ class Scheduler:
                     sampling_params: SamplingParams, *, eos_token_id: int | None = None,
                     priority: int = 0, cache_salt: str | None = None,
                     lora_id: int | None = None, arrival_time: float | None = None) -> Request:
-        """Validates and queues a request; bad input raises ValueError and changes nothing."""
-        if request_id in self.requests:
+        """Validates and queues a request; bad input raises ValueError and changes nothing.
+        With sampling_params.n > 1 its other samples fork from it once the prompt is computed."""
+        if request_id in self.requests or request_id in self.families:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if SAMPLE_SEP in request_id:
+            raise ValueError(f"request id {request_id!r} contains {SAMPLE_SEP!r}, which is "
+                             f"reserved for sample ids")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(sampling_params).__name__}")
         self._validate_prompt(prompt_token_ids)
+        if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queued_requests} "
+                                 f"requests waiting); try again later")
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=eos_token_id,
                       arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
                       lora_id=lora_id, hasher=self.hasher,
@@ -109,6 +135,8 @@ class Scheduler:
         limit = sampling_params.max_tokens
         req.max_output_tokens = max(room, 1) if limit is None else limit
         self.requests[request_id] = req
+        if sampling_params.n > 1:
+            self.families[request_id] = _Family(list(range(1, sampling_params.n)), {request_id})
         self.waiting.add(req)
         return req
 
@@ -127,26 +155,35 @@ class Scheduler:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
-    def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
-        """Finishes requests from outside a step (abort, stop string); returns those found."""
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[tuple[str, int]]:
+        """Finishes requests, every sample of each, from outside a step (abort, failure);
+        returns the (request id, sample index) of each sequence finished."""
+        seqs = []
+        for rid in request_ids:
+            family = self.families.get(rid)
+            seqs.extend(family.live if family is not None else (rid,))
+        return self.finish_seqs(seqs, status)
+
+    def abort_requests(self, request_ids) -> list[tuple[str, int]]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_seqs(self, seq_ids, status: RequestStatus) -> list[tuple[str, int]]:
+        """Finishes single sequences (a stop string, a failed step); a request's first sample
+        takes its unforked siblings with it. Returns (request id, sample index) of each."""
         assert status.is_finished()
         done = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
+        for sid in list(seq_ids):
+            req = self.requests.get(sid)
             if req is None:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif self.tiering is None or req.request_id not in self.tiering.loading:
                 self.waiting.remove(req)
-            self._finish(req, status)
-            done.append(rid)
+            done.extend(self._finish(req, status))
         return done
 
-    def abort_requests(self, request_ids) -> list[str]:
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
         self.kv.free(req)
         if self.tiering is not None:
@@ -154,6 +191,16 @@ class Scheduler:
         del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
+        done = [(req.family_id, req.index)]
+        family = self.families.get(req.family_id)
+        if family is not None:
+            family.live.discard(req.request_id)
+            if req.index == 0:  # nothing left to fork from
+                done += [(req.family_id, i) for i in family.unforked]
+                family.unforked = []
+            if not family.live:
+                del self.families[req.family_id]
+        return done
 
     # ---------------------------------------------------------------- one step
 
@@ -183,7 +230,10 @@ class Scheduler:
                 blocks = self._preempt_until_fits(req, n, plan)
                 if blocks is None:
                     break  # it preempted itself: nothing behind it can fit either
-            plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks])
+            if req.num_sent_tokens:
+                plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks])
+            else:  # a forked sample the workers have not seen: its whole table travels
+                plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id))
             # A priority preemption may have removed a request ahead of this one.
             i = self.running.index(req) + 1 if plan.preempted else i + 1
 
@@ -240,6 +290,8 @@ class Scheduler:
             if admission.wait:
                 self.waiting.pop()
                 return False
+            if admission.defer:
+                return None
             num_hit += len(admission.cpu_hits) * self.kv.block_size
         n = self._chunk(req.num_tokens - num_hit, plan.budget)
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
@@ -291,6 +343,7 @@ class Scheduler:
         num_tokens = plan.num_tokens
         scheduled = itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs)
         finished, self._finished_ids = self._finished_ids, []
+        copies, self._copies = self._copies, []
         step_id = next(self._step_ids)
         tier_ops = self.tiering.end_schedule(step_id) if self.tiering is not None else TierOps()
         return SchedulerOutput(
@@ -298,7 +351,8 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
             finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in plan.preempted], tier_ops=tier_ops)
+            preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
+            tier_ops=tier_ops, copy_src=[c[0] for c in copies], copy_dst=[c[1] for c in copies])
 
     # ---------------------------------------------------------------- after the forward
 
@@ -315,18 +369,45 @@ class Scheduler:
             req = self.requests.get(rid)
             if token < 0 or req is None or req.status != RequestStatus.RUNNING:
                 continue  # a partial prefill chunk, or aborted while the step ran
+            if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
+                self._fork(req, self.families[req.family_id])
             req.append_output_token(token)
             status = self._stop_status(req, token)
             if status is not None:
                 self._finish(req, status)
                 any_finished = True
             reason = finish_reason_of(status) if status is not None else None
-            outputs.append(EngineCoreOutput(rid, [token], finish_reason=reason,
+            outputs.append(EngineCoreOutput(req.family_id, [token], finish_reason=reason,
                                             logprobs=[lp] if lp else [],
-                                            num_cached_tokens=req.num_cached_tokens))
+                                            num_cached_tokens=req.num_cached_tokens,
+                                            index=req.index))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _fork(self, parent: Request, family: _Family) -> None:
+        """Sample 0 has computed the prompt: every other sample shares its KV of all but the
+        last prompt token and computes that token itself, for logits of its own to sample
+        from. A sample that finds no room queues as a plain request (prefix hits, if cached)."""
+        num_shared = parent.num_prompt_tokens - 1
+        seed = parent.sampling_params.seed
+        for index in family.unforked:
+            params = msgspec.structs.replace(parent.sampling_params, n=1, seed=None if seed is None
+                                             else (seed + index) % 2**64)
+            child = parent.fork(index, params)
+            self.requests[child.request_id] = child
+            family.live.add(child.request_id)
+            copy = (self.kv.fork(parent, child, num_shared)
+                    if len(self.running) < self.max_num_seqs else None)
+            if copy is None:
+                self.waiting.prepend(child)
+                continue
+            if copy is not True:
+                self._copies.append(copy)
+            child.num_computed_tokens = num_shared
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        family.unforked = []
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -359,7 +440,7 @@ class Scheduler:
     def has_pending_worker_updates(self) -> bool:
         """Something only a step (even without tokens) tells the workers or learns from them:
         finished requests to drop, tier copies to start or in flight."""
-        return bool(self._finished_ids) or (self.tiering is not None and self.tiering.has_work())
+        return bool(self._finished_ids or self._copies) or (self.tiering is not None and self.tiering.has_work())
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierserve.kvcache import KVCacheBlock, TierHit, TierManager
-from tierserve.kvcache.tiers import StepCopies
+from tierserve.kvcache.tiers import CopyKind, StepCopies
 from tierserve.scheduler.messages import ModelRunnerOutput, SchedulerOutput, TierOps
 from tierserve.scheduler.request import Request
 
@@ -24,6 +24,7 @@ class Admission:
 
     cpu_hits: list[TierHit]  # pinned until promoted or given back
     wait: bool = False  # the request waits for SSD loads; admit others meanwhile
+    defer: bool = False  # its SSD hits cannot load yet (no free CPU slot): try next step
 
 
 @dataclass(slots=True)
@@ -60,9 +61,12 @@ class Tiering:
         """A waiting request's tier hits: CPU ones are pinned for promotion this step; SSD ones
         start loading, and the request then waits, with its CPU hits and load targets held in
         the tier for it."""
-        if any(h.tier == "ssd" for h in hits) and self.tiers.start_loads(req.request_id, hits):
-            self.loading[req.request_id] = req
-            return Admission([], wait=True)
+        if any(h.tier == "ssd" for h in hits):
+            if self.tiers.start_loads(req.request_id, hits):
+                self.loading[req.request_id] = req
+                return Admission([], wait=True)
+            if self.tiers.could_load_later():
+                return Admission([], defer=True)  # copies in flight will free CPU slots
         cpu = []
         for h in hits:
             if h.tier != "cpu":
@@ -140,9 +144,13 @@ class Tiering:
         copies = self._steps.pop(out.step_id, None)
         if copies is not None:
             self.tiers.complete_step(copies, ok=reply is not None)
-        if reply is None or reply.tier_done < 0:
+        if reply is None or not reply.tier_done:
             return []
-        ready = self.tiers.complete_async(reply.tier_done, reply.tier_failed)
+        upto = {kind: done for kind, done in zip((CopyKind.LOAD, CopyKind.SPILL),
+                                                  reply.tier_done) if done >= 0}
+        pairs = reply.tier_failed
+        failed = [(CopyKind(pairs[i]), pairs[i + 1]) for i in range(0, len(pairs), 2)]
+        ready = self.tiers.complete_async(upto, failed)
         return [self.loading.pop(rid) for rid in ready if rid in self.loading]
 
     def has_work(self) -> bool:

@@ -6,9 +6,9 @@ from tierserve.scheduler import ModelRunnerOutput, Scheduler
 EOS = 0
 
 
-def next_token(tokens: list[int]) -> int:
-    """What the fake model samples after `tokens`: never EOS, in [1, 500)."""
-    return (sum(tokens[-3:]) * 31 + len(tokens)) % 499 + 1
+def next_token(tokens: list[int], seed: int = 0) -> int:
+    """What the fake model samples after `tokens` (and a sampling seed): never EOS, in [1, 500)."""
+    return (sum(tokens[-3:]) * 31 + len(tokens) + seed) % 499 + 1
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
@@ -27,6 +27,7 @@ class WorkerMirror:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.seeds: dict[str, int] = {}
 
     def apply(self, out) -> list[int]:
         for rid in out.finished_req_ids:
@@ -39,6 +40,7 @@ class WorkerMirror:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.blocks[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
+            self.seeds[new.req_id] = new.sampling_params.seed or 0
         for rid, new_tokens, new_blocks, resumed_computed in out.scheduled_cached_reqs.unpack():
             self.tokens[rid].extend(new_tokens)
             if resumed_computed is not None:
@@ -54,7 +56,7 @@ class WorkerMirror:
             spans.append((rid, start, end))
             self.computed[rid] = end
             assert end <= len(toks)
-            sampled.append(next_token(toks) if end == len(toks) else -1)
+            sampled.append(next_token(toks, self.seeds[rid]) if end == len(toks) else -1)
         # As the model does: every token's K/V is written first, then each token attends over
         # its context (which may include blocks another request writes in this same step).
         for rid, start, end in spans:
@@ -97,9 +99,9 @@ class TieredMirror(WorkerMirror):
         self.cpu: dict[int, list] = {}
         self.ssd: dict[int, list] = {}
         self.corrupt: set[int] = set()  # SSD entries whose reads fail
-        self.queue: list[tuple[int, int, int, int, int]] = []  # (due step, seq, kind, slot, entry)
-        self.done = 0
-        self.failed: list[int] = []
+        # (due step, seq, kind, slot, entry); each kind completes in its own seq order.
+        self.queue: list[tuple[int, int, int, int, int]] = []
+        self.done = {1: 0, 2: 0}
         self.step_no = 0
 
     def _block(self, b):
@@ -108,33 +110,35 @@ class TieredMirror(WorkerMirror):
     def run_tiers(self, ops) -> None:
         for b, s in zip(ops.out_blocks, ops.out_slots):
             self.cpu[s] = list(self._block(b))
+        for src, dst in zip(self.copy_src, self.copy_dst):
+            self.device[dst] = list(self._block(src))
         for s, b in zip(ops.in_slots, ops.in_blocks):
             self.device[b] = list(self.cpu[s])
         for seq, kind, slot, entry in zip(ops.seqs, ops.kinds, ops.cpu_slots, ops.ssd_entries):
             self.queue.append((self.step_no + self.delay, seq, kind, slot, entry))
 
-    def finish_async(self) -> tuple[int, list[int]]:
-        due = [c for c in self.queue if c[0] <= self.step_no]
-        if not due and not self.queue:
-            return -1, []
+    def finish_async(self) -> tuple[list[int], list[int]]:
+        if not self.queue:
+            return [], []
         failed = []
-        for copy in sorted(due, key=lambda c: c[1]):
-            _, seq, kind, slot, entry = copy
-            if seq != self.done:
-                break  # in issue order
+        for copy in sorted(self.queue, key=lambda c: (c[2], c[1])):
+            due, seq, kind, slot, entry = copy
+            if due > self.step_no or seq != self.done[kind]:
+                continue  # not yet, or waits for an earlier copy of its kind
             self.queue.remove(copy)
             if kind == 2:  # spill
                 self.ssd[entry] = list(self.cpu[slot])
             elif entry in self.corrupt:
-                failed.append(seq)
+                failed += [kind, seq]
                 self.cpu[slot] = [None] * self.bs  # what was read is garbage
             else:
                 self.cpu[slot] = list(self.ssd[entry])
-            self.done = seq + 1
-        return self.done, failed
+            self.done[kind] = seq + 1
+        return [self.done[1], self.done[2]], failed
 
     def apply(self, out) -> list[int]:
         self.step_no += 1
+        self.copy_src, self.copy_dst = out.copy_src, out.copy_dst
         self.run_tiers(out.tier_ops)
         return super().apply(out)
 

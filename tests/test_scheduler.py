@@ -160,7 +160,7 @@ def test_abort_running_and_waiting_frees_everything_and_tells_workers():
     mirror = WorkerMirror()
     step(sched, mirror)
     step(sched, mirror)
-    assert sched.abort_requests(["run", "wait", "unknown"]) == ["run", "wait"]
+    assert sched.abort_requests(["run", "wait", "unknown"]) == [("run", 0), ("wait", 0)]
     sched.check_integrity()
     assert sched.kv.num_free_blocks == sched.kv.pool.num_usable_blocks
     out = sched.schedule()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests.sched_driver import TieredMirror, tiered_step
 from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
+from tierserve.kvcache.tiers import CopyKind
 from tierserve.scheduler import SamplingParams, Scheduler
 
 BS = 4
@@ -73,7 +74,7 @@ def test_write_back_spills_the_coldest_dirty_slots_and_eviction_prefers_clean_on
     copies = t.take_copies()
     assert [(c.kind, c.cpu_slot, c.ssd_entry) for c in copies.started] == [(2, 0, 0), (2, 1, 1)]
     assert t.cpu.slots[0].readers == 1  # pinned while the spill reads it
-    assert t.complete_async(upto=2) == []
+    assert t.complete_async({CopyKind.SPILL: 2}) == []
     assert t.cpu.slots[0].clean and t.cpu.slots[1].clean and t.stats.spills == 2
     t.cpu.touch(t.cpu.slots[0])
     t.demote(9, _h(9), None)  # evicts slot 1: clean, so nothing is lost
@@ -94,8 +95,8 @@ def test_loads_wake_their_requests_and_bad_entries_are_dropped_and_counted():
     copies = t.take_copies()
     assert [(c.seq, c.kind, c.cpu_slot, c.ssd_entry) for c in copies.started] == [
         (0, 1, 0, 0), (1, 1, 1, 1), (2, 1, 2, 2)]
-    assert t.complete_async(upto=1) == ["q"]
-    assert t.complete_async(upto=3, failed=[2]) == ["r"]
+    assert t.complete_async({CopyKind.LOAD: 1}) == ["q"]
+    assert t.complete_async({CopyKind.LOAD: 3}, failed=[(CopyKind.LOAD, 2)]) == ["r"]
     assert t.stats.checksum_failures == 1 and t.stats.loads == 2
     assert not t.ssd.contains(_h(2)) and not t.cpu.contains(_h(2))  # never served
     assert [h.tier for h in t.find([_h(0), _h(1), _h(2)], None, 0, 3)] == ["cpu", "cpu"]

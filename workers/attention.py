@@ -57,6 +57,17 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
     ]
 
 
+def copy_blocks(kv_caches: list, src: list[int], dst: list[int]) -> None:
+    """KV of blocks src[i] copied into blocks dst[i], every layer, K and V (copy-on-write of a
+    forked sample's partial block)."""
+    device = kv_caches[0][0].device
+    src_idx = torch.tensor(src, dtype=torch.long, device=device)
+    dst_idx = torch.tensor(dst, dtype=torch.long, device=device)
+    for k_cache, v_cache in kv_caches:
+        for cache in (k_cache, v_cache):  # [num_blocks, block_size, kv_heads, head_dim]
+            cache.index_copy_(0, dst_idx, cache.index_select(0, src_idx))
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor over a private anonymous mapping; the tensor keeps the mapping alive."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from tierserve.workers.attention import AttentionMetadata
+from tierserve.workers.attention import AttentionMetadata, copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
@@ -31,15 +31,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        cow = (lambda: copy_blocks(self.kv_caches, out.copy_src, out.copy_dst)
+               ) if out.copy_src else None
         if self.tiers is not None:
             # Before the forward: swap-outs before a block id is reused, swap-ins before it is
             # read. Then every rank agrees on the async copies completed so far.
-            self.tiers.run(out.tier_ops)
+            self.tiers.run(out.tier_ops, cow)
             done, failed = self.tiers.agree()
         elif out.tier_ops:
             raise RuntimeError("tier copies were sent to a rank without tiers")
         else:
-            done, failed = -1, []
+            if cow is not None:
+                cow()
+            done, failed = [], []
         result = self._execute(out)
         result.tier_done, result.tier_failed = done, failed
         return result

@@ -4,9 +4,9 @@ The rank decides nothing: it runs each step's TierOps (scheduler/messages.py) in
 the forward. Swap-outs (pool block -> CPU slot) and swap-ins (CPU slot -> pool block) are
 synchronous: on CPU they are memcpys done there and then; on CUDA they run on a dedicated copy
 stream into pinned memory, and the forward's stream waits for them. Loads (SSD entry -> CPU slot)
-and spills (CPU slot -> SSD entry) run on a background thread, in issue order; every rank
-reports how far it got and the ranks agree (one small all-reduce) before rank 0 acknowledges
-them to the engine.
+and spills (CPU slot -> SSD entry) run on two background threads, each in issue order (a load
+never waits behind a backlog of write-backs); every rank reports how far each kind got and the
+ranks agree (one small all-reduce) before rank 0 acknowledges them to the engine.
 
 CPU tier layout: [slots, layers, 2 (K, V), block_size, kv_heads, head_dim], one slot contiguous,
 so that an SSD entry is one read or write. An SSD entry is a file
@@ -28,6 +28,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 import torch
@@ -45,8 +46,8 @@ LOAD, SPILL = 1, 2  # kvcache.tiers.CopyKind, as the wire carries it
 _MAGIC = b"TSKV\x01\x00\x00\x00"
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 _HEADER_SUM = struct.Struct("<Q")  # xxh3-64 of the header bytes
-# Async copies one agreement can report (the failed ones travel as a bitmap of this width).
-_WINDOW = 64
+# Async copies of a kind one TP agreement can report (failures travel as a bitmap this wide).
+_WINDOW = 1024
 
 
 def tier_slots(kv_offload_cpu_bytes: int, kv_offload_ssd_bytes: int, block_bytes: int
@@ -204,6 +205,55 @@ class _Copy:
     key: bytes
 
 
+class _Queue:
+    """One kind of asynchronous copy on its own thread, completed in issue order."""
+
+    def __init__(self, name: str, run) -> None:
+        self._items: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
+        self._run = run
+        self._lock = threading.Lock()
+        self.done = 0  # every copy with seq < done has completed here
+        self.failed: set[int] = set()
+        self.issued = 0
+        self.agreed = 0  # every rank has completed the copies with seq < agreed
+        self._thread = threading.Thread(target=self._work, daemon=True, name=name)
+        self._thread.start()
+
+    def put(self, copy: _Copy) -> None:
+        self.issued = copy.seq + 1
+        self._items.put(copy)
+
+    def _work(self) -> None:
+        while True:
+            copy = self._items.get()
+            if copy is None:
+                return
+            ok = self._run(copy)
+            with self._lock:
+                if not ok:
+                    self.failed.add(copy.seq)
+                self.done = copy.seq + 1
+
+    def progress(self, window: int | None) -> tuple[int, list[int]]:
+        """(done, failed seqs below it), `done` kept within `window` of the last agreement."""
+        with self._lock:
+            done = self.done if window is None else min(self.done, self.agreed + window)
+            return done, [s for s in self.failed if s < done]
+
+    def settle(self, done: int) -> None:
+        with self._lock:
+            self.failed = {s for s in self.failed if s >= done}
+        self.agreed = done
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self.done >= self.issued
+
+    def close(self) -> None:
+        self._items.put(None)
+        self._thread.join(30)
+
+
 class TierStore:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_slots: int,
                  ssd: SsdStore | None, device: torch.device) -> None:
@@ -215,17 +265,10 @@ class TierStore:
         self.cpu = torch.zeros((cpu_slots, *self.layout), dtype=k0.dtype, pin_memory=pinned)
         self.ssd = ssd
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._queue: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._done = 0  # every async copy with seq < _done has completed here
-        self._failed: set[int] = set()
-        self._issued = 0
-        self._agreed = 0  # every rank has completed the copies with seq < _agreed
-        self._thread = None
-        if ssd is not None:
-            self._thread = threading.Thread(target=self._work, daemon=True,
-                                            name="tierserve-tier-copies")
-            self._thread.start()
+        # Per kind (LOAD, SPILL), in that order: the wire's tier_done follows it.
+        self._queues = [] if ssd is None else [
+            _Queue("tierserve-tier-loads", self._load), _Queue("tierserve-tier-spills",
+                                                                 self._spill)]
 
     @property
     def slot_bytes(self) -> int:
@@ -236,10 +279,16 @@ class TierStore:
 
     # ---------------------------------------------------------------- synchronous copies
 
-    def run(self, ops: TierOps) -> None:
-        """This step's copies, in order: swap-outs, swap-ins, then the async ones queued."""
+    def run(self, ops: TierOps, between: Callable[[], None] | None = None) -> None:
+        """This step's copies, in order: swap-outs, `between` (copies inside the pool: a
+        block it writes may be swapped out first, one it reads may be swapped into after),
+        swap-ins, then the async ones queued."""
         if ops.out_blocks:
             self._copy(ops.out_blocks, ops.out_slots, to_cpu=True)
+        if between is not None:
+            if self.copy_stream is not None and ops.out_blocks:
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            between()
         if ops.in_slots:
             self._copy(ops.in_blocks, ops.in_slots, to_cpu=False)
         if self.copy_stream is not None and (ops.out_blocks or ops.in_slots):
@@ -247,9 +296,9 @@ class TierStore:
         for i, seq in enumerate(ops.seqs):
             if self.ssd is None:
                 raise RuntimeError("an SSD copy was sent to a rank without an SSD tier")
-            self._issued = seq + 1
-            self._queue.put(_Copy(seq, ops.kinds[i], ops.cpu_slots[i], ops.ssd_entries[i],
-                                  ops.hashes[i], ops.keys[i]))
+            kind = ops.kinds[i]
+            self._queues[kind - 1].put(_Copy(seq, kind, ops.cpu_slots[i], ops.ssd_entries[i],
+                                             ops.hashes[i], ops.keys[i]))
 
     def _copy(self, blocks: list[int], slots: list[int], to_cpu: bool) -> None:
         # [n] index tensors; each layer's K and V move as one gather or scatter.
@@ -275,70 +324,61 @@ class TierStore:
 
     # ---------------------------------------------------------------- asynchronous copies
 
-    def _work(self) -> None:
-        while True:
-            copy = self._queue.get()
-            if copy is None:
-                return
-            ok = self._run_async(copy)
-            with self._lock:
-                if not ok:
-                    self._failed.add(copy.seq)
-                self._done = copy.seq + 1
+    def _spill(self, copy: _Copy) -> bool:
+        try:
+            self.ssd.write(copy.entry, copy.block_hash, copy.key, self._slot_view(copy.cpu_slot))
+            return True
+        except OSError as e:
+            log.warning("spill to SSD entry %d failed: %s", copy.entry, e)
+            return False
 
-    def _run_async(self, copy: _Copy) -> bool:
-        view = self._slot_view(copy.cpu_slot)
-        if copy.kind == SPILL:
-            try:
-                self.ssd.write(copy.entry, copy.block_hash, copy.key, view)
-                return True
-            except OSError as e:
-                log.warning("spill to SSD entry %d failed: %s", copy.entry, e)
-                return False
-        why = self.ssd.read(copy.entry, copy.block_hash, copy.key, view)
+    def _load(self, copy: _Copy) -> bool:
+        why = self.ssd.read(copy.entry, copy.block_hash, copy.key,
+                            self._slot_view(copy.cpu_slot))
         if why is not None:
             log.warning("SSD entry %d not loaded (%s): its tokens will be recomputed",
                         copy.entry, why)
             return False
         return True
 
-    def agree(self) -> tuple[int, list[int]]:
-        """(seq bound, failed seqs) of the async copies every rank has completed; (-1, [])
-        when nothing is pending. The same on every rank, which all call it each step: whether
-        it talks is decided by what every rank has seen."""
-        if self._issued <= self._agreed:
-            return -1, []
-        with self._lock:
-            done = min(self._done, self._agreed + _WINDOW)
-            failed = [s for s in self._failed if s < done]
-        if get_tp_size() > 1:
-            # [-done, failed bitmap of the window]: one MAX gives every rank the minimum of
-            # `done` and the union of failures.
-            t = torch.zeros(_WINDOW + 1, dtype=torch.int64,
+    def agree(self) -> tuple[list[int], list[int]]:
+        """([loads done, spills done], failed (kind, seq) pairs, flat) of the async copies every
+        rank has completed; ([], []) when nothing is pending. The same on every rank, which all
+        call it each step: whether it talks is decided by what every rank has seen."""
+        if not any(q.issued > q.agreed for q in self._queues):
+            return [], []
+        tp = get_tp_size() > 1
+        progress = [q.progress(_WINDOW if tp else None) for q in self._queues]
+        dones = [done for done, _ in progress]
+        fails = [failed for _, failed in progress]
+        if tp:
+            # Per kind: [-done, failed bitmap of its window]; one MAX gives every rank the
+            # minimum of `done` and the union of failures.
+            t = torch.zeros((len(self._queues), _WINDOW + 1), dtype=torch.int32,
                             device=self.device if self.device.type == "cuda" else "cpu")
-            t[0] = -done
+            for k, (q, done, failed) in enumerate(zip(self._queues, dones, fails)):
+                t[k, 0] = -done
+                for s in failed:
+                    t[k, 1 + s - q.agreed] = 1
+            values = tp_all_reduce_max(t).tolist()
+            dones = [-row[0] for row in values]
+            fails = [[q.agreed + i for i, bit in enumerate(row[1:]) if bit and q.agreed + i < d]
+                     for q, row, d in zip(self._queues, values, dones)]
+        flat = []
+        for k, (q, done, failed) in enumerate(zip(self._queues, dones, fails)):
+            q.settle(done)
             for s in failed:
-                t[1 + s - self._agreed] = 1
-            tp_all_reduce_max(t)
-            values = t.tolist()
-            done = -values[0]
-            failed = [self._agreed + i for i, bit in enumerate(values[1:]) if bit and
-                      self._agreed + i < done]
-        with self._lock:
-            self._failed.difference_update(s for s in list(self._failed) if s < done)
-        self._agreed = done
-        return done, failed
+                flat += [k + 1, s]
+        return dones, flat
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits until every queued async copy completed here (tests, shutdown)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if self._done >= self._issued:
-                    return True
+        while not all(q.idle() for q in self._queues):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        return True
 
     # ---------------------------------------------------------------- restart
 
@@ -396,7 +436,6 @@ class TierStore:
         return src.numel() * src.element_size() / max(seconds, 1e-9)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(30)
-            self._thread = None
+        for q in self._queues:
+            q.close()
+        self._queues = []
