@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 
@@ -104,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also list the unfinished requests")
         if cmd == "abort":
             p.add_argument("request_id")
+    api = sub.add_parser("api-server", help="an OpenAI-compatible HTTP server in the "
+                         "foreground (in front of --name, or of an engine of its own)")
+    _deployment_flags(api, required=False)
+    api.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--served-model-name", default=None,
+                     help="the `model` requests name (default: the model's file or folder "
+                          "name)")
+    api.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                     help="larger request bodies are answered 413")
+    _engine_flags(api)
     chat = sub.add_parser("chat", help="chat with the model (one message, or a REPL)")
     chat.add_argument("message", nargs="?", default=None,
                       help="one user message; without it, read messages from stdin")
@@ -125,6 +137,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"  shell:  tierserve generate --name {args.name} \"PROMPT\"")
     print(f"  stop:   tierserve stop {args.name}")
     return 0
+
+
+def cmd_api_server(args: argparse.Namespace) -> int:
+    from tierserve.deploy.http_server import ServerConfig, serve_http
+    from tierserve.runtime.client import AsyncLLM
+    options = engine_options(args)
+    if args.name is not None:
+        from tierserve.deploy.ray_engine import serve
+        engine = serve(args.name, args.namespace, **options)
+    else:
+        engine = AsyncLLM(**options)
+    try:
+        info = engine.info()
+        config = ServerConfig(served_model_name=args.served_model_name or
+                              model_name(info.get("model")),
+                              max_queued_requests=info["max_queued_requests"],
+                              max_body_bytes=args.max_body_bytes)
+        print(f"tierserve: serving {config.served_model_name!r} on "
+              f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+        serve_http(engine, config, args.host, args.port)
+    finally:
+        if args.name is None:
+            engine.shutdown()
+    return 0
+
+
+def model_name(model: str | None) -> str:
+    """A model's name as a server reports it: its folder or file name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-5] if base.endswith(".gguf") else base
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -241,6 +285,7 @@ def _read_messages():
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+            "api-server": cmd_api_server,
             "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort}
 
 

@@ -7,6 +7,7 @@ it on the client aborts its requests here.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import ray
 
@@ -54,7 +55,7 @@ class EngineActor:
     async def info(self) -> dict:
         executor = self.engine.core.executor
         tp = self.engine.config.tensor_parallel_size
-        return dict(self.engine.info(), node_ip=ray.util.get_node_ip_address(),
+        return dict(self.engine.info(), node_ip=ray.util.get_node_ip_address(), pid=os.getpid(),
                     namespace=ray.get_runtime_context().namespace,
                     worker_names=[executor.worker_name(r) for r in range(tp)],
                     worker_nodes=executor.worker_nodes)

@@ -246,3 +246,35 @@ def write_llama_gguf(hf_folder: Path, out_file: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(out_file)
+
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "A tiny model writes tiny words; tests read them back token for token.",
+    "hello world, hello server, hello client: streaming tokens over HTTP",
+] * 20
+
+
+def add_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
+    """A byte-level BPE trained here (nothing downloaded) on a few sentences, with a chat
+    template, saved beside a tiny checkpoint: ids 0-2 are pad, bos, eos as in its config.
+    Every string encodes (the 256 byte tokens are in the vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,218 @@
+"""OpenAI's request bodies (completions, chat completions) and what they become: engine
+prompts and SamplingParams, then response and stream-chunk JSON.
+
+Bodies are validated by pydantic with unknown fields refused, so a typo is a 400 naming it,
+never silently dropped. Ranges are checked once, by SamplingParams; its ValueError names the
+field, which the server turns into the error's `param`.
+"""
+from __future__ import annotations
+
+import re
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierserve.runtime.outputs import CompletionOutput, Logprob
+from tierserve.scheduler.params import MAX_N, SamplingParams
+
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "BadField", "sampling_params",
+           "completion_prompts", "chat_messages", "param_of", "chat_logprobs",
+           "completion_logprobs"]
+
+
+class BadField(ValueError):
+    """A request field with a value the server cannot serve (the message names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take: OpenAI's, then vLLM's extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve."""
+    _refuse_unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    if not 1 <= req.n <= MAX_N:
+        raise BadField("n", f"n must be in [1, {MAX_N}], got {req.n}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    fields = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0, max_tokens=max_tokens, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs, n=req.n)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        name = param_of(str(e)) or "sampling"
+        if name == "logprobs" and isinstance(req, ChatCompletionRequest):
+            name = "top_logprobs"
+        elif name == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+            name = "max_completion_tokens"
+        raise BadField(name, str(e).replace("SamplingParams.", "")) from None
+
+
+def _refuse_unsupported(req) -> None:
+    if req.logit_bias:
+        raise BadField("logit_bias", "logit_bias is not supported")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise BadField("echo", "echo is not supported")
+        if req.suffix:
+            raise BadField("suffix", "suffix is not supported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadField("best_of", "best_of must equal n (beam-style best_of is not supported)")
+    else:
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise BadField("tools", "tool calling is not supported")
+        if req.response_format and req.response_format.get("type") != "text":
+            raise BadField("response_format", "only response_format {\"type\": \"text\"} is "
+                           "supported")
+
+
+_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?\b")
+
+
+def param_of(message: str) -> str | None:
+    """The field a ValueError from SamplingParams or the engine's checks names first."""
+    m = _PARAM.match(message)
+    return m.group(1) if m else None
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """A completions body's prompts: one text, texts, token ids, or lists of token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise BadField("prompt", "prompt is empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the engine takes them: content parts of type text joined, others refused."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadField(f"messages[{i}].content",
+                                   "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------- logprobs JSON
+
+def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    # The sampled token keeps its true rank; the top-k are ranks 1..k.
+    return sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
+                   and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
+
+
+def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    content = []
+    for tid, entries in zip(completion.token_ids, completion.logprobs):
+        token = decode(tid)
+        content.append({
+            "token": token, "logprob": entries[tid].logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
+                              "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(completion: CompletionOutput, decode, k: int,
+                        offset: int = 0) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entries in zip(completion.token_ids, completion.logprobs):
+        token = decode(tid)
+        tokens.append(token)
+        token_lps.append(entries[tid].logprob)
+        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k)})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+

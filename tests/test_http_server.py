@@ -1,0 +1,322 @@
+"""The OpenAI-compatible server, driven by the real `openai` client and raw HTTP on a loopback
+port, in front of an in-process engine on a tiny checkpoint with a tokenizer trained here."""
+import asyncio
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tierserve import AsyncLLM
+from tierserve.deploy.http_server import ServerConfig, build_app
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, engine, **config) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        app = build_app(engine, ServerConfig(served_model_name=MODEL, **config))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama")
+    add_tiny_tokenizer(path)
+    llm = AsyncLLM(str(path), block_size=4, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = Server(engine)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+def _idle(engine, timeout=20.0) -> dict:
+    """The engine's stats once nothing runs or waits; every block back in the pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats["num_running"] == stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]):
+            return stats
+        assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
+        time.sleep(0.05)
+
+
+def test_chat_and_completions_with_usage(client, engine):
+    tok = engine.tokenizer
+    prompt = "The capital of France is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tok.encode(prompt))
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(tok.apply_chat_template(messages))
+    assert chat.usage.completion_tokens == 5
+    # token-id prompts take the same path
+    ids = tok.encode(prompt)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client):
+    kwargs = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "hello server"}]
+    full = client.chat.completions.create(messages=messages, **kwargs)
+    chunks = list(client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+    done = client.completions.create(prompt="hello world", max_tokens=6, **{
+        k: v for k, v in kwargs.items() if k != "max_tokens"})
+    pieces = list(client.completions.create(prompt="hello world", max_tokens=6, stream=True,
+                                            **{k: v for k, v in kwargs.items()
+                                               if k != "max_tokens"}))
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+
+
+def test_raw_sse_ends_with_done(server):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_n_samples_and_seeds(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell me"}], n=3, max_tokens=8,
+        temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 24
+    texts = [c.message.content for c in out.choices]
+    assert len(set(texts)) > 1
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell me"}], n=3, max_tokens=8,
+        temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == texts
+    stream = list(client.completions.create(model=MODEL, prompt=["a b", "c d"], n=2,
+                                            max_tokens=4, temperature=1.0, seed=3, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert {p.choices[0].index for p in stream} == {0, 1, 2, 3}
+
+
+def test_stop_strings_end_the_text(client):
+    base = dict(model=MODEL, prompt="The capital of Italy", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    text = client.completions.create(**base).choices[0].text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip())
+    cut = client.completions.create(stop=[stop], **base).choices[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and text.startswith(cut.text)
+
+
+def test_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                         max_tokens=3, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    # greedy: the sampled token is the most likely one
+    assert all(t.top_logprobs[0].token == t.token for t in content)
+    comp = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0,
+                                     logprobs=1, extra_body={"ignore_eos": True})
+    assert len(comp.choices[0].logprobs.token_logprobs) == 3
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=2.0), "top_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(presence_penalty=5), "presence_penalty"),
+    (dict(extra_body={"bogus_field": 1}), "bogus_field"),
+    (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
+])
+def test_bad_parameters_are_400_naming_the_field(client, engine, kwargs, param):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2) | kwargs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    _idle(engine)
+
+
+def test_too_long_prompt_is_400_and_unknown_model_404(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * 400, max_tokens=2)
+    assert "max_model_len" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "model"
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_two_megabyte_body_is_413(server):
+    big = {"model": MODEL, "prompt": "x" * (2 << 20), "max_tokens": 1}
+    r = httpx.post(server.base + "/v1/completions", json=big, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413
+    # a chunked body (no Content-Length) is cut off too
+    r = httpx.post(server.base + "/v1/completions", content=iter([b"{" + b" " * (1 << 20)] * 3),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+
+
+def test_disconnect_mid_stream_frees_the_request(server, engine):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert engine.stats()["num_running"] == 1
+    _idle(engine)  # the server aborted it: its blocks are back
+
+
+def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, engine):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    _idle(engine)
+
+
+def _metrics(base) -> dict:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics_parse_and_move_with_traffic(server, client):
+    before = _metrics(server.base)
+    assert before[("tierserve:num_requests_running", ())] == 0
+    assert ("tierserve:kv_cache_usage_perc", (("tier", "device"),)) in before
+    prompt = "A tiny model writes tiny words; tests read them back"
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = _metrics(server.base)
+
+    def moved(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert moved("tierserve:generation_tokens_total") == 10
+    assert moved("tierserve:prompt_tokens_total") > 0
+    assert moved("tierserve:time_to_first_token_seconds_count") == 2
+    assert moved("tierserve:e2e_request_latency_seconds_count") == 2
+    assert moved("tierserve:inter_token_latency_seconds_count") == 8
+    assert moved("tierserve:request_success_total", (("finished_reason", "length"),)) == 2
+    assert moved("tierserve:prefix_cache_queries_total") > 0
+    assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
+    assert ("tierserve:num_preemptions_total", ()) in after
+
+
+def test_a_full_queue_answers_503_at_once(engine):
+    """With the engine held between steps, no request gets a first token: two are admitted,
+    the rest are refused at once; once the engine goes on, the admitted ones complete."""
+    srv = Server(engine, max_queued_requests=2)
+    hold, held = threading.Event(), threading.Event()
+
+    def pause(core):
+        held.set()
+        hold.wait(30)
+
+    try:
+        engine.engine.run_on_loop(pause)
+        assert held.wait(10)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        pool = concurrent.futures.ThreadPoolExecutor(6)
+        admitted = [pool.submit(httpx.post, srv.base + "/v1/completions", json=body, timeout=60)
+                    for _ in range(2)]
+        time.sleep(0.5)  # both are in the server's queue
+        t0 = time.monotonic()
+        refused = [httpx.post(srv.base + "/v1/completions", json=body, timeout=10)
+                   for _ in range(3)]
+        assert all(r.status_code == 503 for r in refused)
+        assert time.monotonic() - t0 < 5  # at once, not after the queue drains
+        assert refused[0].json()["error"]["code"] == 503
+        assert not any(f.done() for f in admitted)
+        hold.set()
+        assert [f.result().status_code for f in admitted] == [200, 200]
+        metrics = _metrics(srv.base)
+        assert metrics[("tierserve:requests_refused_total", (("status", "503"),))] == 3
+    finally:
+        hold.set()
+        srv.stop()
+    _idle(engine)
+
+
+def test_health_is_503_once_the_engine_is_dead(tmp_path):
+    path = add_tiny_tokenizer(make_tiny_llama(tmp_path / "llama"))
+    llm = AsyncLLM(str(path), block_size=4, max_model_len=128)
+    srv = Server(llm)
+    try:
+        assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
+        llm.engine.run_on_loop(lambda core: core._die("killed by the test")).result(10)
+        r = httpx.get(srv.base + "/health", timeout=10)
+        assert r.status_code == 503 and "killed by the test" in r.json()["error"]["message"]
+        r = httpx.post(srv.base + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                       timeout=10)
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+        llm.shutdown()
