@@ -4,7 +4,8 @@ dataplane_us_tpN: one step's SchedulerOutput for 256 running decode requests (ma
 Scheduler) is encoded, broadcast over ZMQ to N rank actors, decoded on each, and rank 0's
 ModelRunnerOutput (256 sampled tokens) is encoded, sent back and decoded: the real
 DataPlaneServer / DataPlaneClient (IPC, as for ranks on the engine's node) with an echo in
-place of the model. Median over a round's steps; best round and median of rounds.
+place of the model, over CURVE as deployed. Median over a round's steps; best round and
+median of rounds.
 ray_call_us: the same frame round trip as one Ray actor call per step.
 ray_vs_inprocess: offline throughput of tierserve.LLM on Ray (TP=1) over in-process, default
 model, 32 prompts x 64 new tokens, greedy.
@@ -47,9 +48,9 @@ def echo(rank: int):
 
 
 class EchoRank:
-    def __init__(self, rank: int, endpoints) -> None:
+    def __init__(self, rank: int, endpoints, keys) -> None:
         self.rank = rank
-        self.plane = DataPlaneClient(endpoints, ray.get_runtime_context().get_node_id())
+        self.plane = DataPlaneClient(endpoints, ray.get_runtime_context().get_node_id(), keys)
 
     def serve(self) -> None:
         self.plane.serve(echo(self.rank), self.rank)
@@ -78,8 +79,9 @@ def scheduler_outputs(steps: int) -> list[SchedulerOutput]:
 
 def measure_dataplane(tp: int, outs: list[SchedulerOutput]) -> float:
     server = DataPlaneServer(ray.util.get_node_ip_address(),
-                             ray.get_runtime_context().get_node_id())
-    ranks = [ray.remote(EchoRank).options(num_cpus=0).remote(r, server.endpoints)
+                             ray.get_runtime_context().get_node_id(), tp)
+    ranks = [ray.remote(EchoRank).options(num_cpus=0).remote(r, server.endpoints,
+                                                             server.rank_keys(r))
              for r in range(tp)]
     server.await_subscribers(tp)
     loops = [r.serve.remote() for r in ranks]
@@ -87,9 +89,9 @@ def measure_dataplane(tp: int, outs: list[SchedulerOutput]) -> float:
     for out in outs:
         t0 = time.perf_counter()
         server.broadcast(out)
-        reply = server.recv(out.step_id, timeout_s=10)
+        reply, _ = server.recv(timeout_s=10)
         times.append(time.perf_counter() - t0)
-        assert reply is not None and len(reply.sampled_token_ids) == RUNNING
+        assert reply.step_id == out.step_id and len(reply.sampled_token_ids) == RUNNING
     server.broadcast(ShutdownWorker())
     ray.get(loops)
     server.close()

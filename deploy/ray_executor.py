@@ -3,13 +3,18 @@
 Control plane (start, load, profile, health, shutdown): Ray actor calls, submitted to every rank
 and collected with one ray.get. Data plane (deploy/dataplane.py): each step's SchedulerOutput is encoded once
 and broadcast over ZMQ to every rank; rank 0's ModelRunnerOutput (or any rank's WorkerError)
-comes back on one socket.
+comes back on one socket, and is applied only if it answers the step (deploy/reply_check.py).
+
+Every listener binds to one address: loopback when every rank is on the engine's node, else the
+node's own. That holds for the data plane, rank 0's torch.distributed store and gloo's sockets.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
+import struct
 import time
 
 import ray
@@ -17,12 +22,15 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tierserve.deploy.dataplane import (
-    DataPlaneClient, DataPlaneServer, DataPlaneTimeout, Endpoints,
+    DataPlaneClient, DataPlaneServer, DataPlaneTimeout, Endpoints, RankKeys,
 )
+from tierserve.deploy.reply_check import reply_problem
+from tierserve.runtime import envs
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import (
     FlushTiers, FromWorker, ShutdownWorker, ToWorker, WorkerError,
 )
+from tierserve.workers.parallel import listen_socket
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
 __all__ = ["RayExecutor", "WorkerActor"]
@@ -45,10 +53,22 @@ def restore_priority() -> None:
                     "on busy machines", e)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+_LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface whose IPv4 address is `address` (Linux), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                info = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(info[20:24]) == address:
+                return name
+    return None
 
 
 class WorkerActor:
@@ -59,18 +79,42 @@ class WorkerActor:
         self.rank = rank
         self.worker = Worker(spec, rank, local_device_index=0)
         self._plane: DataPlaneClient | None = None
+        self._store_socket: socket.socket | None = None
 
-    def node_address(self) -> tuple[str, int]:
-        ip = ray.util.get_node_ip_address()
-        return ip, _free_port(ip)
+    def _bind_address(self, one_node: bool) -> str:
+        return _LOOPBACK if one_node else ray.util.get_node_ip_address()
+
+    def open_store(self, one_node: bool) -> str:
+        """Rank 0: starts listening for the torch.distributed store on this node's bind
+        address; returns the init method. Listening now, held until init, leaves no window in
+        which another process could take the port."""
+        self._store_socket = listen_socket(self._bind_address(one_node))
+        host, port = self._store_socket.getsockname()[:2]
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def init(self, dist_init_method: str, endpoints: Endpoints) -> None:
+    def init(self, dist_init_method: str | None, endpoints: Endpoints, keys: RankKeys,
+             one_node: bool) -> None:
+        """keys: this rank's data-plane credentials, which reach it only through this call."""
+        self._pin_gloo(self._bind_address(one_node))
         self.worker.dist_init_method = dist_init_method
+        if self._store_socket is not None:
+            self.worker.dist_listen_fd = self._store_socket.detach()  # the store owns it now
+            self._store_socket = None
         self.worker.init_device()
-        self._plane = DataPlaneClient(endpoints, self.node_id())
+        self._plane = DataPlaneClient(endpoints, self.node_id(), keys)
+
+    def _pin_gloo(self, address: str) -> None:
+        if self.worker.spec.device != "cpu" or self.worker.spec.tensor_parallel_size == 1:
+            return
+        interface = _interface_of(address)
+        if interface is None:
+            log.warning("rank %d: no interface holds %s; gloo listens where the host name "
+                        "resolves", self.rank, address)
+            return
+        envs.pin_gloo_interface(interface)
 
     def kernels_ready(self) -> bool:
         return self.worker.kernels_ready()
@@ -103,6 +147,7 @@ class RayExecutor:
         self.worker_nodes: list[str] = []
         self._loops: list = []
         self._plane: DataPlaneServer | None = None
+        self._vocab_size = 0
 
     # ------------------------------------------------------------------ control plane
 
@@ -127,15 +172,18 @@ class RayExecutor:
     def start(self) -> WorkerInfo:
         self._spawn_workers()
         self.worker_nodes = ray.get([w.node_id.remote() for w in self.workers])
-        self._plane = DataPlaneServer(ray.util.get_node_ip_address(),
-                                      ray.get_runtime_context().get_node_id(),
-                                      label=self.name_prefix)
-        host, port = ray.get(self.workers[0].node_address.remote())
-        init_method = f"tcp://{host}:{port}"
-        ray.get([w.init.remote(init_method, self._plane.endpoints) for w in self.workers])
+        node_id = ray.get_runtime_context().get_node_id()
+        one_node = all(n == node_id for n in self.worker_nodes)
+        self._plane = DataPlaneServer(_LOOPBACK if one_node else ray.util.get_node_ip_address(),
+                                      node_id, len(self.workers), label=self.name_prefix)
+        init_method = ray.get(self.workers[0].open_store.remote(one_node)) \
+            if len(self.workers) > 1 else None
+        ray.get([w.init.remote(init_method, self._plane.endpoints, self._plane.rank_keys(rank),
+                               one_node) for rank, w in enumerate(self.workers)])
         # Kernels on every rank or on none: the backend is one decision for the engine.
         use_kernels = all(ray.get([w.kernels_ready.remote() for w in self.workers]))
         infos = ray.get([w.load_model.remote(use_kernels) for w in self.workers])
+        self._vocab_size = infos[0].vocab_size
         num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
         tiers = ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
         self._await_subscribers()
@@ -162,6 +210,11 @@ class RayExecutor:
             self._plane.close()
             self._plane = None
 
+    def stats(self) -> dict:
+        """dropped_frames: data-plane replies dropped, never applied (unauthenticated,
+        malformed, or not an answer to the step waiting), since start."""
+        return {"dropped_frames": self._plane.drops.count if self._plane is not None else 0}
+
     # ------------------------------------------------------------------ data plane
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
@@ -170,18 +223,26 @@ class RayExecutor:
             return None
         # A flush writes for up to its deadline before it answers.
         extra = msg.deadline_s if isinstance(msg, FlushTiers) else 0.0
-        return self._await_reply(msg.step_id, self.step_timeout_s + extra)
+        return self._await_reply(msg, self.step_timeout_s + extra)
 
-    def _await_reply(self, step_id: int, timeout_s: float) -> FromWorker:
-        """Waits in short slices, checking between them that every worker is alive."""
+    def _await_reply(self, sent: ToWorker, timeout_s: float) -> FromWorker:
+        """Waits in short slices, checking between them that every worker is alive. A reply
+        that does not answer `sent` is dropped; an authenticated rank's error for it is fatal."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EngineDeadError(f"step {step_id} exceeded the {self.step_timeout_s:.0f} s "
-                                      f"step timeout; a worker is stuck")
-            reply = self._plane.recv(step_id, min(remaining, _LIVENESS_POLL_S))
-            if reply is None:
+                raise EngineDeadError(f"step {sent.step_id} exceeded the "
+                                      f"{self.step_timeout_s:.0f} s step timeout; a worker is "
+                                      f"stuck")
+            got = self._plane.recv(min(remaining, _LIVENESS_POLL_S))
+            if got is None:
+                self._check_alive()
+                continue
+            reply, sender = got
+            problem = reply_problem(reply, sender, sent, self._vocab_size, len(self.workers))
+            if problem is not None:
+                self._plane.drops.drop(f"a reply from rank {sender}: {problem}")
                 self._check_alive()
                 continue
             if isinstance(reply, WorkerError):

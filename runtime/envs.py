@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
-           "CPU_ISAS", "debug_stall", "tierserve_variables"]
+           "CPU_ISAS", "debug_stall", "tierserve_variables", "pin_gloo_interface"]
 
 
 def cache_dir() -> str:
@@ -70,3 +70,10 @@ def tierserve_variables() -> dict[str, str]:
     """This process's TIERSERVE_* variables: a deployment's actors run with the environment of
     the process that started it, whatever the Ray cluster's processes were started with."""
     return {k: v for k, v in os.environ.items() if k.startswith("TIERSERVE_")}
+
+
+def pin_gloo_interface(interface: str) -> None:
+    """Makes gloo (torch.distributed on CPU) listen on `interface`'s address
+    (GLOO_SOCKET_IFNAME), not the one the host name resolves to; an operator's own setting
+    wins. Set before the process group is made: gloo reads it then."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)

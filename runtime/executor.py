@@ -59,6 +59,8 @@ class Executor(Protocol):
 
     def execute(self, msg: ToWorker) -> FromWorker | None: ...
 
+    def stats(self) -> dict: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -85,6 +87,9 @@ class InProcessExecutor:
         if reply is None:
             return None
         return self._from_worker.decode(self._from_worker.encode(reply))
+
+    def stats(self) -> dict:
+        return {}  # no frame crosses a process boundary here, so none is ever dropped
 
     def shutdown(self) -> None:
         if self.worker.runner is not None or self.worker.model is not None:

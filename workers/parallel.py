@@ -5,7 +5,9 @@ is a no-op at TP=1, which keeps single-device runs free of torch.distributed ent
 """
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,11 @@ def init_distributed(
     init_method: str,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    listen_fd: int | None = None,
 ) -> None:
-    """Join the TP group. `timeout_s` bounds every collective, so a dead peer fails loudly."""
+    """Join the TP group. `timeout_s` bounds every collective, so a dead peer fails loudly.
+    init_method is tcp://HOST:PORT, the store rank 0 serves; listen_fd, on rank 0, is a socket
+    already listening there (`listen_socket`)."""
     global _TP_RANK, _TP_SIZE, _TP_GROUP
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of size {world_size}")
@@ -31,15 +36,33 @@ def init_distributed(
     if world_size > 1:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process")
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = _make_store(init_method, rank, world_size, timeout, listen_fd)
+        dist.init_process_group(backend=backend, store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
         _TP_GROUP = dist.group.WORLD
     _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on host alone, for rank 0's store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def _make_store(init_method: str, rank: int, world_size: int, timeout: timedelta,
+                listen_fd: int | None) -> dist.TCPStore:
+    """The TCPStore of init_method. torch's own store server listens on every interface
+    whatever host it is given, so rank 0 serves it from a socket bound to host alone."""
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, False, timeout)
+    if listen_fd is None:
+        listen_fd = listen_socket(url.hostname, url.port).detach()
+    return dist.TCPStore(url.hostname, url.port, world_size, True, timeout,
+                         wait_for_workers=False, master_listen_fd=listen_fd)
 
 
 def destroy_distributed() -> None:

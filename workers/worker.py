@@ -12,7 +12,7 @@ import torch
 
 from tierserve.scheduler.messages import (
     FlushTiers, FromWorker, ModelRunnerOutput, NewRequestData, SchedulerOutput, ShutdownWorker,
-    ToWorker, WorkerError,
+    ToWorker, WorkerError, req_ids_digest,
 )
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
@@ -103,6 +103,8 @@ class Worker:
         self.spec = spec
         self.rank = rank
         self.dist_init_method = dist_init_method
+        # Rank 0 only: a socket already listening on the store's address (see init_distributed).
+        self.dist_listen_fd: int | None = None
         self.device = torch.device(spec.device, local_device_index) if spec.device == "cuda" \
             else torch.device("cpu")
         self.dtype = resolve_dtype(spec.dtype)
@@ -131,7 +133,8 @@ class Worker:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
             parallel.init_distributed(self.rank, self.spec.tensor_parallel_size,
                                       self.dist_init_method,
-                                      timeout_s=self.spec.collective_timeout_s)
+                                      timeout_s=self.spec.collective_timeout_s,
+                                      listen_fd=self.dist_listen_fd)
 
     def _start_kernels(self) -> None:
         """Starts building (or loading) the best kernel variant this CPU runs under the cap,
@@ -286,7 +289,10 @@ class Worker:
             except Exception as e:  # reported as data: the engine fails the step's requests
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)
                 return WorkerError(msg.step_id, self.rank, f"{type(e).__name__}: {e}")
-            return result if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            result.req_ids_digest = req_ids_digest(msg.scheduled_req_ids())
+            return result
         if isinstance(msg, FlushTiers):
             tiers = self.runner.tiers if self.runner is not None else None
             written = tiers.flush(msg) if tiers is not None else []
