@@ -26,6 +26,9 @@ class KVCacheBlock:
     next_free: KVCacheBlock | None = None
     # The null block pads block tables; it is never freed, hashed or counted.
     is_null: bool = False
+    # The cache salt of the requests that hold it or cached it (None: unsalted); meaningless
+    # while the block is plain free (ref count 0, no hash).
+    tenant: str | None = None
 
     def reset_hash(self) -> None:
         self.block_hash = None
@@ -56,6 +59,11 @@ class FreeKVCacheBlockQueue:
 
     def __len__(self) -> int:
         return self.num_free_blocks
+
+    def head(self) -> KVCacheBlock | None:
+        """The block evicted first, left in place; None when the queue is empty."""
+        block = self._head.next_free
+        return None if block is self._tail else block
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free

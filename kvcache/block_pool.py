@@ -5,12 +5,16 @@ Partitions (invariant 4): each usable block is exactly one of
   cached      ref_cnt 0, hashed, in the free queue (evictable, LRU by queue position)
   referenced  ref_cnt > 0, not in the queue (hashed or not)
 The null block is the last block id; it pads block tables and is in no partition.
+
+Eviction is LRU by queue position within one tenant (cache salt); between tenants, one that
+occupies more blocks gives first (kvcache/tenants.py states the rule).
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, KVCacheBlock
+from tierserve.kvcache.tenants import TenantLedger
 
 __all__ = ["BlockPool", "EvictCallback"]
 
@@ -36,7 +40,10 @@ class BlockPool:
         # computed a block another request also cached keeps its own copy (seed 002).
         # Value: one block, or {block_id: block} when duplicated.
         self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.tenants = TenantLedger(self.blocks[:-1])
         self.num_evictions = 0
+        # Evictions that took another tenant's block than the LRU head's (the fair rule).
+        self.num_fair_evictions = 0
         self.num_collisions = 0
 
     @property
@@ -75,15 +82,41 @@ class BlockPool:
                 block.hash_key = keys[i]
             self._insert(block)
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pops n blocks from the queue head, evicting cached ones lazily."""
-        blocks = self.free_queue.popleft_n(n)
-        for block in blocks:
-            assert block.ref_cnt == 0
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_cnt = 1
+    def get_new_blocks(self, n: int, tenant: str | None = None) -> list[KVCacheBlock]:
+        """n blocks for `tenant`'s request, evicting cached ones lazily: from the queue head
+        while one tenant holds the pool, else by the fair rule, one block at a time."""
+        if self.tenants.lru_only(tenant):
+            blocks = self.free_queue.popleft_n(n)
+            for block in blocks:
+                self._claim(block, tenant)
+            return blocks
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
+        blocks = []
+        for _ in range(n):
+            block = self._next_to_take()
+            self.free_queue.remove(block)
+            self._claim(block, tenant)
+            blocks.append(block)
         return blocks
+
+    def _next_to_take(self) -> KVCacheBlock:
+        head = self.free_queue.head()
+        if head.block_hash is None:
+            return head
+        victim = self.tenants.victim(head)
+        if victim is None:
+            return head
+        self.num_fair_evictions += 1
+        return victim
+
+    def _claim(self, block: KVCacheBlock, tenant: str | None) -> None:
+        assert block.ref_cnt == 0
+        self.tenants.taken(block, tenant)
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        block.tenant = tenant
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on prefix hits, pulling free cached ones out of the queue."""
@@ -91,16 +124,19 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 queue.remove(block)
+                self.tenants.hit(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
         """Drops one reference each; blocks reaching 0 join the queue tail in the given order."""
         released = []
+        tenants = self.tenants
         for block in ordered:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 released.append(block)
+                tenants.freed(block)
         self.free_queue.append_n(released)
 
     def reset_prefix_cache(self) -> bool:
@@ -110,6 +146,7 @@ class BlockPool:
         for block in self.blocks:
             block.reset_hash()
         self._cached.clear()
+        self.tenants.reset(self.blocks[i] for i in self.free_queue.peek_ids())
         return True
 
     def num_cached_blocks(self) -> int:

@@ -21,6 +21,8 @@ class CacheableRequest(Protocol):
 
     request_id: str
     num_computed_tokens: int
+    # The tenant the request's blocks belong to (kvcache/tenants.py); None: unsalted.
+    cache_salt: str | None
     # Hashes (and, when verifying, the hashed keys) of every full block of the request's tokens.
     block_hashes: list[BlockHash]
     block_keys: list[bytes] | None
@@ -124,7 +126,7 @@ class KVCacheManager:
             self._record_admission(request, num_new_computed_tokens)
         self.pool.touch(new_computed_blocks)
         held.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new)
+        new_blocks = self.pool.get_new_blocks(num_new, request.cache_salt)
         held.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, held, total)
@@ -150,7 +152,7 @@ class KVCacheManager:
         self._record_admission(child, num_tokens)
         if not partial:
             return True
-        copy = self.pool.get_new_blocks(1)[0]
+        copy = self.pool.get_new_blocks(1, child.cache_salt)[0]
         blocks.append(copy)
         return held[num_full].block_id, copy.block_id
 
@@ -194,7 +196,8 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        queued = set(pool.free_queue.peek_ids())
+        queued_ids = pool.free_queue.peek_ids()
+        queued = set(queued_ids)
         assert len(queued) == pool.num_free_blocks, "free queue length is off"
         num_cached_free = num_referenced = 0
         for block in pool.blocks[:-1]:
@@ -215,5 +218,6 @@ class KVCacheManager:
             assert not block.is_null
         for rid, blocks in self.req_to_blocks.items():
             assert all(b.block_hash is not None for b in blocks[:self._num_cached[rid]])
+        pool.tenants.check(pool.blocks[:-1], [pool.blocks[i] for i in queued_ids])
         if self.tiers is not None:
             self.tiers.check_integrity()

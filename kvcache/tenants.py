@@ -1,0 +1,191 @@
+"""Fair eviction between tenants (cache salts) of one block pool.
+
+A tenant is a cache salt (None: unsalted requests, one tenant). Salts never share a block (the
+salt is in the first block's hash and the chain carries it on), so each cached block belongs to
+one tenant: the one whose request cached it.
+
+A tenant occupies the blocks its requests hold and its cached free blocks. The rule
+(BlockPool.get_new_blocks): a new block is the free queue's LRU head, unless the head is a
+cached block of tenant t and a tenant occupying more blocks than t has a cached free block; then
+that tenant's least recently freed cached block is evicted instead. The payer is the tenant
+occupying the most blocks if it has a cached free block, else the tenant with the most cached
+free blocks if it occupies more than t (two O(1) looks, not a search over every tenant). With
+no payer, a plain free block (no hash) goes instead if t occupies fewer blocks than the
+heaviest tenant.
+
+So a tenant that fills the cache evicts its own blocks first: another tenant's cached blocks go
+only while it occupies at least as much of the pool as they do (ties go by LRU), or when no
+block is left but theirs (every other free block is gone, and blocks held by running requests
+are never evicted). With one tenant the head is always taken: plain LRU, block for block.
+
+Every operation is O(1): each tenant's cached free blocks and the plain free blocks sit in
+insertion-ordered maps (in free-queue order), the counts per tenant in buckets by count
+(`MaxCounter`).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from tierserve.kvcache.block import KVCacheBlock
+
+__all__ = ["TenantLedger", "MaxCounter"]
+
+Tenant = str | None
+
+
+class MaxCounter:
+    """Counts per key, changed by one at a time, with the key of the largest count in O(1):
+    keys sit in buckets by count, and the largest count moves by at most one per change."""
+
+    __slots__ = ("counts", "_buckets", "_max")
+
+    def __init__(self) -> None:
+        self.counts: dict[Tenant, int] = {}
+        self._buckets: dict[int, dict[Tenant, None]] = {}  # count -> keys (an ordered set)
+        self._max = 0
+
+    def inc(self, key: Tenant) -> None:
+        count = self.counts.get(key, 0)
+        if count:
+            self._unbucket(key, count)
+        self.counts[key] = count + 1
+        self._bucket(key, count + 1)
+        if count + 1 > self._max:
+            self._max = count + 1
+
+    def dec(self, key: Tenant) -> None:
+        count = self.counts[key]
+        self._unbucket(key, count)
+        if count == 1:
+            del self.counts[key]
+        else:
+            self.counts[key] = count - 1
+            self._bucket(key, count - 1)
+        if count == self._max and count not in self._buckets:
+            self._max = count - 1
+
+    def top(self) -> Tenant:
+        """A key with the largest count (the first to reach it); only when counts is not
+        empty."""
+        return next(iter(self._buckets[self._max]))
+
+    @property
+    def largest(self) -> int:
+        return self._max
+
+    def clear(self) -> None:
+        self.counts.clear()
+        self._buckets.clear()
+        self._max = 0
+
+    def _bucket(self, key: Tenant, count: int) -> None:
+        bucket = self._buckets.get(count)
+        if bucket is None:
+            bucket = self._buckets[count] = {}
+        bucket[key] = None
+
+    def _unbucket(self, key: Tenant, count: int) -> None:
+        bucket = self._buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[count]
+
+    def check(self) -> None:
+        assert self._max == max(self.counts.values(), default=0)
+        assert {k: c for c, ks in self._buckets.items() for k in ks} == self.counts
+
+
+class TenantLedger:
+    """occupancy: blocks each tenant holds (referenced by its requests, or cached and free);
+    evictable[t]: tenant t's cached free blocks by block id, least recently freed first;
+    plain: the free blocks without a hash, in free-queue order."""
+
+    __slots__ = ("occupancy", "evictable", "plain", "_num_evictable")
+
+    def __init__(self, free: Iterable[KVCacheBlock]) -> None:
+        self.occupancy = MaxCounter()
+        self.evictable: dict[Tenant, OrderedDict[int, KVCacheBlock]] = {}
+        self._num_evictable = MaxCounter()  # len(evictable[t])
+        self.plain: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        self.reset(free)
+
+    def lru_only(self, tenant: Tenant) -> bool:
+        """True when allocating to `tenant` takes the queue's head, whatever else it takes
+        until blocks are freed: no block is cached and free, or no other tenant occupies one."""
+        counts = self.occupancy.counts
+        return not self.evictable or not counts or (len(counts) == 1 and tenant in counts)
+
+    def freed(self, block: KVCacheBlock) -> None:
+        """The block's last reference went; it joins the free queue's tail."""
+        if block.block_hash is None:
+            self.occupancy.dec(block.tenant)
+            self.plain[block.block_id] = block
+            return
+        blocks = self.evictable.get(block.tenant)
+        if blocks is None:
+            blocks = self.evictable[block.tenant] = OrderedDict()
+        blocks[block.block_id] = block
+        self._num_evictable.inc(block.tenant)
+
+    def taken(self, block: KVCacheBlock, tenant: Tenant) -> None:
+        """A free block (still with its hash, if cached) is allocated to `tenant`."""
+        if block.block_hash is None:
+            del self.plain[block.block_id]
+        else:
+            self.hit(block)
+            self.occupancy.dec(block.tenant)
+        self.occupancy.inc(tenant)
+
+    def hit(self, block: KVCacheBlock) -> None:
+        """A cached free block left the free queue (a prefix hit, or its eviction)."""
+        blocks = self.evictable[block.tenant]
+        del blocks[block.block_id]
+        if not blocks:
+            del self.evictable[block.tenant]
+        self._num_evictable.dec(block.tenant)
+
+    def victim(self, head: KVCacheBlock) -> KVCacheBlock | None:
+        """The block to take instead of `head`, a cached free block at the queue's head; None
+        to take the head. A payer must occupy more blocks than the head's tenant: first the
+        tenant occupying the most, else the one with the most cached free blocks; without
+        one, a plain free block goes before the cached block of a tenant that is not the
+        heaviest."""
+        occupancy = self.occupancy.counts
+        floor = occupancy[head.tenant]
+        for payer in (self.occupancy.top(), self._num_evictable.top()):
+            if occupancy[payer] > floor and payer in self.evictable:
+                return next(iter(self.evictable[payer].values()))
+        if self.plain and floor < self.occupancy.largest:
+            return next(iter(self.plain.values()))
+        return None
+
+    def reset(self, free: Iterable[KVCacheBlock]) -> None:
+        """Every block is free and plain (at start, or the prefix cache was reset); `free` is
+        the free queue, head first."""
+        self.occupancy.clear()
+        self.evictable.clear()
+        self._num_evictable.clear()
+        self.plain = OrderedDict((block.block_id, block) for block in free)
+
+    def check(self, blocks: Iterable[KVCacheBlock], queue: Iterable[KVCacheBlock]) -> None:
+        """Asserts the ledger against every usable block and the free queue (head first);
+        O(num_blocks)."""
+        occupancy: dict[Tenant, int] = {}
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is not None:  # plain free: nobody's
+                occupancy[block.tenant] = occupancy.get(block.tenant, 0) + 1
+        evictable: dict[Tenant, list[int]] = {}
+        plain = []
+        for block in queue:
+            if block.block_hash is None:
+                plain.append(block.block_id)
+            else:
+                evictable.setdefault(block.tenant, []).append(block.block_id)
+        assert occupancy == self.occupancy.counts, (occupancy, self.occupancy.counts)
+        assert evictable == {t: list(b) for t, b in self.evictable.items()}, \
+            "the tenants' cached free blocks are not the free queue's, in its order"
+        assert plain == list(self.plain), "plain free blocks are not the free queue's"
+        assert self._num_evictable.counts == {t: len(b) for t, b in evictable.items()}
+        self.occupancy.check()
+        self._num_evictable.check()
