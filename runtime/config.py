@@ -95,6 +95,9 @@ class EngineConfig:
                                  "marks the engine dead", low=0.0, low_open=True)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
+    quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
+                                   "dequantized run small batches from the blocks (exact, "
+                                   "the same results); false: from the fp32 weights alone")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -208,8 +208,9 @@ def _llama_cpp_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_folder: Path, out_file: Path) -> Path:
-    """Convert a tiny HF Llama folder to an F32 GGUF the way llama.cpp lays it out."""
+def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool = False) -> Path:
+    """Convert a tiny HF Llama folder to a GGUF the way llama.cpp lays it out: F32, or with
+    quantize the layers' matrices Q4_1 and the embedding and output Q8_0 (as SmolLM2's file)."""
     import json
 
     import gguf
@@ -240,7 +241,13 @@ def write_llama_gguf(hf_folder: Path, out_file: Path) -> Path:
                 array = _llama_cpp_permute(array, heads if module.endswith("q_proj") else kv_heads)
         else:
             gguf_name = f"{_HF_TO_GGUF_GLOBAL[stem]}.{kind}"
-        writer.add_tensor(gguf_name, array.astype("float32"))
+        array = array.astype("float32")
+        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+            qtype = (gguf.GGMLQuantizationType.Q4_1 if gguf_name.startswith("blk.")
+                     else gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -29,6 +29,10 @@ BACKEND_NAMES = ("torch",) + ISAS
 # AVX-512 CPUs; on AVX2 the panel kernel keeps up with MKL further (bench/linear_kernels.py).
 PANEL_MAX_ROWS = 160
 AVX2_PANEL_MAX_ROWS = 1024
+# Largest row count the quantized-weight kernel takes: up to it a product is bound by the
+# bytes of weight it streams, past it by its FMAs, where the fp32 panels' register blocking wins
+# (bench/linear_kernels.py).
+QUANT_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +46,10 @@ class CpuBackend:
     panel_max_rows: int = PANEL_MAX_ROWS
     amx_linear: bool = False  # fp32 linears above panel_max_rows rows on AMX (bf16x3)
     greedy_head: bool = False  # exact greedy tokens from a bf16 copy of the fp32 LM head
+    # fp32 weights that are GGUF blocks dequantized run from their codes (workers/quant.py) in
+    # products of up to quant_max_rows rows.
+    quant_linear: bool = False
+    quant_max_rows: int = QUANT_MAX_ROWS
     # How bf16 / fp16 linears run: "onednn" (weights packed once in oneDNN's layout, where
     # oneDNN runs that dtype natively), "kernel" (the panel kernel, fp32 math on half-precision
     # panels) or "torch" (F.linear on the plain weight; a dtype not in the map).
@@ -66,7 +74,8 @@ class CpuBackend:
 
     def describe(self) -> dict:
         """What stats(), `tierserve status` and the start-up log show."""
-        paths = [p for p in ("attention", "fused", "fp32_linear", "amx_linear", "greedy_head")
+        paths = [p for p in ("attention", "fused", "fp32_linear", "amx_linear", "greedy_head",
+                             "quant_linear")
                  if getattr(self, p)]
         half = {str(dt).removeprefix("torch."): how for dt, how in self.half_linear.items()}
         return {"name": self.name, "paths": paths, "half_linear": half,
@@ -148,7 +157,7 @@ def torch_backend() -> CpuBackend:
     return CpuBackend("torch", features, half_linear=_half_linear(features))
 
 
-def plan_for(isa: str, features: CpuFeatures, ops: Any) -> CpuBackend:
+def plan_for(isa: str, features: CpuFeatures, ops: Any, *, quant_linear: bool = True) -> CpuBackend:
     """The backend of a loaded ISA variant on this CPU. Every level runs the paged attention,
     the fused ops and the fp32 panel kernel; AMX adds its prefill linear; the greedy head
     needs oneDNN's native bf16 for its approximate logits."""
@@ -160,6 +169,7 @@ def plan_for(isa: str, features: CpuFeatures, ops: Any) -> CpuBackend:
         panel_max_rows=AVX2_PANEL_MAX_ROWS if isa == "avx2" else PANEL_MAX_ROWS,
         amx_linear=isa == "amx" and bool(ops.has_amx()),
         greedy_head=features.onednn_bf16 and isa_rank(isa) >= isa_rank("avx512"),
+        quant_linear=quant_linear,
         half_linear=_half_linear(features, isa), panel_width=int(ops.panel_width()),
         head_dims=frozenset(ops.decode_head_dims()))
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from tierserve.workers.backend import CpuBackend
 from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from tierserve.workers.quant import QuantPanelWeight
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -221,7 +222,7 @@ class GreedyHead:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-           packed: "PackedWeight | PanelWeight | None") -> torch.Tensor:
+           packed: "PackedWeight | PanelWeight | QuantPanelWeight | None") -> torch.Tensor:
     """x [M, K] -> [M, N]; `weight` may be None once `packed` replaced it."""
     if packed is not None:
         return packed.linear(x, bias)
@@ -245,16 +246,18 @@ def pack_weights(module: nn.Module, backend: CpuBackend) -> None:
             sub.packed = PackedWeight(sub.weight)
         elif PanelWeight.applies_to(sub.weight, backend):
             sub.packed = PanelWeight(sub.weight, backend)
+            if isinstance(sub, ParallelLMHead) and get_tp_size() == 1 \
+                    and GreedyHead.applies_to(sub.weight, backend):
+                sub.greedy_head = GreedyHead(sub.packed, sub.weight, backend)
+            sub.packed = QuantPanelWeight.encode(sub.packed, sub.weight, backend) or sub.packed
             if not isinstance(sub, ParallelLMHead):
                 sub.weight = None
-            elif get_tp_size() == 1 and GreedyHead.applies_to(sub.weight, backend):
-                sub.greedy_head = GreedyHead(sub.packed, sub.weight, backend)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; logits are gathered to the full vocab on every rank."""
 
-    packed: "PackedWeight | PanelWeight | None" = None
+    packed: "PackedWeight | PanelWeight | QuantPanelWeight | None" = None
     greedy_head: GreedyHead | None = None
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -272,7 +275,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across ranks; no communication."""
 
-    packed: "PackedWeight | PanelWeight | None" = None
+    packed: "PackedWeight | PanelWeight | QuantPanelWeight | None" = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -348,7 +351,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
-    packed: "PackedWeight | PanelWeight | None" = None
+    packed: "PackedWeight | PanelWeight | QuantPanelWeight | None" = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()

@@ -57,6 +57,7 @@ class WorkerSpec:
     cpu_kernels: str
     cpu_isa: str
     cache_dir: str | None
+    quantized_linears: bool
     # KV tiers below the pool (workers/tiers.py): bytes per rank; 0 / None: none. hash_id names
     # the block hash (algorithm and seed): SSD entries of another hash are never reused.
     kv_offload_cpu_bytes: int
@@ -164,7 +165,8 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: kernels requested but not loaded")
         features = detect_cpu_features()
         if use_kernels:
-            self.backend = plan_for(self._kernels.isa, features, self._kernels.ops)
+            self.backend = plan_for(self._kernels.isa, features, self._kernels.ops,
+                                    quant_linear=self.spec.quantized_linears)
         else:
             self.backend = torch_backend()
             if self._kernels is not None and self._kernels.building:

@@ -6,6 +6,7 @@
 #include "linear.cpp"
 #include "linear_amx.cpp"
 #include "fused.cpp"
+#include "quant.cpp"
 
 #include <string>
 

@@ -1,0 +1,342 @@
+// Linear layers over GGUF block-quantized weights (Q4_1, Q8_0), with the fp32 panel kernel's
+// arithmetic.
+//
+// A GGUF model's fp32 weights are its quantized blocks dequantized: Q4_1 w = q * d + m (q a
+// 4-bit code, d and m per block of 32 inputs), Q8_0 w = q * d (q an int8 code). Decode-sized
+// products are bound by the bytes of weight they stream: 4 per fp32 weight, under one here.
+// The encoder finds, per block, codes and scales that rebuild every fp32 weight exactly (or
+// declines the tensor), and the product rebuilds each weight in registers before the same FMA
+// chain over k = 0 .. K-1 in order that csrc/linear.cpp runs on the fp32 panels. So a product
+// here equals linear_f32's on the same weight bit for bit, and a layer may send any batch size
+// to either kernel without a request's tokens depending on its batch.
+//
+// Layout, per panel of kNR output features (as linear.cpp's) and per block of 32 inputs:
+//   Q4_1 codes [32][kNR / 2] bytes, byte j of a row holding feature j (low nibble) and feature
+//   j + kLanes (high nibble); Q8_0 codes [32][kNR] int8; scales d [kNR] and offsets m [kNR]
+//   fp32. Features past N in the last panel have zero codes, scales and offsets.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace tierserve {
+namespace {
+
+constexpr int kQNR = 2 * kLanes;  // output features per panel, as linear.cpp's kNR
+constexpr int64_t kQBlock = 32;   // inputs per GGUF block
+// Rows per tile: two accumulators a row, plus two scales, two offsets, two rebuilt weight Vecs
+// and the broadcast input.
+constexpr int kQMR = (kVecRegs - 7) / 2 > 8 ? 8 : (kVecRegs - 7) / 2;
+
+inline Vec to_vec(const IVec& v) { return __builtin_convertvector(v, Vec); }
+
+// Codes of one input row of a Q4_1 panel -> (features 0 .. kLanes-1, kLanes .. kNR-1).
+inline std::pair<Vec, Vec> unpack_q4(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+  const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+#else
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_and_si128(raw, mask));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+#endif
+  return {to_vec((IVec)lo), to_vec((IVec)hi)};
+}
+
+// Codes of one input row of a Q8_0 panel -> (features 0 .. kLanes-1, kLanes .. kNR-1).
+inline std::pair<Vec, Vec> unpack_q8(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i hi =
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kLanes)));
+#else
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi =
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kLanes)));
+#endif
+  return {to_vec((IVec)lo), to_vec((IVec)hi)};
+}
+
+// One fused multiply-add, rounded once: the encoder checks its weights with std::fma.
+inline Vec fma_vec(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
+// out[MR][width] (row stride ldo) = x[MR][K] (row stride ldx) . one panel's weights.
+template <bool Q4, int MR>
+void quant_tile(const float* __restrict x, int64_t ldx, const void* codes, const float* d,
+                const float* m, int64_t blocks, float* __restrict out, int64_t ldo,
+                int64_t width) {
+  constexpr int64_t row_bytes = Q4 ? kQNR / 2 : kQNR;
+  Vec lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Vec d0 = load(d + b * kQNR), d1 = load(d + b * kQNR + kLanes);
+    const Vec m0 = Q4 ? load(m + b * kQNR) : Vec{}, m1 = Q4 ? load(m + b * kQNR + kLanes) : Vec{};
+    const char* block = static_cast<const char*>(codes) + b * kQBlock * row_bytes;
+    for (int64_t kk = 0; kk < kQBlock; ++kk) {
+      Vec w0, w1;
+      if constexpr (Q4) {
+        const auto [c0, c1] = unpack_q4(reinterpret_cast<const uint8_t*>(block + kk * row_bytes));
+        w0 = fma_vec(c0, d0, m0);
+        w1 = fma_vec(c1, d1, m1);
+      } else {
+        const auto [c0, c1] = unpack_q8(reinterpret_cast<const int8_t*>(block + kk * row_bytes));
+        w0 = c0 * d0;
+        w1 = c1 * d1;
+      }
+      const int64_t k = b * kQBlock + kk;
+      // The panel kernel's own statement, so that both compile to the same FMA.
+      for (int r = 0; r < MR; ++r) {
+        const Vec av = splat(x[r * ldx + k]);
+        lo[r] += av * w0;
+        hi[r] += av * w1;
+      }
+    }
+  }
+  alignas(64) float tile[kQNR];
+  for (int r = 0; r < MR; ++r) {
+    store(tile, lo[r]);
+    store(tile + kLanes, hi[r]);
+    std::copy_n(tile, width, out + r * ldo);
+  }
+}
+
+template <bool Q4>
+using QuantTile = void (*)(const float*, int64_t, const void*, const float*, const float*,
+                           int64_t, float*, int64_t, int64_t);
+
+template <bool Q4, int... MR>
+constexpr auto quant_table(std::integer_sequence<int, MR...>) {
+  return std::array<QuantTile<Q4>, sizeof...(MR)>{&quant_tile<Q4, MR + 1>...};
+}
+template <bool Q4>
+constexpr auto kQuantTile = quant_table<Q4>(std::make_integer_sequence<int, kQMR>{});
+
+const float* check_quant(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                         const at::Tensor& d, const at::Tensor& m, bool q4,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              op, "x must be a float32 [M, K] CPU tensor with contiguous rows");
+  const int64_t k = x.size(1), blocks = k / kQBlock, panels = (n + kQNR - 1) / kQNR;
+  TORCH_CHECK(k % kQBlock == 0 && n > 0, op, "K must be a multiple of 32 and n positive");
+  const auto code_type = q4 ? at::kByte : at::kChar;
+  TORCH_CHECK(codes.scalar_type() == code_type && codes.is_contiguous() &&
+                  codes.numel() == panels * blocks * kQBlock * (q4 ? kQNR / 2 : kQNR),
+              op, "codes do not match x and n");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() &&
+                  d.numel() == panels * blocks * kQNR,
+              op, "scales do not match x and n");
+  TORCH_CHECK(!q4 || (m.scalar_type() == at::kFloat && m.is_contiguous() &&
+                      m.numel() == d.numel()),
+              op, "offsets do not match the scales");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              op, "bias must be a contiguous float32 [n] tensor");
+  return bias->data_ptr<float>();
+}
+
+at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::Tensor& codes,
+                        const at::Tensor& d, const at::Tensor& m,
+                        const std::optional<at::Tensor>& bias, int64_t n) {
+  const float* b = check_quant(op, x, codes, d, m, q4, bias, n);
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kQBlock;
+  const int64_t panels = (n + kQNR - 1) / kQNR;
+  const int64_t panel_bytes = blocks * kQBlock * (q4 ? kQNR / 2 : kQNR);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const char* cp = static_cast<const char*>(codes.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = q4 ? m.data_ptr<float>() : nullptr;
+  float* op_ = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Each thread streams a contiguous run of panels once, all row tiles reusing it.
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t col = p * kQNR, width = std::min<int64_t>(kQNR, n - col);
+      for (int64_t r0 = 0; r0 < rows; r0 += kQMR) {
+        const int64_t mr = std::min<int64_t>(kQMR, rows - r0);
+        const auto tile = q4 ? kQuantTile<true>[mr - 1] : kQuantTile<false>[mr - 1];
+        tile(xp + r0 * ldx, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR,
+             q4 ? mp + p * blocks * kQNR : nullptr, blocks, op_ + r0 * n + col, n, width);
+      }
+    }
+  });
+  if (b != nullptr)
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < n; ++j) op_[r * n + j] += b[j];
+    });
+  return out;
+}
+
+at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                       const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t n) {
+  return quant_linear("linear_q4_1: ", true, x, codes, d, m, bias, n);
+}
+
+at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  return quant_linear("linear_q8_0: ", false, x, codes, d, d, bias, n);
+}
+
+// ---------------------------------------------------------------------------- encoding
+
+// fp16 neighbours of v (v rounded to fp16, then up to two fp16 steps either way), as fp32:
+// GGUF scales are fp16, and the rounding of the weights they produced hides the exact one.
+inline int fp16_candidates(float v, float* out) {
+  const uint16_t bits = c10::Half(v).x;
+  int count = 0;
+  for (int step : {0, -1, 1, -2, 2}) {
+    const int b = static_cast<int>(bits & 0x7FFF) + step;
+    if (b < 0 || b >= 0x7C00) continue;  // past zero, or infinities and NaNs
+    out[count++] = static_cast<float>(c10::Half(static_cast<uint16_t>((bits & 0x8000) | b),
+                                                c10::Half::from_bits()));
+  }
+  return count;
+}
+
+// Codes, scale and offset rebuilding w[0..31] exactly as fma(q, d, m), q in 0..15; false where
+// none of the candidate scales does.
+bool encode_q4_block(const float* w, uint8_t* q, float& d, float& m) {
+  float lo = w[0], hi = w[0];
+  for (int j = 1; j < kQBlock; ++j) lo = std::min(lo, w[j]), hi = std::max(hi, w[j]);
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+  m = lo;
+  float cands[5];
+  const int count = hi == lo ? 1 : fp16_candidates((hi - lo) / 15.0f, cands);
+  if (hi == lo) cands[0] = 0.0f;
+  for (int c = 0; c < count; ++c) {
+    d = cands[c];
+    bool exact = true;
+    for (int j = 0; j < kQBlock && exact; ++j) {
+      const float code = d == 0.0f ? 0.0f : std::nearbyint((w[j] - m) / d);
+      q[j] = static_cast<uint8_t>(std::clamp(code, 0.0f, 15.0f));
+      exact = std::fma(static_cast<float>(q[j]), d, m) == w[j];
+    }
+    if (exact) return true;
+  }
+  return false;
+}
+
+// Codes and scale rebuilding w[0..31] exactly as q * d, q in -127..127.
+bool encode_q8_block(const float* w, int8_t* q, float& d) {
+  float amax = 0.0f;
+  for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(w[j]));
+  if (!std::isfinite(amax)) return false;
+  float cands[5];
+  const int count = amax == 0.0f ? 1 : fp16_candidates(amax / 127.0f, cands);
+  if (amax == 0.0f) cands[0] = 0.0f;
+  for (int c = 0; c < count; ++c) {
+    d = cands[c];
+    bool exact = true;
+    for (int j = 0; j < kQBlock && exact; ++j) {
+      const float code = d == 0.0f ? 0.0f : std::nearbyint(w[j] / d);
+      q[j] = static_cast<int8_t>(std::clamp(code, -127.0f, 127.0f));
+      exact = static_cast<float>(q[j]) * d == w[j];
+    }
+    if (exact) return true;
+  }
+  return false;
+}
+
+// Lays one feature's block out in its panel: codes into column f of the [32][row_bytes] rows.
+void place_q4(const uint8_t* q, uint8_t* rows, int f) {
+  const int byte = f % kLanes, shift = f < kLanes ? 0 : 4;
+  for (int j = 0; j < kQBlock; ++j) rows[j * (kQNR / 2) + byte] |= q[j] << shift;
+}
+
+// w [N, K] fp32 -> (codes, d, m) in the panel layout, or empty tensors where some block has no
+// exact encoding (the caller keeps the fp32 kernel). m is empty for Q8_0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_encode(const at::Tensor& weight, bool q4) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
+                  weight.dim() == 2 && weight.size(1) % kQBlock == 0,
+              "quant_encode: weight must be a float32 [N, K] CPU tensor, K a multiple of 32");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = k / kQBlock;
+  const int64_t panels = (n + kQNR - 1) / kQNR;
+  const int64_t row_bytes = q4 ? kQNR / 2 : kQNR;
+  at::Tensor codes = at::zeros({panels, blocks, kQBlock, row_bytes},
+                               w.options().dtype(q4 ? at::kByte : at::kChar));
+  at::Tensor d = at::zeros({panels, blocks, kQNR}, w.options());
+  at::Tensor m = q4 ? at::zeros({panels, blocks, kQNR}, w.options()) : at::empty({0}, w.options());
+  std::atomic<bool> ok{true};
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) int8_t q[kQBlock];
+    for (int64_t p = p0; p < p1 && ok.load(std::memory_order_relaxed); ++p)
+      for (int64_t f = 0; f < kQNR && p * kQNR + f < n; ++f)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float* block = wp + (p * kQNR + f) * k + b * kQBlock;
+          const int64_t at_ = (p * blocks + b) * kQNR + f;
+          float* dp = d.data_ptr<float>() + at_;
+          bool exact;
+          if (q4) {
+            exact = encode_q4_block(block, reinterpret_cast<uint8_t*>(q), *dp,
+                                    m.data_ptr<float>()[at_]);
+            if (exact)
+              place_q4(reinterpret_cast<uint8_t*>(q),
+                       codes.data_ptr<uint8_t>() + (p * blocks + b) * kQBlock * row_bytes, f);
+          } else {
+            exact = encode_q8_block(block, q, *dp);
+            int8_t* rows = codes.data_ptr<int8_t>() + (p * blocks + b) * kQBlock * row_bytes;
+            for (int j = 0; exact && j < kQBlock; ++j) rows[j * row_bytes + f] = q[j];
+          }
+          if (!exact) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
+          }
+        }
+  });
+  if (!ok.load()) {
+    const auto none = at::empty({0}, w.options());
+    return {none, none, none};
+  }
+  return {codes, d, m};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_encode_q4_1(const at::Tensor& weight) {
+  return quant_encode(weight, true);
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_encode_q8_0(const at::Tensor& weight) {
+  auto [codes, d, m] = quant_encode(weight, false);
+  return {codes, d};
+}
+
+}  // namespace
+}  // namespace tierserve
+
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
+  m.def("linear_q4_1(Tensor x, Tensor codes, Tensor d, Tensor m, Tensor? bias, int n) -> Tensor");
+  m.def("linear_q8_0(Tensor x, Tensor codes, Tensor d, Tensor? bias, int n) -> Tensor");
+  m.def("quant_encode_q4_1(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_encode_q8_0(Tensor weight) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
+  m.impl("linear_q4_1", &tierserve::linear_q4_1);
+  m.impl("linear_q8_0", &tierserve::linear_q8_0);
+  m.impl("quant_encode_q4_1", &tierserve::quant_encode_q4_1);
+  m.impl("quant_encode_q8_0", &tierserve::quant_encode_q8_0);
+}
