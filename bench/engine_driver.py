@@ -1,0 +1,123 @@
+"""The workload of `offline_throughput.py --against`, run for one engine in a process of its own.
+
+A driver (vllm_driver.py in vLLM's interpreter, tierserve_driver.py in tierserve's) reads a
+JSON spec on stdin, builds its engine through an adapter and hands both to `serve`, which runs
+the spec's sections in order and writes one JSON object on stdout. Both engines run this same
+code with the same token ids, so they do the same work and are timed the same way.
+
+This module imports neither engine: vLLM's interpreter has no tierserve, and tierserve's none
+of vLLM.
+
+Spec: spawned_at (the parent's time.time() just before it started this process), dtype,
+max_model_len, sections (of SECTIONS), ready_prompt, prompts, output_len, decode_prompts (two
+prompts of one length), ttft_prompts (distinct prompts of one length), plus what the adapter
+reads (model, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Protocol
+
+SECTIONS = ("throughput", "decode", "ttft")
+WARMUP_PROMPTS, WARMUP_TOKENS = 4, 4
+
+# (output token ids, prompt tokens served from the prefix cache) per prompt, in input order
+Outputs = list[tuple[list[int], int]]
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> Outputs:
+        """Greedy, EOS ignored: exactly max_tokens tokens per prompt."""
+
+    def info(self) -> dict:
+        """Versions, and whether compile / kernel caches were warm at start."""
+
+    def close(self) -> None: ...
+
+
+def serve(make_engine: Callable[[dict], Engine]) -> None:
+    """Reads the spec, runs it and writes the result as the last line of stdout; what is
+    printed from here on (engine logs, child processes) goes to stderr."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    spec = json.load(sys.stdin)
+    out.write(json.dumps(run(make_engine, spec)) + "\n")
+    out.flush()
+
+
+def run(make_engine: Callable[[dict], Engine], spec: dict) -> dict:
+    unknown = set(spec["sections"]) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    t_imported = time.time()
+    engine = make_engine(spec)
+    t_built = time.time()
+    engine.generate([spec["ready_prompt"]], 1)
+    t_ready = time.time()
+    result = {"import_s": t_imported - spec["spawned_at"], "construct_s": t_built - t_imported,
+              "cold_start_s": t_ready - spec["spawned_at"], **engine.info()}
+    try:
+        for section in spec["sections"]:
+            result.update(_SECTION_RUNNERS[section](engine, spec))
+    finally:
+        engine.close()
+    return result
+
+
+def _timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, Outputs]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, max_tokens)
+    elapsed = time.perf_counter() - t0
+    if [len(tokens) for tokens, _ in outs] != [max_tokens] * len(prompts):
+        raise RuntimeError(f"asked for {max_tokens} tokens per prompt, got "
+                           f"{[len(tokens) for tokens, _ in outs]}")
+    return elapsed, outs
+
+
+def throughput(engine: Engine, spec: dict) -> dict:
+    """All prompts in one generate call, after a short warm-up on the first few."""
+    prompts, output_len = spec["prompts"], spec["output_len"]
+    _timed(engine, prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+    elapsed, outs = _timed(engine, prompts, output_len)
+    return {"output_tok_s": len(prompts) * output_len / elapsed, "throughput_s": elapsed,
+            "throughput_token_ids": [tokens for tokens, _ in outs]}
+
+
+def decode(engine: Engine, spec: dict) -> dict:
+    """One request alone: the time of 1 + output_len tokens minus that of 1 token, on two
+    uncached prompts of one length, is the decode of output_len tokens after that prompt."""
+    first, second = spec["decode_prompts"]
+    n = spec["output_len"]
+    prefill_s, _ = _timed(engine, [first], 1)
+    total_s, _ = _timed(engine, [second], 1 + n)
+    return {"decode_tok_s": n / (total_s - prefill_s), "decode_prefill_ms": prefill_s * 1e3,
+            "decode_total_s": total_s}
+
+
+def ttft(engine: Engine, spec: dict) -> dict:
+    """Each prompt twice for one token: cold, then with its prefix in the cache; medians."""
+    cold_ms, cached_ms, cached_tokens, same = [], [], [], True
+    for prompt in spec["ttft_prompts"]:
+        cold_s, cold = _timed(engine, [prompt], 1)
+        warm_s, warm = _timed(engine, [prompt], 1)
+        cold_ms.append(cold_s * 1e3)
+        cached_ms.append(warm_s * 1e3)
+        cached_tokens.append(warm[0][1])
+        same &= cold[0][0] == warm[0][0]
+        if cold[0][1]:
+            raise RuntimeError(f"a fresh prompt found {cold[0][1]} tokens cached")
+    return {"ttft_ms": statistics.median(cold_ms), "ttft_cached_ms": statistics.median(cached_ms),
+            "ttft_ms_all": cold_ms, "ttft_cached_ms_all": cached_ms,
+            "ttft_cached_tokens": min(cached_tokens), "ttft_cached_same_token": same}
+
+
+_SECTION_RUNNERS = {"throughput": throughput, "decode": decode, "ttft": ttft}
+
+
+def count_files(root: str) -> int:
+    """Files under root (0 when it does not exist): a cache that gains none was warm."""
+    return sum(len(files) for _, _, files in os.walk(root))
