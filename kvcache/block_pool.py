@@ -18,6 +18,8 @@ from tierserve.kvcache.tenants import TenantLedger
 
 __all__ = ["BlockPool", "EvictCallback"]
 
+_NOBODY = object()
+
 # Called with (block_id, block_hash, hashed key) when a cached block loses its hash because its
 # slot is about to be reused (the tiers copy it out first).
 EvictCallback = Callable[[int, BlockHash, "bytes | None"], None]
@@ -40,7 +42,9 @@ class BlockPool:
         # computed a block another request also cached keeps its own copy (seed 002).
         # Value: one block, or {block_id: block} when duplicated.
         self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-        self.tenants = TenantLedger(self.blocks[:-1])
+        self.tenants = TenantLedger()
+        # The one tenant allocated to so far, while the ledger sleeps (_NOBODY: none yet).
+        self._sole_tenant: object = _NOBODY
         self.num_evictions = 0
         # Evictions that took another tenant's block than the LRU head's (the fair rule).
         self.num_fair_evictions = 0
@@ -85,7 +89,13 @@ class BlockPool:
     def get_new_blocks(self, n: int, tenant: str | None = None) -> list[KVCacheBlock]:
         """n blocks for `tenant`'s request, evicting cached ones lazily: from the queue head
         while one tenant holds the pool, else by the fair rule, one block at a time."""
-        if self.tenants.lru_only(tenant):
+        tenants = self.tenants
+        if not tenants.active:
+            if self._sole_tenant is _NOBODY:
+                self._sole_tenant = tenant
+            elif tenant != self._sole_tenant:
+                tenants.activate(self.blocks[:-1], self._queue())
+        if not tenants.active or tenants.lru_only(tenant):
             blocks = self.free_queue.popleft_n(n)
             for block in blocks:
                 self._claim(block, tenant)
@@ -100,6 +110,18 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def _queue(self) -> list[KVCacheBlock]:
+        return [self.blocks[i] for i in self.free_queue.peek_ids()]
+
+    def check_tenants(self) -> None:
+        """Asserts the tenant ledger (or, while it sleeps, that one tenant holds every block
+        that is not plain free); O(num_blocks)."""
+        usable = self.blocks[:-1]
+        self.tenants.check(usable, self._queue())
+        if not self.tenants.active:
+            owners = {b.tenant for b in usable if b.ref_cnt or b.block_hash is not None}
+            assert owners <= {self._sole_tenant}, owners
+
     def _next_to_take(self) -> KVCacheBlock:
         head = self.free_queue.head()
         if head.block_hash is None:
@@ -112,7 +134,8 @@ class BlockPool:
 
     def _claim(self, block: KVCacheBlock, tenant: str | None) -> None:
         assert block.ref_cnt == 0
-        self.tenants.taken(block, tenant)
+        if self.tenants.active:
+            self.tenants.taken(block, tenant)
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
@@ -124,19 +147,21 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 queue.remove(block)
-                self.tenants.hit(block)
+                if self.tenants.active:
+                    self.tenants.hit(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
         """Drops one reference each; blocks reaching 0 join the queue tail in the given order."""
         released = []
-        tenants = self.tenants
+        tenants = self.tenants if self.tenants.active else None
         for block in ordered:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 released.append(block)
-                tenants.freed(block)
+                if tenants is not None:
+                    tenants.freed(block)
         self.free_queue.append_n(released)
 
     def reset_prefix_cache(self) -> bool:
@@ -146,7 +171,8 @@ class BlockPool:
         for block in self.blocks:
             block.reset_hash()
         self._cached.clear()
-        self.tenants.reset(self.blocks[i] for i in self.free_queue.peek_ids())
+        self.tenants.deactivate()  # every block is plain free: nobody holds the pool
+        self._sole_tenant = _NOBODY
         return True
 
     def num_cached_blocks(self) -> int:

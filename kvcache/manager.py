@@ -196,8 +196,7 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        queued_ids = pool.free_queue.peek_ids()
-        queued = set(queued_ids)
+        queued = set(pool.free_queue.peek_ids())
         assert len(queued) == pool.num_free_blocks, "free queue length is off"
         num_cached_free = num_referenced = 0
         for block in pool.blocks[:-1]:
@@ -218,6 +217,6 @@ class KVCacheManager:
             assert not block.is_null
         for rid, blocks in self.req_to_blocks.items():
             assert all(b.block_hash is not None for b in blocks[:self._num_cached[rid]])
-        pool.tenants.check(pool.blocks[:-1], [pool.blocks[i] for i in queued_ids])
+        pool.check_tenants()
         if self.tiers is not None:
             self.tiers.check_integrity()

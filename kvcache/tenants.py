@@ -20,7 +20,7 @@ are never evicted). With one tenant the head is always taken: plain LRU, block f
 
 Every operation is O(1): each tenant's cached free blocks and the plain free blocks sit in
 insertion-ordered maps (in free-queue order), the counts per tenant in buckets by count
-(`MaxCounter`).
+(`MaxCounter`). Until a second tenant allocates, nothing is tracked (TenantLedger.active).
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ Tenant = str | None
 
 class MaxCounter:
     """Counts per key, changed by one at a time, with the key of the largest count in O(1):
-    keys sit in buckets by count, and the largest count moves by at most one per change."""
+    keys sit in buckets by count, and the largest count moves by at most one per change.
+    Buckets are kept once made (at most one per count reached): a key moving between two
+    counts, the common case, then allocates nothing."""
 
     __slots__ = ("counts", "_buckets", "_max")
 
@@ -46,23 +48,29 @@ class MaxCounter:
         self._max = 0
 
     def inc(self, key: Tenant) -> None:
-        count = self.counts.get(key, 0)
-        if count:
-            self._unbucket(key, count)
-        self.counts[key] = count + 1
-        self._bucket(key, count + 1)
-        if count + 1 > self._max:
-            self._max = count + 1
+        count = self.counts.get(key, 0) + 1
+        self.counts[key] = count
+        buckets = self._buckets
+        if count > 1:
+            del buckets[count - 1][key]
+        bucket = buckets.get(count)
+        if bucket is None:
+            buckets[count] = {key: None}
+        else:
+            bucket[key] = None
+        if count > self._max:
+            self._max = count
 
     def dec(self, key: Tenant) -> None:
         count = self.counts[key]
-        self._unbucket(key, count)
+        buckets = self._buckets
+        del buckets[count][key]
         if count == 1:
             del self.counts[key]
         else:
             self.counts[key] = count - 1
-            self._bucket(key, count - 1)
-        if count == self._max and count not in self._buckets:
+            buckets[count - 1][key] = None  # made when the key rose through count - 1
+        if count == self._max and not buckets[count]:
             self._max = count - 1
 
     def top(self) -> Tenant:
@@ -79,18 +87,6 @@ class MaxCounter:
         self._buckets.clear()
         self._max = 0
 
-    def _bucket(self, key: Tenant, count: int) -> None:
-        bucket = self._buckets.get(count)
-        if bucket is None:
-            bucket = self._buckets[count] = {}
-        bucket[key] = None
-
-    def _unbucket(self, key: Tenant, count: int) -> None:
-        bucket = self._buckets[count]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[count]
-
     def check(self) -> None:
         assert self._max == max(self.counts.values(), default=0)
         assert {k: c for c, ks in self._buckets.items() for k in ks} == self.counts
@@ -99,16 +95,41 @@ class MaxCounter:
 class TenantLedger:
     """occupancy: blocks each tenant holds (referenced by its requests, or cached and free);
     evictable[t]: tenant t's cached free blocks by block id, least recently freed first;
-    plain: the free blocks without a hash, in free-queue order."""
+    plain: the free blocks without a hash, in free-queue order.
 
-    __slots__ = ("occupancy", "evictable", "plain", "_num_evictable")
+    It sleeps (tracks nothing, `active` False) while one tenant has had the pool to itself,
+    where the rule cannot apply and plain LRU costs nothing extra; the pool wakes it when a
+    second tenant allocates, and `activate` builds it from the blocks then (O(num_blocks),
+    once)."""
 
-    def __init__(self, free: Iterable[KVCacheBlock]) -> None:
+    __slots__ = ("occupancy", "evictable", "plain", "_num_evictable", "active")
+
+    def __init__(self) -> None:
         self.occupancy = MaxCounter()
         self.evictable: dict[Tenant, OrderedDict[int, KVCacheBlock]] = {}
         self._num_evictable = MaxCounter()  # len(evictable[t])
         self.plain: OrderedDict[int, KVCacheBlock] = OrderedDict()
-        self.reset(free)
+        self.active = False
+
+    def activate(self, blocks: Iterable[KVCacheBlock], queue: Iterable[KVCacheBlock]) -> None:
+        """Starts tracking: every usable block and the free queue, head first."""
+        self.deactivate()
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is not None:  # plain free: nobody's
+                self.occupancy.inc(block.tenant)
+        for block in queue:
+            if block.block_hash is None:
+                self.plain[block.block_id] = block
+            else:
+                self._add_evictable(block)
+        self.active = True
+
+    def deactivate(self) -> None:
+        self.occupancy.clear()
+        self.evictable.clear()
+        self._num_evictable.clear()
+        self.plain.clear()
+        self.active = False
 
     def lru_only(self, tenant: Tenant) -> bool:
         """True when allocating to `tenant` takes the queue's head, whatever else it takes
@@ -121,7 +142,10 @@ class TenantLedger:
         if block.block_hash is None:
             self.occupancy.dec(block.tenant)
             self.plain[block.block_id] = block
-            return
+        else:
+            self._add_evictable(block)
+
+    def _add_evictable(self, block: KVCacheBlock) -> None:
         blocks = self.evictable.get(block.tenant)
         if blocks is None:
             blocks = self.evictable[block.tenant] = OrderedDict()
@@ -160,32 +184,20 @@ class TenantLedger:
             return next(iter(self.plain.values()))
         return None
 
-    def reset(self, free: Iterable[KVCacheBlock]) -> None:
-        """Every block is free and plain (at start, or the prefix cache was reset); `free` is
-        the free queue, head first."""
-        self.occupancy.clear()
-        self.evictable.clear()
-        self._num_evictable.clear()
-        self.plain = OrderedDict((block.block_id, block) for block in free)
-
     def check(self, blocks: Iterable[KVCacheBlock], queue: Iterable[KVCacheBlock]) -> None:
-        """Asserts the ledger against every usable block and the free queue (head first);
-        O(num_blocks)."""
-        occupancy: dict[Tenant, int] = {}
-        for block in blocks:
-            if block.ref_cnt or block.block_hash is not None:  # plain free: nobody's
-                occupancy[block.tenant] = occupancy.get(block.tenant, 0) + 1
-        evictable: dict[Tenant, list[int]] = {}
-        plain = []
-        for block in queue:
-            if block.block_hash is None:
-                plain.append(block.block_id)
-            else:
-                evictable.setdefault(block.tenant, []).append(block.block_id)
-        assert occupancy == self.occupancy.counts, (occupancy, self.occupancy.counts)
-        assert evictable == {t: list(b) for t, b in self.evictable.items()}, \
+        """Asserts the ledger, if active, against every usable block and the free queue (head
+        first); O(num_blocks)."""
+        if not self.active:
+            assert not self.occupancy.counts and not self.evictable and not self.plain
+            return
+        expected = TenantLedger()
+        expected.activate(blocks, queue)
+        assert expected.occupancy.counts == self.occupancy.counts, (
+            expected.occupancy.counts, self.occupancy.counts)
+        assert {t: list(b) for t, b in expected.evictable.items()} == {
+            t: list(b) for t, b in self.evictable.items()}, \
             "the tenants' cached free blocks are not the free queue's, in its order"
-        assert plain == list(self.plain), "plain free blocks are not the free queue's"
-        assert self._num_evictable.counts == {t: len(b) for t, b in evictable.items()}
+        assert list(expected.plain) == list(self.plain), "plain free blocks are off"
+        assert expected._num_evictable.counts == self._num_evictable.counts
         self.occupancy.check()
         self._num_evictable.check()

@@ -130,6 +130,23 @@ def test_blocks_in_use_do_not_protect_the_cache_of_others_from_a_needed_allocati
     assert kv.pool.tenants.occupancy.counts == {"a": 17, "b": 3}
 
 
+def test_the_ledger_sleeps_until_a_second_tenant_allocates():
+    """One tenant pays nothing for the rule; the second tenant's first allocation builds the
+    ledger from the blocks, and a reset of the prefix cache puts it back to sleep."""
+    rng, hasher = random.Random(4), BlockHasher(BS)
+    kv = KVCacheManager(21, BS, watermark=0.0)
+    held = _req("x0", _prompt(rng, 10), "x", hasher)
+    _admit(kv, held)
+    _run(kv, _req("x1", _prompt(rng, 12), "x", hasher))
+    assert not kv.pool.tenants.active
+    _run(kv, _req("y0", _prompt(rng, 9), "y", hasher))
+    assert kv.pool.tenants.active
+    assert kv.pool.tenants.occupancy.counts == {"x": 3 + 3, "y": 2}  # x0 holds 3, x1 cached 3
+    kv.free(held)
+    assert kv.reset_prefix_cache() and not kv.pool.tenants.active
+    kv.check_integrity()
+
+
 def test_many_tenants_random_workload_keeps_the_ledger_exact():
     rng, hasher = random.Random(3), BlockHasher(BS)
     kv = KVCacheManager(33, BS, watermark=0.0)
