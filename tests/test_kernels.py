@@ -108,8 +108,9 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
                                kv_written=True)
     calls = _spy(monkeypatch, "paged_attention")
     got = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kernels, kv_written=True)
-    calls = [args[4].shape for args in calls]
-    assert calls == [(kernel_rows, max(counts))]  # one call for the kernel's rows
+    # One call for the kernel's rows, reading the step's block tables in place.
+    calls = [(args[1].shape[0], args[4] is attn.block_tables) for args in calls]
+    assert calls == [(kernel_rows, True)]
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 
@@ -120,6 +121,47 @@ def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
     expected = _decode(q, k_cache, v_cache, attn, 0.25)
     got = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.25)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_decode_kernel_reads_rows_of_a_larger_table(kernels, threads):
+    """With rows, query i reads row rows[i] of a table with more rows than queries (the
+    worker's persistent table): the same output as a table of exactly those rows."""
+    q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 64, seed=2)
+    tables, lens = attn.decode_tables()
+    g = torch.Generator().manual_seed(3)
+    big = torch.randint(0, k_cache.shape[0], (3 * len(LENS), tables.shape[1] + 4), generator=g,
+                        dtype=torch.int32)
+    rows = torch.randperm(big.shape[0], generator=g)[: len(LENS)].to(torch.int32)
+    big[rows.long(), : tables.shape[1]] = tables
+    expected = kernels.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    got = kernels.paged_attention(q, k_cache, v_cache, big, lens, 0.125, rows=rows)
+    assert torch.equal(got, expected)
+
+
+def _bad_rows(value, dtype=torch.int32):
+    def mutate(args):
+        args["rows"] = torch.arange(len(LENS), dtype=dtype)
+        args["rows"][2] = value
+    return mutate
+
+
+BAD_ROWS = {
+    "row past table": (_bad_rows(len(LENS)), "rows\\[2\\] = 5 is not a row"),
+    "negative row": (_bad_rows(-1), "rows\\[2\\] = -1"),
+    "int64 rows": (_bad_rows(2, torch.int64), "rows must be"),
+    "rows per query": (lambda a: a.update(rows=torch.arange(2, dtype=torch.int32)), "rows must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_decode_kernel_rejects_bad_rows(kernels, case):
+    mutate, message = BAD_ROWS[case]
+    args = _valid_inputs()
+    args["rows"] = torch.arange(len(LENS), dtype=torch.int32)
+    kernels.paged_attention(**args)
+    mutate(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.paged_attention(**args)
 
 
 def _valid_inputs():

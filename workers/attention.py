@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import math
 import mmap
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -143,75 +145,109 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
+    """One step's attention inputs. Block tables are rows of a table the caller keeps (the
+    worker's persistent one): a sequence reads its context through row seq_rows[i], so a step
+    copies no table. Host arrays hold what Python code branches on; tensors are on the device."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot each new token's K/V goes to
-    query_start_loc: list[int]  # [num_seqs + 1]
-    seq_lens: list[int]  # context length of each sequence after this step
-    query_lens: list[int]
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with valid block ids
+    query_lens: np.ndarray  # [num_seqs] int64
+    seq_lens: np.ndarray  # [num_seqs] int64 context length of each sequence after this step
+    # [num_rows, max_blocks] int32; entries past a row's own blocks are stale but valid ids.
+    block_tables: torch.Tensor
+    rows: np.ndarray  # [num_seqs] int64 row of block_tables of each sequence
+    seq_rows: torch.Tensor  # rows as int32 [num_seqs]
+    token_rows: torch.Tensor  # [num_tokens] int32 row of each token's sequence
+    token_lens: torch.Tensor  # [num_tokens] int32 causal context of each token (position + 1)
     num_decodes: int
     block_size: int
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    query_start_loc: np.ndarray = field(init=False)  # [num_seqs + 1] int64
+    _prefills: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _long_prefills: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _decode_gather: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _token_tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _decode_tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.query_start_loc = np.zeros(len(self.query_lens) + 1, dtype=np.int64)
+        np.cumsum(self.query_lens, out=self.query_start_loc[1:])
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
+        return int(self.query_start_loc[-1])
 
     @classmethod
     def build(cls, *, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
               block_tables: list[list[int]], num_decodes: int, block_size: int,
               device="cpu") -> "AttentionMetadata":
-        """Validate plain lists and precompute the per-step tensors every layer reuses."""
+        """From plain lists, one block table per sequence (tests and benches; O(tables)). The
+        worker's path is InputBatch.prepare, over its persistent table."""
         _check_batch(slot_mapping, query_lens, seq_lens, block_tables, num_decodes, block_size)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
         width = max((len(t) for t in block_tables), default=0)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        md = cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=qsl, seq_lens=list(seq_lens), query_lens=list(query_lens),
-            block_tables=table.to(device), num_decodes=num_decodes, block_size=block_size,
-        )
-        md.prefills = [md._build_prefill(i, table, device) for i in range(num_decodes, len(seq_lens))]
-        return md
+        table = np.zeros((len(block_tables), width), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = t
+        q = np.asarray(query_lens, dtype=np.int64)
+        s = np.asarray(seq_lens, dtype=np.int64)
+        rows = np.arange(len(q), dtype=np.int64)
+        starts = np.cumsum(q) - q
+        # Token j of sequence i sits at position seq_len - query_len + (j - start of i).
+        positions = np.repeat(s - q - starts, q) + np.arange(int(q.sum()), dtype=np.int64)
+        to = functools.partial(torch.as_tensor, device=device)
+        return cls(
+            slot_mapping=to(np.asarray(slot_mapping, dtype=np.int64)), query_lens=q, seq_lens=s,
+            block_tables=to(table), rows=rows, seq_rows=to(rows.astype(np.int32)),
+            token_rows=to(np.repeat(rows, q).astype(np.int32)),
+            token_lens=to((positions + 1).astype(np.int32)), num_decodes=num_decodes,
+            block_size=block_size)
 
-    def token_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token of the step as a single-query attention of its own: its sequence's block
-        table [num_tokens, max_blocks] int32 and its causal context length [num_tokens] int32
-        (a prefill token at position p sees p + 1 tokens). Built once per step, on first use."""
-        if self._token_tables is None:
-            counts = torch.tensor(self.query_lens)
-            per_token = lambda v: torch.tensor(v).repeat_interleave(counts)  # noqa: E731
-            offset = torch.arange(self.num_tokens) - per_token(self.query_start_loc[:-1])
-            lens = per_token(self.seq_lens) - per_token(self.query_lens) + 1 + offset
-            device = self.block_tables.device
-            self._token_tables = (
-                self.block_tables.repeat_interleave(counts.to(device), dim=0).contiguous(),
-                lens.to(device=device, dtype=torch.int32))
-        return self._token_tables
+    def token_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every token of the step as a single-query attention of its own: the block tables
+        [num_rows, max_blocks] int32, its causal context length [num_tokens] int32 (a prefill
+        token at position p sees p + 1 tokens) and its row of the tables [num_tokens] int32."""
+        return self.block_tables, self.token_lens, self.token_rows
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode sequences' block tables [num_decodes, decode_blocks] int32, decode_blocks
         covering the longest decode context (shorter rows padded with valid ids), and their
-        context lengths [num_decodes] int32. Built once per step, on first use (the gather
-        path; the kernel path reads token_tables)."""
+        context lengths [num_decodes] int32. A gather of rows, built once per step on first use
+        (the gather path; the kernel path reads the tables in place)."""
         if self._decode_tables is None:
-            lens = self.seq_lens[: self.num_decodes]
-            nblocks = -(-max(lens) // self.block_size)
-            table = self.block_tables[: self.num_decodes, :nblocks].contiguous()
-            self._decode_tables = (table, torch.tensor(lens, dtype=torch.int32, device=table.device))
+            nd = self.num_decodes
+            lens = self.seq_lens[:nd]
+            nblocks = -(-int(lens.max()) // self.block_size)
+            table = self.block_tables[:, :nblocks].index_select(0, self.seq_rows[:nd])
+            self._decode_tables = (table, torch.as_tensor(lens.astype(np.int32),
+                                                          device=table.device))
         return self._decode_tables
 
-    def _build_prefill(self, i: int, table: torch.Tensor, device) -> PrefillChunk:
-        start, end, seq_len = self.query_start_loc[i], self.query_start_loc[i + 1], self.seq_lens[i]
+    @property
+    def prefills(self) -> list["PrefillChunk"]:
+        return [self.prefill(i) for i in range(self.num_decodes, len(self.seq_lens))]
+
+    def prefills_longer_than(self, max_context: int) -> list["PrefillChunk"]:
+        """The prefill chunks whose context exceeds max_context (every layer asks the same)."""
+        chunks = self._long_prefills.get(max_context)
+        if chunks is None:
+            nd = self.num_decodes
+            long = np.flatnonzero(self.seq_lens[nd:] > max_context) + nd
+            chunks = self._long_prefills[max_context] = [self.prefill(i) for i in long.tolist()]
+        return chunks
+
+    def prefill(self, i: int) -> "PrefillChunk":
+        """Sequence i (a prefill chunk) with its context gather, built once per step."""
+        chunk = self._prefills.get(i)
+        if chunk is None:
+            chunk = self._prefills[i] = self._build_prefill(i)
+        return chunk
+
+    def _build_prefill(self, i: int) -> "PrefillChunk":
+        start, end = int(self.query_start_loc[i]), int(self.query_start_loc[i + 1])
+        seq_len = int(self.seq_lens[i])
         query_len = end - start
         if query_len == seq_len:
             return PrefillChunk(start, end, seq_len, None, None)
+        device = self.block_tables.device
         nblocks = -(-seq_len // self.block_size)
-        block_ids = table[i, :nblocks].to(device=device, dtype=torch.int64)
+        block_ids = self.block_tables[int(self.rows[i]), :nblocks].to(dtype=torch.int64)
         # Query j sits at absolute position seq_len - query_len + j and sees positions <= it.
         q_pos = torch.arange(seq_len - query_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
@@ -300,21 +336,21 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     the short chunks' tokens, each as one query over its causal context read in place from the
     pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls
     (bench/step_profile.py splits a step's time by op)."""
-    tables, lens = attn.token_tables()
-    long = [c for c in attn.prefills if c.seq_len > KERNEL_PREFILL_MAX_CONTEXT]
+    tables, lens, rows = attn.token_tables()
+    long = attn.prefills_longer_than(KERNEL_PREFILL_MAX_CONTEXT)
     if not long:
-        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window)
+        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window, rows)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     keep = torch.ones(q.shape[0], dtype=torch.bool)
     for chunk in long:
         keep[chunk.query_start : chunk.query_end] = False
         out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk,
                                                             scale, window)
-    rows = keep.nonzero().squeeze(1).to(q.device)
-    if rows.numel():
-        out[rows] = backend.paged_attention(
-            q.index_select(0, rows), k_cache, v_cache, tables.index_select(0, rows).contiguous(),
-            lens.index_select(0, rows), scale, window)
+    kept = keep.nonzero().squeeze(1).to(q.device)
+    if kept.numel():
+        out[kept] = backend.paged_attention(
+            q.index_select(0, kept), k_cache, v_cache, tables, lens.index_select(0, kept), scale,
+            window, rows.index_select(0, kept))
     return out
 
 

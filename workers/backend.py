@@ -85,12 +85,13 @@ class CpuBackend:
     # ---------------------------------------------------------------- kernel ops
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                        window: int | None = None):
+                        window: int | None = None, rows=None):
         """q [n, heads, D] over pools [num_blocks, block_size, kv_heads, D], block_tables int32
-        [n, max_blocks], seq_lens int32 [n] -> [n, heads, D] in q's dtype; each row sees the
-        last `window` tokens of its context where window is set."""
+        [num_rows, max_blocks], seq_lens int32 [n] -> [n, heads, D] in q's dtype. Query i reads
+        its context through table row rows[i] (int32 [n]), or row i without rows (then
+        num_rows == n); it sees the last `window` tokens of its context where window is set."""
         return self.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                               window or 0)
+                                               window or 0, rows)
 
     def linear_f32(self, x, panels, bias, out_features: int):
         """x [M, K] float32 times a weight in panels [ceil(N / W), K, W] -> [M, N] (+ bias)."""

@@ -1,10 +1,11 @@
 """Runs one SchedulerOutput: apply the diff, build inputs, forward, sample (rank 0)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from tierserve.workers.attention import AttentionMetadata, copy_blocks
+from tierserve.workers.attention import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
@@ -15,7 +16,8 @@ __all__ = ["ModelRunner"]
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list, block_size: int,
-                 device: torch.device, is_driver: bool, seed: int) -> None:
+                 device: torch.device, is_driver: bool, seed: int, *,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -25,7 +27,11 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator, model.backend)
-        self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device))
+        # Capacities are the engine's limits where known; the batch grows past them on demand
+        # (preempted requests keep their rows while others run).
+        self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device),
+                                device=device, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len)
         # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).
         self.tiers: TierStore | None = None
 
@@ -55,11 +61,10 @@ class ModelRunner:
         inputs = self.batch.prepare(out)
         hidden = self._forward(inputs)
         sampled = [-1] * len(out.num_scheduled_tokens)
-        if not inputs.sample_rows:
+        if not len(inputs.sample_rows):
             return ModelRunnerOutput(out.step_id, sampled)
-        ends = torch.tensor(inputs.query_lens, device=self.device).cumsum(0) - 1
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
-        hidden = hidden.index_select(0, ends[rows])
+        last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
+        hidden = hidden.index_select(0, torch.from_numpy(last).to(self.device))
         batch = self.batch.sampling.make_batch(inputs.sample_req_ids) if self.is_driver else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
         # on whether compute_logits (with its collectives) runs.
@@ -67,36 +72,32 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
                 return self._to_output(out.step_id, inputs, SamplerOutput(tokens), sampled)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)  # None off the driver rank
         if not self.is_driver:
             return ModelRunnerOutput(out.step_id)
         result = self.sampler(logits, batch)
         return self._to_output(out.step_id, inputs, result, sampled)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        attn = AttentionMetadata.build(
-            slot_mapping=inputs.slot_mapping.tolist(), query_lens=inputs.query_lens,
-            seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
-            num_decodes=inputs.num_decodes, block_size=self.block_size, device=self.device)
-        input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        input_ids, positions, attn = self.batch.forward_inputs(inputs)
         return self.model(input_ids, positions, attn, self.kv_caches)
 
     def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
                    sampled: list[int]) -> ModelRunnerOutput:
         token_ids = result.token_ids.tolist()
-        for row, token in zip(inputs.sample_rows, token_ids):
-            sampled[inputs.order[row]] = token
+        packed = inputs.order[inputs.sample_rows].tolist()
+        for i, token in zip(packed, token_ids):
+            sampled[i] = token
         logprobs: list[SampleLogprobs | None] = []
         if result.logprobs is not None:
             logprobs = [None] * len(sampled)
             lp = result.logprobs
             top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
             chosen, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-            for j, (row, rid) in enumerate(zip(inputs.sample_rows, inputs.sample_req_ids)):
-                k = self.batch.requests[rid].params.logprobs
+            for j, (i, rid) in enumerate(zip(packed, inputs.sample_req_ids)):
+                k = self.batch.params_of(rid).logprobs
                 if k is None:
                     continue
-                logprobs[inputs.order[row]] = SampleLogprobs(
+                logprobs[i] = SampleLogprobs(
                     [token_ids[j]] + top_ids[j][:k], [chosen[j]] + top_lps[j][:k], ranks[j])
         return ModelRunnerOutput(step_id, sampled, logprobs)

@@ -64,6 +64,9 @@ class WorkerSpec:
     kv_offload_ssd_path: str | None
     kv_offload_ssd_bytes: int
     hash_id: str
+    # Capacities of the persistent input batch (rows, tokens per row); None: grown on demand.
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
 
@@ -238,7 +241,9 @@ class Worker:
         kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, self.spec.block_size,
                                self.model.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device)
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
-                           is_driver=self.rank == 0, seed=self.spec.seed)
+                           is_driver=self.rank == 0, seed=self.spec.seed,
+                           max_num_seqs=self.spec.max_num_seqs,
+                           max_model_len=self.spec.max_model_len)
 
     def _make_tiers(self) -> TierReport:
         spec = self.spec

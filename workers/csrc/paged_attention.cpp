@@ -1,5 +1,7 @@
 // Paged decode attention for CPU: every decode sequence attends with its one query token over
 // its whole context, read in place from the block-structured KV pool through its block table.
+// A sequence's table is row i of block_tables, or row rows[i] where rows is given: the worker
+// passes its persistent table and each query's row, so a step builds no table of its own.
 //
 // A work item is (sequence, range of KV heads), spread over at::parallel_for's threads (see
 // run_decode). It walks the context in tiles of kTile tokens, token-major: a token's K rows of
@@ -66,6 +68,7 @@ struct DecodeArgs {
   int64_t row_stride;    // kv_heads * D elements: one token of one block
   const int32_t* block_tables;
   int64_t table_stride;
+  const int32_t* rows;  // [nd] table row of each sequence; nullptr: row i for sequence i
   const int32_t* seq_lens;
   int64_t kv_heads, group, block_size;
   float scale;
@@ -218,7 +221,7 @@ void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch
   const int64_t group = a.group, heads = (h1 - h0) * group;
   const int len = a.seq_lens[seq];
   const int start = a.window > 0 && len > a.window ? len - a.window : 0;
-  const int32_t* table = a.block_tables + seq * a.table_stride;
+  const int32_t* table = a.block_tables + (a.rows ? a.rows[seq] : seq) * a.table_stride;
   for (int64_t h = 0; h < heads; ++h) {
     const T* src = a.q + seq * a.q_seq_stride + (h0 * group + h) * a.q_head_stride;
     for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
@@ -305,25 +308,30 @@ std::vector<int64_t> decode_head_dims() {
 }
 
 // Every block a sequence will read must be a real pool block: the kernel indexes raw memory.
-void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks,
-                  int64_t block_size) {
-  const int64_t nd = block_tables.size(0), width = block_tables.size(1);
+void check_tables(const at::Tensor& block_tables, const int32_t* rows, const at::Tensor& seq_lens,
+                  int64_t num_blocks, int64_t block_size) {
+  const int64_t nd = seq_lens.size(0), num_rows = block_tables.size(0);
+  const int64_t width = block_tables.size(1);
   const int32_t* table = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t s = 0; s < nd; ++s) {
+    const int64_t row = rows ? rows[s] : s;
+    TORCH_CHECK(row >= 0 && row < num_rows, "paged_decode_attention: rows[", s, "] = ", row,
+                " is not a row of block_tables [", num_rows, ", ", width, "]");
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * block_size, "paged_decode_attention: seq_lens[",
                 s, "] = ", lens[s], " is outside [1, ", width * block_size, "]");
     const int64_t used = (lens[s] + block_size - 1) / block_size;
     for (int64_t b = 0; b < used; ++b) {
-      const int32_t id = table[s * width + b];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode_attention: block_tables[", s, ", ", b,
-                  "] = ", id, " is not a block of a pool of ", num_blocks);
+      const int32_t id = table[row * width + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode_attention: block_tables[", row, ", ",
+                  b, "] = ", id, " is not a block of a pool of ", num_blocks);
     }
   }
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const std::optional<at::Tensor>& rows) {
   const char* op = "paged_decode_attention: ";
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), op, "all inputs must be CPU tensors");
@@ -344,23 +352,31 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               ") must be a multiple of kv_heads (", k_cache.size(2), ")");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, op,
               "block_tables and seq_lens must be int32");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
-                  block_tables.is_contiguous(),
-              op, "block_tables must be a contiguous [num_decodes, max_blocks] tensor");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous(), op,
+              "block_tables must be a contiguous [num_rows, max_blocks] tensor");
+  if (rows) {
+    TORCH_CHECK(rows->device().is_cpu() && rows->scalar_type() == at::kInt && rows->dim() == 1 &&
+                    rows->size(0) == q.size(0) && rows->is_contiguous(),
+                op, "rows must be a contiguous int32 [num_decodes] CPU tensor");
+  } else {
+    TORCH_CHECK(block_tables.size(0) == q.size(0), op,
+                "without rows, block_tables must have one row per query: ",
+                block_tables.size(0), " rows for ", q.size(0));
+  }
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(), op,
               "seq_lens must be a contiguous [num_decodes] tensor");
 }
 
 template <typename T>
 DecodeArgs<T> make_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t window, at::Tensor& out) {
+                        const at::Tensor& block_tables, const int32_t* rows,
+                        const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   return DecodeArgs<T>{
       q.data_ptr<T>(), q.stride(0), q.stride(1),
       k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
       k_cache.size(1) * kv_heads * head_dim, kv_heads * head_dim,
-      block_tables.data_ptr<int32_t>(), block_tables.size(1),
+      block_tables.data_ptr<int32_t>(), block_tables.size(1), rows,
       seq_lens.data_ptr<int32_t>(),
       kv_heads, q.size(1) / kv_heads, k_cache.size(1),
       static_cast<float>(scale), static_cast<int>(window),
@@ -369,22 +385,24 @@ DecodeArgs<T> make_args(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
-  check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens);
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& rows_in) {
+  check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, rows_in);
   TORCH_CHECK(window >= 0 && window < (int64_t{1} << 31), "paged_decode_attention: window ",
               window, " must be in [0, 2^31)");
   const int64_t head_dim = k_cache.size(3);
-  check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
+  const int32_t* rows = rows_in ? rows_in->data_ptr<int32_t>() : nullptr;
+  check_tables(block_tables, rows, seq_lens, k_cache.size(0), k_cache.size(1));
   // Rows of q may be strided (a slice of the fused qkv projection); each head's D values must
   // be contiguous.
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat)
     dispatch_head_dim(
-        make_args<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out),
+        make_args<float>(q, k_cache, v_cache, block_tables, rows, seq_lens, scale, window, out),
         q.size(0), head_dim);
   else
-    dispatch_head_dim(make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens,
+    dispatch_head_dim(make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, rows, seq_lens,
                                                scale, window, out),
                       q.size(0), head_dim);
   return out;
@@ -395,7 +413,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window=0) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, Tensor? rows=None) -> Tensor");
   m.def("decode_head_dims() -> int[]", &tierserve::decode_head_dims);
 }
 
