@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tierserve.workers.attention import AttentionMetadata, allocate_kv_cache
+from tierserve.workers.parallel import get_tp_rank, get_tp_size
 
 TINY_LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -180,18 +181,31 @@ class PagedRunner:
         )
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_caches)
         logits = self.model.compute_logits(hidden)
+        if logits is None:  # a tensor-parallel rank other than 0, which gets no logits
+            return [None] * len(works)
         return list(logits.split([len(w.tokens) for w in works]))
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Batched greedy decoding: one prefill step for all prompts, then batched decode steps."""
         ids = [f"g{i}" for i in range(len(prompts))]
-        logits = self.step([Work(s, p, 0) for s, p in zip(ids, prompts)])
-        outs = [[int(l[-1].argmax())] for l in logits]
+        tokens = _last_argmax(self.step([Work(s, p, 0) for s, p in zip(ids, prompts)]))
+        outs = [[t] for t in tokens]
         for _ in range(max_new_tokens - 1):
             works = [Work(s, [o[-1]], len(p) + len(o) - 1) for s, p, o in zip(ids, prompts, outs)]
-            for o, l in zip(outs, self.step(works)):
-                o.append(int(l[-1].argmax()))
+            for o, t in zip(outs, _last_argmax(self.step(works))):
+                o.append(t)
         return outs
+
+
+def _last_argmax(logits: list) -> list[int]:
+    """Each work's token from its last row of logits. Under tensor parallelism rank 0 alone has
+    logits and broadcasts the tokens, as the scheduler sends every rank the sampled tokens."""
+    tokens = torch.zeros(len(logits), dtype=torch.long)
+    if get_tp_rank() == 0:
+        tokens = torch.stack([l[-1].argmax() for l in logits])
+    if get_tp_size() > 1:
+        torch.distributed.broadcast(tokens, src=0)
+    return tokens.tolist()
 
 
 _HF_TO_GGUF_LAYER = {

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.workers.backend import CpuBackend
-from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_reduce, tp_gather
 from tierserve.workers.quant import QuantPanelWeight
 
 
@@ -255,7 +255,8 @@ def pack_weights(module: nn.Module, backend: CpuBackend) -> None:
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Vocab-sharded output projection; logits are gathered to the full vocab on every rank."""
+    """Vocab-sharded output projection; the full vocabulary's logits are gathered on rank 0,
+    the only rank that samples."""
 
     packed: "PackedWeight | PanelWeight | QuantPanelWeight | None" = None
     greedy_head: GreedyHead | None = None
@@ -265,10 +266,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         exact route exists (GreedyHead), else None."""
         return None if self.greedy_head is None else self.greedy_head.tokens(hidden)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> logits [n, vocab] on rank 0; None on the other ranks."""
         logits = linear(hidden, self.weight, None, self.packed)  # [n, shard_size]
         if get_tp_size() > 1:
-            logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
+            logits = tp_gather(logits, dim=-1)
+            return None if logits is None else logits[:, : self.num_embeddings]
         return logits
 
 

@@ -178,9 +178,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.greedy(hidden)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> float32 logits [n, vocab_size], full vocab on every rank."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden_size] -> float32 logits [n, vocab_size] on TP rank 0, the rank that
+        samples; None on the others (a collective: every rank calls it)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

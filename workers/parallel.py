@@ -96,11 +96,12 @@ def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`, in rank order (all shards have equal shape)."""
+def tp_gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's `x` concatenated along `dim`, in rank order, on rank `dst`; None on the
+    other ranks (all shards have equal shape)."""
     if _TP_SIZE == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    dist.all_gather(parts, x, group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if _TP_RANK == dst else None
+    dist.gather(x, parts, dst=dst, group=_TP_GROUP)
+    return torch.cat(parts, dim=dim) if parts is not None else None
