@@ -1,26 +1,54 @@
-"""Overload soak: twice the sustainable request rate against the OpenAI server for N minutes.
+"""Overload soak: twice the sustainable request rate against the OpenAI server for N minutes,
+optionally under a storm of hostile data-plane frames.
 
-It starts `tierserve api-server` (an engine of its own), measures the sustainable rate with a
-short calibration burst, then offers twice that rate with Poisson arrivals of streaming chat
-requests, of which a share disconnect mid-stream and a share are bad (400 expected). Every
-request must end one way: completed (200 with a finish reason and `[DONE]`), refused (503 at
-once: the queue is bounded), rejected (the bad ones, 400), disconnected (by the client, on
-purpose); anything else is lost. After the run the engine drains, and every KV block must be
-back in the pool.
+It starts a private Ray instance in this process (its own temp folder, auth and usage stats
+off) and `tierserve api-server --name ...` in front of a deployment on it: the engine actor and
+its worker ranks (tensor parallel --tp, default 1) behind the ZMQ data plane. It measures the
+sustainable rate with a short calibration burst, then offers twice that rate with Poisson
+arrivals of streaming chat requests, of which a share disconnect mid-stream and a share are bad
+(400 expected). Every request must end one way: completed (200 with a finish reason and
+`[DONE]`), refused (503 at once: the queue is bounded), rejected (the bad ones, 400),
+disconnected (by the client, on purpose); anything else is lost. After the run the engine
+drains, and every KV block must be back in the pool. At the end the deployment is stopped, Ray
+is shut down and any process of it still alive is killed by pid.
 
-    python bench/soak.py --minutes 10 [--json]
+    python bench/soak.py --minutes 10 --frames 10000 [--json] [--check]
+
+--frames N: while the load runs, a child process without the deployment's keys sends N hostile
+frames spread over every data-plane socket of the engine (bench/frame_storm.py: the XPUB
+broadcast and the reply PULL socket, TCP and IPC; garbage, truncated msgpack, wrong types,
+oversized frames, pickles, forged replies and errors for the current step; raw connections,
+ZMTP with NULL or a bogus CURVE handshake, pyzmq sockets without CURVE or with a self-made
+keypair), in --frame-rounds rounds. After each round (the frames go on meanwhile), and once
+more after the drain, a check: a greedy probe request gives the text it gave before the
+storm, /health answers 200, the engine's dropped_frames has not moved (a frame without a rank's key never gets past the
+handshake, so none reaches the reply check to be dropped there), no pickle was loaded (its
+marker file is absent) and the passive subscribers read nothing. `frames_sent` counts the
+frames the attacker's sockets took (frame_storm.py defines it); `frames_survived` is the number
+of frames sent by the round that the last passing check followed, every earlier check passing
+too: frames after which the deployment still served correctly and none of them had been
+applied. The final check runs after the last frame, so frames_survived is frames_sent exactly
+when every check passed. Requests that fail because of a frame show in lost_requests.
 
 Reports completed, refused, rejected, disconnected, lost_requests, leaked_blocks,
-p99_ttft_admitted_ms, and the server's RSS at start and end.
+p99_ttft_admitted_ms, the engine's RSS at start and end (and the HTTP server's), and with
+--frames: frames_sent, frames_survived, frames_read, dropped_frames and the checks. --check
+exits 1 unless lost_requests and leaked_blocks are 0 and frames_survived equals frames_sent.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import httpx
@@ -28,6 +56,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import frame_storm  # noqa: E402
 from report import emit  # noqa: E402
 from serving import build_prompts, start_tierserve  # noqa: E402
 
@@ -122,9 +151,189 @@ def drain(base: str, timeout: float = 120.0) -> dict:
         time.sleep(0.5)
 
 
-def main() -> None:
+NAMESPACE = "tierserve-soak"
+# A greedy completion whose tokens must not change under the storm.
+PROBE = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+         "ignore_eos": True}
+
+
+def probe(base: str, model: str, timeout_s: float = 180.0) -> str:
+    """The probe's text; a 503 (the queue is full: the load runs at twice the sustainable
+    rate) is retried until timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(base + "/v1/completions", json={"model": model, **PROBE}, timeout=120)
+        if r.status_code == 200:
+            return r.json()["choices"][0]["text"]
+        if r.status_code != 503 or time.monotonic() > deadline:
+            raise RuntimeError(f"probe answered {r.status_code}: {r.text[:200]}")
+        time.sleep(0.2)
+
+
+class PrivateRay:
+    """A Ray instance this process starts and ends: its own temp folder, auth and usage
+    stats off; the api-server it starts joins it through RAY_ADDRESS. `stop` shuts it down
+    and kills, by pid, whatever this process started that is still alive."""
+
+    def __init__(self, num_cpus: int) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="tierserve-soak-ray-", dir="/tmp")
+        os.environ.update(RAY_TMPDIR=self.tmp, RAY_AUTH_MODE="disabled",
+                          RAY_USAGE_STATS_ENABLED="0")
+        os.environ.pop("RAY_ADDRESS", None)
+        import ray
+        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
+                 object_store_memory=256 << 20, _temp_dir=self.tmp, log_to_driver=False)
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+    def stop(self, deployment: str | None) -> None:
+        import ray
+        from tierserve.deploy.ray_engine import stop
+        try:
+            if deployment is not None:
+                stop(deployment, NAMESPACE)
+        finally:
+            ours = _descendants(os.getpid())
+            ray.shutdown()
+            _kill_survivors(ours)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process below `root` (pid -> start time, which tells it from a later process
+    that reuses its pid)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, grew = {root}, True
+    while grew:
+        children = {p for p, pp in parents.items() if pp in found} - found
+        found |= children
+        grew = bool(children)
+    found.discard(root)
+    return {p: t for p in found if (t := _start_time(p)) is not None}
+
+
+def _kill_survivors(pids: dict[int, str], grace_s: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        while time.monotonic() < deadline and any(_start_time(p) == t for p, t in pids.items()):
+            time.sleep(0.2)
+        for pid, started in pids.items():
+            if _start_time(pid) == started:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 3.0
+
+
+class Checker:
+    """Whether the deployment still serves correctly and applied no hostile frame: the probe's
+    tokens, /health, dropped_frames, the pickle marker, the passive subscribers."""
+
+    def __init__(self, base: str, model: str, actor, marker: str) -> None:
+        import ray
+        self.base, self.model, self.actor, self.marker = base, model, actor, marker
+        self.reference = probe(base, model)
+        self.dropped_before = ray.get(actor.dataplane.remote(), timeout=60)["dropped_frames"]
+
+    def problem(self, frames_read: int) -> str | None:
+        import ray
+        try:
+            text = probe(self.base, self.model)
+        except (httpx.HTTPError, RuntimeError) as e:
+            return f"the probe failed: {e}"
+        if text != self.reference:
+            return f"the probe gave {text!r}; before the storm {self.reference!r}"
+        if httpx.get(self.base + "/health", timeout=30).status_code != 200:
+            return "/health is not 200"
+        dropped = ray.get(self.actor.dataplane.remote(), timeout=60)["dropped_frames"]
+        if dropped != self.dropped_before:
+            return f"dropped_frames went from {self.dropped_before} to {dropped}"
+        if os.path.exists(self.marker):
+            return "a pickled frame was loaded"
+        if frames_read:
+            return f"passive subscribers read {frames_read} broadcast frames"
+        return None
+
+
+class Storm:
+    """frame_storm.storm in a spawned child process, a thread feeding it the last step id
+    broadcast, and a thread running the checker after each of its rounds."""
+
+    def __init__(self, args, plane: dict, actor, checker: Checker, seconds: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.actor, self.checker = actor, checker
+        self.step = ctx.Value("q", plane["last_step_id"])
+        self.reports = ctx.Queue()
+        self.checks: list[tuple[int, str | None]] = []
+        self.totals: dict | None = None
+        self._stop = threading.Event()
+        self.proc = ctx.Process(target=frame_storm.storm_child, daemon=True, args=(
+            plane["endpoints"], args.frames, seconds, args.frame_rounds, self.step,
+            checker.marker, self.reports, args.seed))
+        self.proc.start()
+        self._threads = [threading.Thread(target=f, daemon=True)
+                         for f in (self._feed_steps, self._check_rounds)]
+        for t in self._threads:
+            t.start()
+
+    def _feed_steps(self) -> None:
+        import ray
+        while not self._stop.wait(0.2):
+            self.step.value = ray.get(self.actor.dataplane.remote(), timeout=60)["last_step_id"]
+
+    def _check_rounds(self) -> None:
+        while True:
+            report = self.reports.get()
+            if report[0] == "done":
+                self.totals = report[1]
+                return
+            _, sent, read = report
+            self.checks.append((sent, self.checker.problem(read)))
+
+    def finish(self, timeout_s: float = 600.0) -> dict:
+        self.proc.join(timeout_s)
+        self._threads[1].join(30)
+        self._stop.set()
+        self._threads[0].join(5)
+        if self.totals is None:
+            self.proc.kill()
+            raise RuntimeError("the frame storm did not finish")
+        sent, read, refused = self.totals["sent"], self.totals["read"], self.totals["refused"]
+        self.checks.append((sent, self.checker.problem(read)))
+        survived = 0
+        for frames, problem in self.checks:
+            if problem is not None:
+                break
+            survived = frames
+        failed = [p for _, p in self.checks if p is not None]
+        return {"frames_sent": sent, "frames_survived": survived, "frames_read": read,
+                "frames_the_transport_refused": refused, "storm_checks": len(self.checks),
+                "storm_checks_failed": len(failed), "first_failed_check": failed[0] if failed
+                else None}
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--frames", type=int, default=0, help="hostile data-plane frames to send")
+    ap.add_argument("--frame-rounds", type=int, default=10,
+                    help="checks of the deployment during the storm")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel ranks of the deployment")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--disconnect-share", type=float, default=0.1)
@@ -133,47 +342,89 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--check", action="store_true", help="exit 1 unless nothing was lost or "
+                    "leaked and every hostile frame was survived")
+    return ap.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     from tierserve.runtime.engine_core import load_model_tokenizer
     from tierserve.workers.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     prompts = build_prompts(tokenizer, 64, args.input_len, args.seed)
-    proc, base, model = start_tierserve(args)
-    url = base + "/v1/chat/completions"
+    private = PrivateRay(max(os.cpu_count() or 1, args.tp))
+    name, proc = f"soak-{os.getpid()}", None
+    args.server_arg += ["--name", name, "--namespace", NAMESPACE, "--tp", str(args.tp)]
     try:
-        # Calibration: a burst the server admits whole; what it completes per second is the
-        # sustainable rate.
-        burst = args.max_queued_requests
-        asyncio.run(_burst(url, model, prompts[:1], 4))  # warm-up
-        t0 = time.perf_counter()
-        calib = asyncio.run(_burst(url, model, prompts[:burst], args.output_len))
-        sustainable = sum(1 for c in calib if c[0] == "completed") / (time.perf_counter() - t0)
-        rss_start = rss_mb(proc.pid)
-        results = asyncio.run(offer(url, model, prompts, 2 * sustainable, args.minutes * 60,
-                                    args.output_len, args.disconnect_share, args.bad_share,
-                                    args.seed + 1))
-        after = drain(base)
-        rss_end = rss_mb(proc.pid)
+        proc, base, model = start_tierserve(args)
+        result = soak(args, prompts, proc, base, model, name)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        private.stop(name)
+    emit(result, args.json)
+    if args.check and not passed(result):
+        sys.exit(1)
+
+
+def passed(result: dict) -> bool:
+    return result["lost_requests"] == 0 and result["leaked_blocks"] == 0 and \
+        result.get("frames_survived", 0) == result.get("frames_sent", 0)
+
+
+def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> dict:
+    import ray
+    from tierserve.deploy.ray_engine import actor_name
+    actor = ray.get_actor(actor_name(name), namespace=NAMESPACE)
+    engine_pid = ray.get(actor.info.remote(), timeout=60)["pid"]
+    url = base + "/v1/chat/completions"
+    # Calibration: a burst the server admits whole; what it completes per second is the
+    # sustainable rate.
+    asyncio.run(_burst(url, model, prompts[:1], 4))  # warm-up
+    t0 = time.perf_counter()
+    calib = asyncio.run(_burst(url, model, prompts[:args.max_queued_requests], args.output_len))
+    sustainable = sum(1 for c in calib if c[0] == "completed") / (time.perf_counter() - t0)
+    storm = None
+    if args.frames:
+        checker = Checker(base, model, actor, frame_storm.marker_path())
+        plane = ray.get(actor.dataplane.remote(), timeout=60)
+        storm = Storm(args, plane, actor, checker, 0.8 * args.minutes * 60)
+    rss_start = rss_mb(engine_pid), rss_mb(proc.pid)
+    results = asyncio.run(offer(url, model, prompts, 2 * sustainable, args.minutes * 60,
+                                args.output_len, args.disconnect_share, args.bad_share,
+                                args.seed + 1))
+    storm_result = storm.finish() if storm is not None else {}
+    after = drain(base)
+    rss_end = rss_mb(engine_pid), rss_mb(proc.pid)
+    if storm is not None:
+        storm_result["dropped_frames"] = ray.get(actor.dataplane.remote(),
+                                                 timeout=60)["dropped_frames"]
+    return summarize(args, sustainable, results, after, rss_start, rss_end) | storm_result
+
+
+def summarize(args, sustainable: float, results: list, after: dict, rss_start: tuple,
+              rss_end: tuple) -> dict:
     counts = {k: sum(1 for r in results if r[0] == k)
               for k in ("completed", "refused", "rejected", "disconnected", "lost")}
     ttfts = [r[1] for r in results if r[0] == "completed" and r[1] is not None]
-    result = {
-        "minutes": args.minutes, "sustainable_req_per_s": round(sustainable, 3),
+    return {
+        "minutes": args.minutes, "tensor_parallel_size": args.tp,
+        "sustainable_req_per_s": round(sustainable, 3),
         "offered_req_per_s": round(2 * sustainable, 3), "requests": len(results),
         **{k: v for k, v in counts.items() if k != "lost"}, "lost_requests": counts["lost"],
         "leaked_blocks": int(after["tierserve:kv_cache_total_blocks"]
                              - after["tierserve:kv_cache_free_blocks"]),
         "p99_ttft_admitted_ms": round(float(np.percentile(ttfts, 99)) * 1000, 1)
         if ttfts else None,
-        "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
-        "rss_growth": round(rss_end / rss_start - 1, 4),
+        "rss_start_mb": round(rss_start[0], 1), "rss_end_mb": round(rss_end[0], 1),
+        "rss_growth": round(rss_end[0] / rss_start[0] - 1, 4),
+        "http_rss_start_mb": round(rss_start[1], 1), "http_rss_end_mb": round(rss_end[1], 1),
     }
-    emit(result, args.json)
-
 
 async def _burst(url, model, prompts, output_len):
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:

@@ -60,6 +60,11 @@ class EngineActor:
                     worker_names=[executor.worker_name(r) for r in range(tp)],
                     worker_nodes=executor.worker_nodes)
 
+    async def dataplane(self) -> dict:
+        """The data plane's endpoints (XPUB broadcast and reply PULL, TCP and IPC), the last
+        step id broadcast and dropped_frames; read-only, and no keys."""
+        return self.engine.core.executor.dataplane()
+
     async def health(self) -> bool:
         return self.engine.health()
 

@@ -148,6 +148,7 @@ class RayExecutor:
         self._loops: list = []
         self._plane: DataPlaneServer | None = None
         self._vocab_size = 0
+        self._last_step_id = -1
 
     # ------------------------------------------------------------------ control plane
 
@@ -215,9 +216,19 @@ class RayExecutor:
         malformed, or not an answer to the step waiting), since start."""
         return {"dropped_frames": self._plane.drops.count if self._plane is not None else 0}
 
+    def dataplane(self) -> dict:
+        """Where the data plane listens (no keys: those are never shown), the id of the last
+        message broadcast and the dropped-frame count; for operators and bench/soak.py."""
+        ep = self._plane.endpoints if self._plane is not None else None
+        return {"endpoints": None if ep is None else {
+                    "tcp_pub": ep.tcp_pub, "tcp_pull": ep.tcp_pull, "ipc_pub": ep.ipc_pub,
+                    "ipc_pull": ep.ipc_pull},
+                "last_step_id": self._last_step_id, **self.stats()}
+
     # ------------------------------------------------------------------ data plane
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
+        self._last_step_id = getattr(msg, "step_id", self._last_step_id)
         self._plane.broadcast(msg)
         if isinstance(msg, ShutdownWorker):
             return None

@@ -504,3 +504,94 @@ def test_hostile_local_processes_read_nothing_and_change_nothing(deployment):
     assert llm.engine.health()
     print(f"engine RSS {rss_before >> 20} MB before, {rss_after_flood >> 20} MB after "
           f"12 x 50 MB frames; bytes taken per frame: {max(accepted)}")
+
+
+# ---------------------------------------------------------------- bench/frame_storm.py
+
+
+STORM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                     "frame_storm.py")
+
+
+def _storm(endpoints: dict, frames: int, step_id: int, marker: str, seconds: float = 3.0):
+    """bench/frame_storm.py in a process of its own (no Ray, no keys); returns the process."""
+    import json
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, STORM, "--endpoints", json.dumps(endpoints),
+                             "--frames", str(frames), "--seconds", str(seconds),
+                             "--step-id", str(step_id), "--marker", marker],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _storm_result(proc) -> dict:
+    import json
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_frame_storm_reaches_sockets_without_curve(tmp_path):
+    """The control for the storm below: against ZMQ sockets without CURVE, its frames arrive
+    (forged replies that decode to the step named, pickles, frames sent up a broadcast socket),
+    so the storm's nothing-got-through on the deployment is CURVE's doing."""
+    ctx = zmq.Context()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.XPUB)
+    for s in (pull, pub):
+        s.setsockopt(zmq.LINGER, 0)
+    endpoints = {"tcp_pull": f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}",
+                 "tcp_pub": f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}",
+                 "ipc_pull": f"ipc://{tmp_path}/pull", "ipc_pub": f"ipc://{tmp_path}/pub"}
+    pull.bind(endpoints["ipc_pull"])
+    pub.bind(endpoints["ipc_pub"])
+    codec = EngineChannelCodec()
+    try:
+        result = _storm_result(_storm(endpoints, 280, 41, str(tmp_path / "marker"), 1.0))
+        forged, pickles, upstream = [], 0, 0
+        while pull.poll(500):
+            frame = pull.recv()
+            pickles += frame.startswith(b"\x80")
+            try:
+                forged.append(codec.decode(frame))
+            except ValueError:
+                pass
+        while pub.poll(200):
+            upstream += 1
+            pub.recv()
+    finally:
+        pull.close()
+        pub.close()
+        ctx.term()
+    assert result["sent"] == 280 and result["refused"] == 0
+    assert {type(m) for m in forged} == {ModelRunnerOutput, WorkerError}
+    assert {m.step_id for m in forged} <= {41, 42}
+    assert pickles and upstream
+    assert not (tmp_path / "marker").exists()  # nothing here unpickles either
+
+
+def test_a_frame_storm_from_another_process_changes_nothing(deployment, tmp_path):
+    """Every kind of hostile frame (bench/frame_storm.py: garbage, truncated and wrong-typed
+    msgpack, oversized, pickles, forged replies and errors for the current step) through every
+    channel (raw, ZMTP NULL, bogus CURVE handshakes, pyzmq without a key or with a self-made
+    keypair) to every socket the engine's dataplane() names, from a process without the keys,
+    during a victim's long stream: the victim's tokens equal a clean run's, no frame was read,
+    dropped or unpickled, and the engine serves on."""
+    import ray
+    llm, _, _ = deployment
+    clean = _tokens(llm)
+    plane = ray.get(llm.engine.actor.dataplane.remote())
+    assert set(plane["endpoints"]) == {"tcp_pub", "tcp_pull", "ipc_pub", "ipc_pull"}
+    assert plane["last_step_id"] >= 0 and plane["dropped_frames"] == 0
+    marker = tmp_path / "marker"
+    storm = _storm(plane["endpoints"], 280, plane["last_step_id"] + 1, str(marker), 10.0)
+    assert storm.stdout.readline().strip() == '{"started": true}'
+    victims = 0
+    while storm.poll() is None or victims == 0:  # every victim starts while frames fly
+        assert _tokens(llm) == clean
+        victims += 1
+    result = _storm_result(storm)
+    assert result == {"sent": 280, "read": 0, "refused": 0}
+    assert ray.get(llm.engine.actor.dataplane.remote())["dropped_frames"] == 0
+    assert not marker.exists()
+    assert llm.engine.health()
+    assert _tokens(llm) == clean
