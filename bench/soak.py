@@ -242,7 +242,7 @@ def _kill_survivors(pids: dict[int, str], grace_s: float = 10.0) -> None:
 
 class Checker:
     """Whether the deployment still serves correctly and applied no hostile frame: the probe's
-    tokens, /health, dropped_frames, the pickle marker, the passive subscribers."""
+    text, /health, dropped_frames, the pickle marker, the passive subscribers."""
 
     def __init__(self, base: str, model: str, actor, marker: str) -> None:
         import ray
@@ -260,7 +260,10 @@ class Checker:
             return f"the probe gave {text!r}; before the storm {self.reference!r}"
         if httpx.get(self.base + "/health", timeout=30).status_code != 200:
             return "/health is not 200"
-        dropped = ray.get(self.actor.dataplane.remote(), timeout=60)["dropped_frames"]
+        try:
+            dropped = ray.get(self.actor.dataplane.remote(), timeout=60)["dropped_frames"]
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            return f"the engine actor did not answer: {e}"
         if dropped != self.dropped_before:
             return f"dropped_frames went from {self.dropped_before} to {dropped}"
         if os.path.exists(self.marker):
@@ -294,7 +297,11 @@ class Storm:
     def _feed_steps(self) -> None:
         import ray
         while not self._stop.wait(0.2):
-            self.step.value = ray.get(self.actor.dataplane.remote(), timeout=60)["last_step_id"]
+            try:
+                plane = ray.get(self.actor.dataplane.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):  # the checks report a dead engine
+                continue
+            self.step.value = plane["last_step_id"]
 
     def _check_rounds(self) -> None:
         while True:
@@ -306,8 +313,9 @@ class Storm:
             self.checks.append((sent, self.checker.problem(read)))
 
     def finish(self, timeout_s: float = 600.0) -> dict:
+        """Waits for the storm and its round checks, then checks once more."""
         self.proc.join(timeout_s)
-        self._threads[1].join(30)
+        self._threads[1].join(timeout_s)
         self._stop.set()
         self._threads[0].join(5)
         if self.totals is None:
@@ -398,8 +406,8 @@ def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> di
     results = asyncio.run(offer(url, model, prompts, 2 * sustainable, args.minutes * 60,
                                 args.output_len, args.disconnect_share, args.bad_share,
                                 args.seed + 1))
-    storm_result = storm.finish() if storm is not None else {}
     after = drain(base)
+    storm_result = storm.finish() if storm is not None else {}
     rss_end = rss_mb(engine_pid), rss_mb(proc.pid)
     if storm is not None:
         storm_result["dropped_frames"] = ray.get(actor.dataplane.remote(),
