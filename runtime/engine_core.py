@@ -65,7 +65,9 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
-        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}")
+        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
+        # The input batch's first capacity (None: the model's length is not known yet; it grows).
+        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len)
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
