@@ -136,9 +136,17 @@ def test_ray_start_head_and_job_submit_recipe():
         address = f"http://127.0.0.1:{dash}"
 
         def submit(*entrypoint: str) -> str:
-            run = subprocess.run([ray_cli, "job", "submit", f"--address={address}", "--",
-                                  *entrypoint], env=env, capture_output=True, text=True,
-                                 timeout=300)
+            # The head's job agent starts after `ray start` returns; until it registers, Ray
+            # answers "No available agent ... try again later" (slow on a loaded machine).
+            deadline = time.monotonic() + 180
+            while True:
+                run = subprocess.run([ray_cli, "job", "submit", f"--address={address}", "--",
+                                      *entrypoint], env=env, capture_output=True, text=True,
+                                     timeout=300)
+                if run.returncode == 0 or "No available agent" not in run.stdout + run.stderr \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(3)
             assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
             return run.stdout
 
