@@ -28,7 +28,7 @@ from tierserve.deploy.reply_check import reply_problem
 from tierserve.runtime import envs
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import (
-    FlushTiers, FromWorker, ShutdownWorker, ToWorker, WorkerError,
+    FlushTiers, FromWorker, SchedulerOutput, ShutdownWorker, ToWorker, WorkerError,
 )
 from tierserve.workers.parallel import listen_socket
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
@@ -226,6 +226,15 @@ class RayExecutor:
                 "last_step_id": self._last_step_id, **self.stats()}
 
     # ------------------------------------------------------------------ data plane
+
+    def submit(self, msg: SchedulerOutput) -> None:
+        """Broadcasts a step; the ranks queue it behind the one they are running."""
+        self._last_step_id = msg.step_id
+        self._plane.broadcast(msg)
+
+    def collect(self, msg: SchedulerOutput) -> FromWorker:
+        """Rank 0 replies in step order, so the next answer is the oldest step's."""
+        return self._await_reply(msg, self.step_timeout_s)
 
     def execute(self, msg: ToWorker) -> FromWorker | None:
         self._last_step_id = getattr(msg, "step_id", self._last_step_id)

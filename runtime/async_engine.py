@@ -148,8 +148,7 @@ class AsyncEngine:
         if self._leases:
             self._expire_leases()
         core = self.core
-        if self._dead is None and (core.has_unfinished_requests()
-                                   or core.scheduler.has_pending_worker_updates()):
+        if self._dead is None and core.has_work():
             outputs = core.step()
             # Set before publishing: a stream that sees the death outputs must also see this.
             self._dead = core.dead_reason

@@ -95,6 +95,10 @@ class EngineConfig:
                                  "marks the engine dead", low=0.0, low_open=True)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
+    async_scheduling: bool = _opt(
+        False, "schedule each step while the step before runs (the workers feed it the "
+        "tokens they sampled), so scheduling, detokenizing and the data plane's round trip "
+        "leave the forward's critical path; a finished request's step in flight is wasted")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
                                    "dequantized run small batches from the blocks (exact, "
                                    "the same results); false: from the fp32 weights alone")

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from typing import Callable, Iterator
 
 from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
@@ -67,7 +68,8 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
         hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
         # The input batch's first capacity (None: the model's length is not known yet; it grows).
-        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len)
+        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+        async_scheduling=config.async_scheduling)
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
@@ -148,6 +150,11 @@ class EngineCore:
         # Prompt ids of requests that have produced no output yet (the first output carries them).
         self._unannounced: dict[str, list[int]] = {}
         self._dead: str | None = None
+        # Steps submitted and not yet collected, oldest first, with their submission times:
+        # at most one between steps, two while a step is being scheduled (async scheduling).
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        self._pipelined = config.async_scheduling
+        self._last_collect = 0.0
 
     @staticmethod
     def _make_tiers(config: EngineConfig, info: WorkerInfo) -> TierManager | None:
@@ -176,7 +183,8 @@ class EngineCore:
                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
                               preemption_mode=config.preemption_mode,
-                              max_queued_requests=config.max_queued_requests)
+                              max_queued_requests=config.max_queued_requests,
+                              async_scheduling=config.async_scheduling)
         if scheduler.tiering is not None:
             costs = scheduler.tiering.costs
             costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
@@ -245,6 +253,8 @@ class EngineCore:
         finally:
             if pending and self._dead is None:
                 self.abort_requests(list(pending))
+            if self._in_flight and self._dead is None:
+                self.drain()  # a finished request's step in flight
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         done = self.scheduler.abort_requests(request_ids)
@@ -260,6 +270,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to serve, steps in flight to collect,
+        or news for (or from) the workers."""
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests() or \
+            self.scheduler.has_pending_worker_updates()
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[EngineCoreOutput]:
@@ -268,31 +284,66 @@ class EngineCore:
         self._check_alive()
         try:
             return self._step()
-        except EngineDeadError as e:
-            return self._die(str(e))
         except Exception as e:
-            log.exception("engine step failed")
-            return self._die(f"the engine failed in a step: {type(e).__name__}: {e}")
+            return self._failed(e)
+
+    def _failed(self, error: Exception) -> list[EngineCoreOutput]:
+        if isinstance(error, EngineDeadError):
+            return self._die(str(error))
+        log.exception("engine step failed")
+        return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
 
     def _step(self) -> list[EngineCoreOutput]:
+        """Schedules and submits a step, then collects the oldest one in flight. Without async
+        scheduling that is the step just submitted. With it, the step before: this one runs
+        while its outputs are applied, detokenized and returned, and the first call only
+        fills the pipeline."""
+        submitted = self._submit_next()
+        if not self._in_flight:
+            return []
+        if submitted and self._pipelined and len(self._in_flight) == 1:
+            return []
+        return self._collect_oldest()
+
+    def _submit_next(self) -> bool:
         out = self.scheduler.schedule()
         if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
-                or out.tier_ops):
-            if not self.scheduler.has_pending_worker_updates():
-                return []
+                or out.tier_ops or out.copy_src):
+            if self._in_flight or not self.scheduler.has_pending_worker_updates():
+                return False
             # Only asynchronous tier copies to hear about: an empty step asks, without spinning.
             time.sleep(_POLL_S)
-        t0 = time.perf_counter()
-        reply = self.executor.execute(out)
+        self.executor.submit(out)
+        self._in_flight.append((out, time.perf_counter()))
+        return True
+
+    def _collect_oldest(self) -> list[EngineCoreOutput]:
+        out, submitted_at = self._in_flight[0]
+        reply = self.executor.collect(out)
+        self._in_flight.popleft()
         if isinstance(reply, WorkerError):
             return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
-        self._observe(out, time.perf_counter() - t0)
+        now = time.perf_counter()
+        # Queued behind the step before, it started running when that one was collected.
+        self._observe(out, now - max(submitted_at, self._last_collect))
+        self._last_collect = now
         outputs = self.scheduler.update_from_output(out, reply)
         if self._detok:
             self._detokenize(outputs)
         if self._unannounced:
             self._announce(outputs)
+        return outputs
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Collects every step in flight, returning their outputs."""
+        self._check_alive()
+        outputs = []
+        try:
+            while self._in_flight:
+                outputs += self._collect_oldest()
+        except Exception as e:
+            return outputs + self._failed(e)
         return outputs
 
     def _observe(self, out: SchedulerOutput, seconds: float) -> None:
@@ -342,6 +393,7 @@ class EngineCore:
 
     def _die(self, message: str) -> list[EngineCoreOutput]:
         self._dead = message
+        self._in_flight.clear()
         ids = sorted({r.family_id for r in self.scheduler.requests.values()})
         try:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
@@ -403,6 +455,8 @@ class EngineCore:
         """A clean shutdown first writes every cached block not yet on SSD to it (within
         FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
         try:
+            if self._dead is None:
+                self.drain()
             if self._dead is None:
                 self._flush_tiers()
         except Exception:  # the workers are gone or failing: nothing more to save

@@ -8,11 +8,14 @@ scheduler.
 """
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from tierserve.scheduler.messages import (
-    EngineChannelCodec, FromWorker, ShutdownWorker, ToWorker, WorkerChannelCodec,
+    EngineChannelCodec, FromWorker, SchedulerOutput, ShutdownWorker, ToWorker,
+    WorkerChannelCodec,
 )
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
@@ -55,7 +58,16 @@ class WorkerInfo:
 
 
 class Executor(Protocol):
+    """submit sends a step without waiting; collect waits for the reply of the oldest step
+    submitted and not yet collected (steps run, and are collected, in submission order). At
+    most two steps are in flight. execute is submit + collect for any message, and is only
+    called with no step in flight."""
+
     def start(self) -> WorkerInfo: ...
+
+    def submit(self, msg: SchedulerOutput) -> None: ...
+
+    def collect(self, msg: SchedulerOutput) -> FromWorker: ...
 
     def execute(self, msg: ToWorker) -> FromWorker | None: ...
 
@@ -65,7 +77,10 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """TP=1 in this process: no Ray, no ZMQ, the same Worker and the same frames."""
+    """TP=1 in this process: no Ray, no ZMQ, the same Worker and the same frames. With async
+    scheduling the worker runs its steps on a thread of its own, so the engine schedules the
+    next step while the forward runs (torch and the kernels release the GIL); otherwise a
+    step runs on the caller's thread when it is collected."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.tensor_parallel_size != 1:
@@ -73,6 +88,12 @@ class InProcessExecutor:
         self.worker = Worker(spec)
         self._to_worker = WorkerChannelCodec()
         self._from_worker = EngineChannelCodec()
+        self._thread: ThreadPoolExecutor | None = None
+        if spec.async_scheduling:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierserve-worker",
+                                              initializer=self.worker.bind_thread)
+        # Encoded frames (inline) or their replies' futures (threaded), oldest first.
+        self._pending: deque[bytes | Future] = deque()
 
     def start(self) -> WorkerInfo:
         self.worker.init_device()
@@ -81,18 +102,38 @@ class InProcessExecutor:
         tiers = self.worker.initialize_cache(num_blocks)
         return WorkerInfo.from_ranks(num_blocks, [info], [tiers])
 
-    def execute(self, msg: ToWorker) -> FromWorker | None:
+    def submit(self, msg: SchedulerOutput) -> None:
         frame = self._to_worker.encode(msg)
+        self._pending.append(frame if self._thread is None else
+                             self._thread.submit(self._run, frame))
+
+    def collect(self, msg: SchedulerOutput) -> FromWorker:
+        item = self._pending.popleft()
+        reply = self._run(item) if isinstance(item, bytes) else item.result()
+        return self._from_worker.decode(reply)
+
+    def execute(self, msg: ToWorker) -> FromWorker | None:
+        assert not self._pending, "execute with steps in flight"
+        frame = self._to_worker.encode(msg)
+        reply = (self._run(frame) if self._thread is None else
+                 self._thread.submit(self._run, frame).result())
+        return None if reply is None else self._from_worker.decode(reply)
+
+    def _run(self, frame: bytes) -> bytes | None:
         reply = self.worker.handle(self._to_worker.decode(frame))
-        if reply is None:
-            return None
-        return self._from_worker.decode(self._from_worker.encode(reply))
+        return None if reply is None else self._from_worker.encode(reply)
 
     def stats(self) -> dict:
         return {}  # no frame crosses a process boundary here, so none is ever dropped
 
     def shutdown(self) -> None:
+        for item in self._pending:  # let a step in flight finish before the model goes
+            if not isinstance(item, bytes):
+                item.exception()
+        self._pending.clear()
         if self.worker.runner is not None or self.worker.model is not None:
-            self.worker.handle(ShutdownWorker())
+            self.execute(ShutdownWorker())
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
 

@@ -23,7 +23,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_prompt_tokens", "status", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
-        "num_swapped_tokens", "family_id", "index",
+        "num_swapped_tokens", "family_id", "index", "num_output_placeholders",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -51,6 +51,9 @@ class Request:
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.
         self.num_sent_tokens = 0
+        # Async scheduling: tokens a step in flight will sample, not yet known here. The
+        # workers append them themselves; the scheduler already schedules their positions.
+        self.num_output_placeholders = 0
         # Unbounded until the scheduler clamps it to max_model_len.
         self.max_output_tokens = sampling_params.max_tokens
         # Swap preemption: the CPU tier slots holding its first num_swapped_tokens tokens' KV.

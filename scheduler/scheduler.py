@@ -4,6 +4,11 @@ Each step serves running requests first (in admission order), preempting from th
 or the lowest priority when blocks run out, then admits waiting requests with a prefix-cache
 lookup, but only in a step that preempted nobody (admitting while evicting would thrash).
 A request is a "prefill" or a "decode" only by how far num_computed_tokens trails num_tokens.
+
+With async scheduling, step N+1 is scheduled while step N runs: a request that step N will
+sample from holds a placeholder for that token (num_output_placeholders), and step N+1 already
+schedules the placeholder's position; the workers feed it their own sampled token. Stops are
+learnt a step late, so a finished request's step in flight is wasted and its token dropped.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ class Scheduler:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
                  vocab_size: int | None = None, preemption_mode: str = "recompute",
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None, async_scheduling: bool = False) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -93,6 +98,10 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.vocab_size = vocab_size
+        self.async_scheduling = async_scheduling
+        # The Request objects each step in flight scheduled, in its order (ids may be reused
+        # once a request finishes, so its reply is matched to objects, not ids).
+        self._in_flight: dict[int, list[Request]] = {}
         # Keyed by sequence id: a request's sample i > 0 is a sequence of its own.
         self.requests: dict[str, Request] = {}
         self.families: dict[str, _Family] = {}
@@ -205,13 +214,21 @@ class Scheduler:
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
+        if not self.async_scheduling:
+            self._in_flight.clear()  # a step whose reply never came was dropped by the caller
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         out = self._build_output(plan)
-        for req in itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs):
+        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
+        for req in scheduled:
             req.num_computed_tokens += plan.num_tokens[req.request_id]
+            if self.async_scheduling and \
+                    req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples its next token
+        if scheduled:
+            self._in_flight[out.step_id] = scheduled
         return out
 
     def _chunk(self, num_new_tokens: int, budget: int) -> int:
@@ -224,7 +241,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            n = self._chunk(len(req.all_token_ids) - req.num_computed_tokens, plan.budget)
+            if req.num_output_placeholders and self._will_stop(req):
+                i += 1  # its step in flight samples its last token
+                continue
+            n = self._chunk(req.num_tokens + req.num_output_placeholders
+                            - req.num_computed_tokens, plan.budget)
             blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 blocks = self._preempt_until_fits(req, n, plan)
@@ -236,6 +257,12 @@ class Scheduler:
                 plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id))
             # A priority preemption may have removed a request ahead of this one.
             i = self.running.index(req) + 1 if plan.preempted else i + 1
+
+    def _will_stop(self, req: Request) -> bool:
+        """The tokens in flight reach the request's length limits."""
+        pending = req.num_output_placeholders
+        return (req.num_output_tokens + pending >= req.max_output_tokens
+                or req.num_tokens + pending >= self.max_model_len)
 
     def _preempt_until_fits(self, req: Request, n: int,
                             plan: _StepPlan) -> list[KVCacheBlock] | None:
@@ -281,6 +308,7 @@ class Scheduler:
     def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
         """True: running from this step. False: it left the queue to wait for SSD loads
         (the next may go). None: no room (nobody behind it goes either)."""
+        assert not req.num_output_placeholders, "admitted before its step in flight returned"
         if req.swapped_slots:
             return self._resume_swapped(req, plan)
         hits, num_hit = self.kv.get_computed_blocks(req)
@@ -364,16 +392,20 @@ class Scheduler:
         outputs = []
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
-        for rid, token, lp in zip(scheduler_output.scheduled_req_ids(),
-                                  runner_output.sampled_token_ids, logprobs):
-            req = self.requests.get(rid)
-            if token < 0 or req is None or req.status != RequestStatus.RUNNING:
-                continue  # a partial prefill chunk, or aborted while the step ran
+        scheduled = self._in_flight.pop(scheduler_output.step_id, ())
+        for req, token, lp in zip(scheduled, runner_output.sampled_token_ids, logprobs):
+            if token < 0 or not self._takes_token(req):
+                continue  # a partial prefill chunk, or finished while the step ran
             if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
                 self._fork(req, self.families[req.family_id])
             req.append_output_token(token)
+            if self.async_scheduling:  # the workers appended it themselves
+                req.num_output_placeholders -= 1
+                req.num_sent_tokens += 1
             status = self._stop_status(req, token)
             if status is not None:
+                if req.status == RequestStatus.PREEMPTED:
+                    self.waiting.remove(req)
                 self._finish(req, status)
                 any_finished = True
             reason = finish_reason_of(status) if status is not None else None
@@ -384,6 +416,12 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _takes_token(self, req: Request) -> bool:
+        """A running request takes its sampled token; with async scheduling so does one
+        preempted after the step was sent (the workers ran the step before the preemption)."""
+        return req.status == RequestStatus.RUNNING or (
+            req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0)
 
     def _fork(self, parent: Request, family: _Family) -> None:
         """Sample 0 has computed the prompt: every other sample shares its KV of all but the
@@ -424,6 +462,7 @@ class Scheduler:
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
+        self._in_flight.pop(scheduler_output.step_id, None)
         if self.tiering is not None:
             self._requeue(self.tiering.complete(scheduler_output, None))
 
@@ -482,3 +521,8 @@ class Scheduler:
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
+        in_flight = len(self._in_flight)
+        assert in_flight <= (2 if self.async_scheduling else 1), "steps lost in flight"
+        for req in self.requests.values():
+            assert 0 <= req.num_output_placeholders <= in_flight
+            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders

@@ -54,6 +54,20 @@ def test_tp_on_ray_equals_tp1_in_process(tiny, reference, name, tp):
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
+    """Every rank appends rank 0's sampled tokens itself (a broadcast): a rank that fed its
+    placeholder the wrong token would change the logits, and so the greedy tokens."""
+    with LLM(tiny["llama"], tensor_parallel_size=2, block_size=4,
+             async_scheduling=True) as llm:
+        assert tokens(llm, PROMPTS) == reference["llama"]
+        seeded = SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=9,
+                                ignore_eos=True)
+        alone = tokens(llm, PROMPTS[1:2], seeded)
+        assert tokens(llm, PROMPTS, [GREEDY, seeded, GREEDY, GREEDY])[1] == alone[0]
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_default_smollm2_tp3_on_ray_equals_in_process():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     with LLM() as llm:

@@ -237,6 +237,18 @@ class InputBatch:
         self.num_tokens[rows] += counts
         self.sampling.append_tokens(counted_ids, cached.new_token_ids)
 
+    def append_sampled(self, inputs: "StepInputs", token_ids: torch.Tensor) -> None:
+        """Async scheduling: the tokens this step sampled ([num_samples] int64, in
+        inputs.sample_rows order) go at the end of their rows, where the next step's
+        placeholder positions read them; the scheduler never sends them back."""
+        rows = inputs.rows[inputs.sample_rows]
+        cols = self.num_tokens[rows]
+        self._fit_tokens(int(cols.max()) + 1)
+        tokens = token_ids.cpu().numpy()
+        self.token_ids[rows, cols] = tokens
+        self.num_tokens[rows] += 1
+        self.sampling.append_tokens(inputs.sample_req_ids, token_ids)
+
     def _drop(self, rid: str) -> None:
         row = self.rows.pop(rid, None)
         if row is not None:

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from tierserve.workers import parallel
 from tierserve.workers.attention import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model import LlamaForCausalLM
@@ -17,13 +18,17 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list, block_size: int,
                  device: torch.device, is_driver: bool, seed: int, *,
-                 max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 append_sampled: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         # Only the driver rank samples; the others run the forward for their collectives.
         self.is_driver = is_driver
+        # Async scheduling: every rank appends the sampled tokens to its rows itself (the
+        # driver broadcasts them), since the scheduler schedules them before it knows them.
+        self.append_sampled = append_sampled
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator, model.backend)
@@ -74,6 +79,9 @@ class ModelRunner:
                 return self._to_output(out.step_id, inputs, SamplerOutput(tokens), sampled)
         logits = self.model.compute_logits(hidden)  # None off the driver rank
         if not self.is_driver:
+            if self.append_sampled:
+                tokens = torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device)
+                self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens))
             return ModelRunnerOutput(out.step_id)
         result = self.sampler(logits, batch)
         return self._to_output(out.step_id, inputs, result, sampled)
@@ -84,6 +92,9 @@ class ModelRunner:
 
     def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
                    sampled: list[int]) -> ModelRunnerOutput:
+        if self.append_sampled:
+            tokens = result.token_ids.to(torch.long)
+            self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens.contiguous()))
         token_ids = result.token_ids.tolist()
         packed = inputs.order[inputs.sample_rows].tolist()
         for i, token in zip(packed, token_ids):

@@ -105,3 +105,11 @@ def tp_gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | No
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if _TP_RANK == dst else None
     dist.gather(x, parts, dst=dst, group=_TP_GROUP)
     return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `x` on every rank, in place (every rank passes a tensor of its shape)."""
+    if _TP_SIZE == 1:
+        return x
+    dist.broadcast(x, src=src, group=_TP_GROUP)
+    return x

@@ -67,6 +67,9 @@ class WorkerSpec:
     # Capacities of the persistent input batch (rows, tokens per row); None: grown on demand.
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    # The engine schedules a step before it knows the tokens of the step before (async
+    # scheduling): the ranks append their sampled tokens to the batch themselves.
+    async_scheduling: bool = False
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
 
@@ -156,6 +159,13 @@ class Worker:
             torch.set_num_threads(self.num_threads - 1)
             self._threads_reduced = True
 
+    def bind_thread(self) -> None:
+        """Makes the calling thread ready to run this rank's steps: torch's thread count and
+        the CUDA device are per thread."""
+        torch.set_num_threads(self.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def kernels_ready(self) -> bool:
         """Whether this rank's kernel variant is loaded now; never waits for a background
         build. The engine runs the kernels only if every rank's are ready."""
@@ -243,7 +253,8 @@ class Worker:
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
-                           max_model_len=self.spec.max_model_len)
+                           max_model_len=self.spec.max_model_len,
+                           append_sampled=self.spec.async_scheduling)
 
     def _make_tiers(self) -> TierReport:
         spec = self.spec
