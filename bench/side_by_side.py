@@ -139,7 +139,7 @@ def base_spec(args, prompts: list[list[int]]) -> dict:
     return {"model": None, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),
             "prompts": prompts, "output_len": args.output_len, "decode_prompts": long[:2],
-            "ttft_prompts": long[2:]}
+            "ttft_prompts": long[2:], "engine_options": getattr(args, "engine", {})}
 
 
 # metric key, label, unit, target (text, test of (tierserve, vllm)) from the acceptance
@@ -208,6 +208,9 @@ def notes(config: dict, results: dict, agree: dict) -> list[str]:
              f"and dtype, never two at once",
              f"CPU: {config['cpu']} ({', '.join(config['isas']) or 'no kernel ISA'}); "
              f"native bf16: {'yes' if config['native_bf16'] else 'no'}"]
+    if config["tierserve_engine_options"]:
+        lines.append("tierserve engine options: " + ", ".join(
+            f"{k}={v}" for k, v in config["tierserve_engine_options"].items()))
     if config["skipped_dtypes"]:
         lines.append(f"not run: {', '.join(config['skipped_dtypes'])} (this CPU has no native "
                      f"bf16; pass --dtypes to run it anyway)")
@@ -251,7 +254,7 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features) -> None
               "prompt_len": args.prompt_len, "kv_cache_gib": args.kv_cache_gib,
               "max_model_len": args.max_model_len, "hf_model": hf_folder,
               "vllm_python": args.against, "vllm_threads_bind": cpu_list(os.sched_getaffinity(0)),
-              "log_dir": log_dir}
+              "log_dir": log_dir, "tierserve_engine_options": getattr(args, "engine", {})}
     rows = table_rows(results, dtypes, args.prompt_len)
     if args.json:
         print(json.dumps({"config": config, "rows": rows, "greedy_agreement": agree,

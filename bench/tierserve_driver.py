@@ -2,7 +2,8 @@
 process) per process, a JSON spec on stdin and one JSON object on stdout (engine_driver.py),
 so that it starts cold and runs the very code vLLM's driver runs.
 
-The spec adds to engine_driver's: model (null: the default GGUF), cpu_isa, kv_cache_bytes.
+The spec adds to engine_driver's: model (null: the default GGUF), cpu_isa, kv_cache_bytes and
+engine_options (further LLM options, from offline_throughput.py --engine).
 Kernels are built (or loaded from the cache) before the first token (TIERSERVE_CPU_KERNELS=sync
 unless set).
 """
@@ -27,7 +28,7 @@ class TierserveEngine:
         self._cache_files = count_files(self._cache)
         self.llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                        kv_cache_memory_bytes=spec["kv_cache_bytes"], cpu_isa=spec["cpu_isa"],
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, **spec.get("engine_options", {}))
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Outputs:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
