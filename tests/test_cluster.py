@@ -126,10 +126,15 @@ def test_ray_start_head_and_job_submit_recipe():
     ray_cli, tierserve_cli = os.path.join(bin_dir, "ray"), os.path.join(bin_dir, "tierserve")
     port, dash = _free_port(), _free_port()
     markers = [ray_tmp, f":{port} ", f":{port}\0"]
+    # The agents' default ports (52365, ...) belong to the session's Ray when it runs: an
+    # agent that cannot bind never registers, and every job submit is refused.
+    agent_ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port")]
     start = subprocess.run([ray_cli, "start", "--head", f"--port={port}",
                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
                             "--num-cpus=2", f"--temp-dir={ray_tmp}", "--include-dashboard=true",
-                            "--object-store-memory=134217728"],
+                            "--object-store-memory=134217728", *agent_ports],
                            env=env, capture_output=True, text=True, timeout=120)
     try:
         assert start.returncode == 0, start.stderr[-3000:]
