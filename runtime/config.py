@@ -95,10 +95,11 @@ class EngineConfig:
                                  "marks the engine dead", low=0.0, low_open=True)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
-    async_scheduling: bool = _opt(
-        False, "schedule each step while the step before runs (the workers feed it the "
+    async_scheduling: bool | None = _opt(
+        None, "schedule each step while the step before runs (the workers feed it the "
         "tokens they sampled), so scheduling, detokenizing and the data plane's round trip "
-        "leave the forward's critical path; a finished request's step in flight is wasted")
+        "leave the forward's critical path; a finished request's step in flight is wasted; "
+        "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
                                    "dequantized run small batches from the blocks (exact, "
                                    "the same results); false: from the fp32 weights alone")
@@ -129,6 +130,14 @@ class EngineConfig:
     @property
     def use_ray(self) -> bool:
         return self.distributed or self.tensor_parallel_size > 1
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the engine schedules ahead (async_scheduling, or its default). On Ray the
+        engine waits on another process and a data-plane round trip every step, and
+        overlapping them measured faster; in-process the worker thread and the engine share
+        the GIL, and it measured no faster (README, Scheduler and KV cache)."""
+        return self.use_ray if self.async_scheduling is None else self.async_scheduling
 
 
 def option_fields() -> tuple[dataclasses.Field, ...]:

@@ -69,7 +69,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
         # The input batch's first capacity (None: the model's length is not known yet; it grows).
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        async_scheduling=config.async_scheduling)
+        async_scheduling=config.pipelined)
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
@@ -153,7 +153,7 @@ class EngineCore:
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
-        self._pipelined = config.async_scheduling
+        self._pipelined = config.pipelined
         self._last_collect = 0.0
 
     @staticmethod
@@ -184,7 +184,7 @@ class EngineCore:
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
                               preemption_mode=config.preemption_mode,
                               max_queued_requests=config.max_queued_requests,
-                              async_scheduling=config.async_scheduling)
+                              async_scheduling=config.pipelined)
         if scheduler.tiering is not None:
             costs = scheduler.tiering.costs
             costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
