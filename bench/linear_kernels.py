@@ -10,7 +10,11 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
   rows, bf16 / fp16 at every size where the backend's half_linear is "kernel";
 - `amx`: csrc/linear_amx.cpp, fp32, weight split from the panels in the call (beyond
   panel_max_rows where the backend has AMX);
-- `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX).
+- `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX);
+- `q4_1`: fp32 from the weight's GGUF Q4_1 codes (csrc/quant.cpp), where the backend has the
+  quantized kernel; the engine takes it up to the backend's quant_max_rows rows. fp32 weights
+  are Q4_1 blocks dequantized here, as the default model's are, so that route applies; the
+  others read the same values as fp32.
 Rows: `<dtype>_<route>_m<M>_ms` (30 layers) and `..._gflops`; `..._err_1e6`, the largest
 deviation from float64 on one gate_up product, in units of 1e-6.
 
@@ -36,6 +40,7 @@ from tierserve.runtime import envs
 from tierserve.workers.backend import CpuBackend, kernel_backend, torch_backend
 from tierserve.workers.cpu_features import detect_cpu_features
 from tierserve.workers.layers import GreedyHead, PackedWeight, PanelWeight
+from tierserve.workers.quant import QuantPanelWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one decoder layer
 LAYERS = 30
@@ -50,6 +55,7 @@ class Weight:
         self.panel = PanelWeight(w, backend) if PanelWeight.applies_to(w, backend) else None
         torch_route = torch_backend().half_linear_for(w.dtype)
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
+        self.quant = QuantPanelWeight.encode(self.panel, w, backend) if self.panel else None
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.onednn.linear(x, None) if self.onednn else F.linear(x, self.plain)
@@ -66,7 +72,19 @@ def routes(backend: CpuBackend, dtype: torch.dtype, m: int) -> dict:
     if backend.amx_linear:
         out["amx"] = lambda x, w: backend.linear_amx(x, w.panel.panels, None, w.plain.shape[0])
     out["mkl"] = lambda x, w: F.linear(x, w.panel.weight())
+    if backend.quant_linear:
+        out["q4_1"] = lambda x, w: backend.ops.linear_q4_1(
+            x, w.quant.codes, w.quant.scales, w.quant.offsets, None, w.plain.shape[0])
     return out
+
+
+def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A random fp32 [n, k] weight that is GGUF Q4_1 blocks dequantized."""
+    import gguf
+    w = (torch.randn(n, k, generator=gen) * 0.05).numpy()
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    raw = gguf.quants.quantize(w, qtype)
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
 
 
 def best_of(fn, repeats: int) -> float:
@@ -82,8 +100,9 @@ def best_of(fn, repeats: int) -> float:
 def bench_linears(backend: CpuBackend, dtype: torch.dtype, rows: list[int],
                   repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
-    weights = [[Weight((torch.randn(n, k, generator=gen) * 0.05).to(dtype), backend)
-                for n, k in SHAPES] for _ in range(LAYERS)]
+    make = (lambda n, k: q4_1_weight(n, k, gen)) if dtype == torch.float32 and \
+        backend.quant_linear else (lambda n, k: (torch.randn(n, k, generator=gen) * 0.05).to(dtype))
+    weights = [[Weight(make(n, k), backend) for n, k in SHAPES] for _ in range(LAYERS)]
     short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     result: dict[str, float] = {}
     for m in rows:
@@ -130,7 +149,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     backend = kernel_backend(args.cpu_isa, envs.cache_dir())
-    result: dict = {"backend": backend.name, "amx_available": int(backend.amx_linear)}
+    result: dict = {"backend": backend.name, "amx_available": int(backend.amx_linear),
+                    "quant_max_rows": backend.quant_max_rows if backend.quant_linear else 0}
     for name in args.dtypes.split(","):
         result.update(bench_linears(backend, getattr(torch, name),
                                     [int(r) for r in args.rows.split(",")], args.repeats))

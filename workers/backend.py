@@ -31,8 +31,8 @@ PANEL_MAX_ROWS = 160
 AVX2_PANEL_MAX_ROWS = 1024
 # Largest row count the quantized-weight kernel takes: up to it a product is bound by the
 # bytes of weight it streams, past it by its FMAs, where the fp32 panels' register blocking wins.
-# Both kernels give the same bits, so the limit moves speed only; bench/linear_kernels.py does
-# not cover the quantized kernel yet.
+# Both kernels give the same bits, so the limit moves speed only; bench/linear_kernels.py's
+# q4_1 and panel routes show where they cross (on AVX2 between 8 and 16 rows).
 QUANT_MAX_ROWS = 8
 
 
