@@ -67,7 +67,10 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, attn: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or [len(keep), hidden]: every token's K/V is written,
+        and only the kept tokens' outputs are projected."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
         qk_heads = self.num_heads + self.num_kv_heads
@@ -85,6 +88,8 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             # [T, heads * D]
             out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend, self.window)
+        if keep is not None:
+            out = out.index_select(0, keep)
         return self.o_proj(out)
 
 
@@ -113,13 +118,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
         self.mlp = LlamaMLP(config, dtype, device, backend)
 
-    def forward(self, hidden, residual, cos, sin, kv_cache: KVCache, attn: AttentionMetadata):
-        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
+    def forward(self, hidden, residual, cos, sin, kv_cache: KVCache, attn: AttentionMetadata,
+                keep: torch.Tensor | None = None):
+        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm).
+        With keep, of those rows only (the layer still writes every token's K/V)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -136,12 +145,17 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, backend)
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache]):
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache],
+                keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # Only the kept rows' final states are read, and after the last attention no row
+            # mixes with another: the last layer projects those rows alone.
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn,
+                                     keep if i == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,9 +181,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, attn, kv_caches)
+                kv_caches: list[KVCache], keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size], or of the rows
+        in keep ([n] int64, non-empty) alone, [n, hidden_size]: a prefill's other tokens
+        then skip the last layer's output projection and MLP."""
+        return self.model(input_ids, positions, attn, kv_caches, keep)
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

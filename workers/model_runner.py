@@ -64,12 +64,13 @@ class ModelRunner:
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(out.step_id)
         inputs = self.batch.prepare(out)
-        hidden = self._forward(inputs)
         sampled = [-1] * len(out.num_scheduled_tokens)
+        last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
+        if not len(last):  # a partial prefill chunk alone: its K/V is the step's whole work
+            last = np.zeros(1, dtype=np.int64)
+        hidden = self._forward(inputs, torch.from_numpy(last).to(self.device))
         if not len(inputs.sample_rows):
             return ModelRunnerOutput(out.step_id, sampled)
-        last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
-        hidden = hidden.index_select(0, torch.from_numpy(last).to(self.device))
         batch = self.batch.sampling.make_batch(inputs.sample_req_ids) if self.is_driver else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
         # on whether compute_logits (with its collectives) runs.
@@ -86,9 +87,12 @@ class ModelRunner:
         result = self.sampler(logits, batch)
         return self._to_output(out.step_id, inputs, result, sampled)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, keep: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of the rows in keep: [len(keep), hidden_size]."""
         input_ids, positions, attn = self.batch.forward_inputs(inputs)
-        return self.model(input_ids, positions, attn, self.kv_caches)
+        if len(keep) == len(inputs.positions):
+            keep = None  # every row: nothing to skip (a decode-only step)
+        return self.model(input_ids, positions, attn, self.kv_caches, keep)
 
     def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
                    sampled: list[int]) -> ModelRunnerOutput:
