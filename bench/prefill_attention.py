@@ -1,11 +1,14 @@
-"""Where the CPU prefill attention should switch from the paged kernel to SDPA: time to first
-token of one prompt (random ids, prefix caching off, default SmolLM2 GGUF) at several lengths,
-with every prefill chunk on the kernel (token by token over its causal context) and with every
-chunk on SDPA. attention.KERNEL_PREFILL_MAX_CONTEXT picks between them in serving.
+"""Where the CPU prefill attention should switch from the paged decode kernel to the tiled
+prefill kernel: time to first token of one prompt (random ids, prefix caching off, default
+SmolLM2 GGUF) at several lengths, with every prefill chunk on the decode kernel (token by token
+over its causal context), on the tiled causal kernel (csrc/prefill_attention.cpp), and on
+torch's SDPA (the route of dtypes the tiled kernel does not take).
+attention.KERNEL_PREFILL_MAX_CONTEXT picks between the first and the others in serving.
 
-Rows: `ttft_kernel_ms_<n>`, `ttft_sdpa_ms_<n>`: best of --repeats, in ms.
+Rows: `ttft_token_ms_<n>`, `ttft_tiled_ms_<n>`, `ttft_sdpa_ms_<n>`: best of --repeats, in ms.
 
-Usage: python bench/prefill_attention.py [--json] [--lengths 128,256,384,512,1024] [--repeats 3]
+Usage: python bench/prefill_attention.py [--json] [--lengths 32,64,128,256,384,512,1024]
+           [--repeats 3]
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from report import emit
 from tierserve import LLM, SamplingParams
 from tierserve.workers import attention
+from tierserve.workers.backend import CpuBackend
 
 
 def ttft_ms(llm: LLM, prompt: list[int], repeats: int) -> float:
@@ -34,11 +38,11 @@ def ttft_ms(llm: LLM, prompt: list[int], repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--lengths", default="128,256,384,512,1024")
+    ap.add_argument("--lengths", default="32,64,128,256,384,512,1024")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    default = attention.KERNEL_PREFILL_MAX_CONTEXT
+    default, tiled = attention.KERNEL_PREFILL_MAX_CONTEXT, CpuBackend.prefills
     result: dict[str, float] = {}
     try:
         with LLM(enable_prefix_caching=False) as llm:
@@ -46,11 +50,13 @@ def main() -> None:
             for n in (int(x) for x in args.lengths.split(",")):
                 rng = random.Random(n)
                 prompt = [rng.randrange(100, 40000) for _ in range(n)]
-                for path, limit in (("kernel", 1 << 30), ("sdpa", 0)):
+                for path, limit, prefills in (("token", 1 << 30, tiled), ("tiled", 0, tiled),
+                                              ("sdpa", 0, lambda *_: False)):
                     attention.KERNEL_PREFILL_MAX_CONTEXT = limit
+                    CpuBackend.prefills = prefills
                     result[f"ttft_{path}_ms_{n}"] = ttft_ms(llm, prompt, args.repeats)
     finally:
-        attention.KERNEL_PREFILL_MAX_CONTEXT = default
+        attention.KERNEL_PREFILL_MAX_CONTEXT, CpuBackend.prefills = default, tiled
     emit(result, args.json)
 
 

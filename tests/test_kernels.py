@@ -75,6 +75,53 @@ def test_decode_kernel_matches_torch_path(kernels, threads, dtype, atol, group, 
     assert torch.equal(got, direct)
 
 
+def _causal_reference(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
+    """float64 causal attention of q [L, H, D] over k, v [S, KV, D], query i at S - L + i."""
+    L, heads, _ = q.shape
+    S, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), keys) * scale
+    pos, key = torch.arange(S - L, S).unsqueeze(1), torch.arange(S).unsqueeze(0)
+    hidden = (key > pos) | ((key <= pos - window) if window else torch.zeros_like(key > pos))
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+    return torch.einsum("hls,shd->lhd", probs, values).float()
+
+
+@pytest.mark.parametrize("L,S,heads,kv_heads,head_dim,window", [
+    (512, 512, 9, 3, 64, 0),    # SmolLM2's layer: a fresh 512-token prompt
+    (37, 37, 4, 2, 32, 0),      # a ragged last query tile and key tile
+    (20, 90, 6, 3, 64, 0),      # a chunk after a 70-token cached prefix
+    (100, 100, 8, 8, 16, 0),    # no GQA, the smallest head dim
+    (70, 150, 4, 1, 128, 33),   # a sliding window, one KV head
+    (1, 1, 2, 1, 64, 0),
+    (5, 5, 2, 2, 64, 3),
+])
+def test_prefill_kernel_matches_float64_reference(kernels, threads, L, S, heads, kv_heads,
+                                                  head_dim, window):
+    g = torch.Generator().manual_seed(L + S)
+    # q and k as slices of wider rows, as the fused qkv projection gives them.
+    q = torch.randn(L, heads + 2, head_dim, generator=g)[:, :heads]
+    k = torch.randn(S, kv_heads * 2, head_dim, generator=g)[:, ::2]
+    v = torch.randn(S, kv_heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    got = kernels.prefill_attention(q, k, v, scale, window)
+    torch.testing.assert_close(got, _causal_reference(q, k, v, scale, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["short_keys", "bf16", "heads"])
+def test_prefill_kernel_rejects_bad_inputs(kernels, case):
+    q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
+    if case == "short_keys":
+        k = k[:5]
+    elif case == "bf16":
+        q, k = q.bfloat16(), k.bfloat16()
+    else:
+        k = torch.randn(8, 3, 64)
+    with pytest.raises(RuntimeError, match="prefill_attention"):
+        kernels.prefill_attention(q, k, k.clone(), 0.125)
+
+
 @pytest.mark.parametrize("max_context,kernel_rows", [(384, 56), (30, 3)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, max_context,
@@ -107,10 +154,13 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     expected = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, torch_backend(),
                                kv_written=True)
     calls = _spy(monkeypatch, "paged_attention")
+    tiled = _spy(monkeypatch, "prefill_attention")
     got = paged_attention(q, k, v, (k_cache, v_cache), attn, scale, kernels, kv_written=True)
     # One call for the kernel's rows, reading the step's block tables in place.
     calls = [(args[1].shape[0], args[4] is attn.block_tables) for args in calls]
     assert calls == [(kernel_rows, True)]
+    # fp32 chunks past the limit take the tiled prefill kernel; bf16 ones stay on SDPA.
+    assert len(tiled) == (2 if max_context == 30 and dtype == torch.float32 else 0)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 

@@ -323,10 +323,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through SDPA, whose GEMM-shaped work wins there (bench/prefill_attention.py
-# finds the crossover). Up to the limit a lone prompt breaks even; a batch of short prompts gains
-# (one call instead of an SDPA call, gathers and copies per chunk).
-KERNEL_PREFILL_MAX_CONTEXT = 384
+# token; longer ones through the tiled prefill kernel (fp32) or SDPA, whose GEMM-shaped work wins
+# there (bench/prefill_attention.py times the three routes: on AVX2 the tiled kernel wins from
+# 256 tokens, SDPA from about 384). Up to the limit a lone prompt breaks even; a batch of short
+# prompts gains (one call instead of a call, gathers and copies per chunk).
+KERNEL_PREFILL_MAX_CONTEXT = 192
 
 
 def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -342,10 +343,11 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
         return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window, rows)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     keep = torch.ones(q.shape[0], dtype=torch.bool)
+    tiled = backend.prefills(q.dtype, q.shape[-1])
     for chunk in long:
         keep[chunk.query_start : chunk.query_end] = False
-        out[chunk.query_start : chunk.query_end] = _prefill(q, k, v, k_cache, v_cache, chunk,
-                                                            scale, window)
+        out[chunk.query_start : chunk.query_end] = _prefill(
+            q, k, v, k_cache, v_cache, chunk, scale, window, backend if tiled else None)
     kept = keep.nonzero().squeeze(1).to(q.device)
     if kept.numel():
         out[kept] = backend.paged_attention(
@@ -372,16 +374,19 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
-             window: int | None = None) -> torch.Tensor:
-    """Causal attention of one chunk over its context -> [query_len, heads, D]."""
+             window: int | None = None, backend: CpuBackend | None = None) -> torch.Tensor:
+    """Causal attention of one chunk over its context -> [query_len, heads, D]; through the
+    backend's tiled kernel where one is given, else SDPA."""
     s, e = chunk.query_start, chunk.query_end
-    query = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
     if chunk.block_ids is None:
         keys, values = k[s:e], v[s:e]
     else:
         kv_heads, head_dim = k_cache.shape[2:]
         keys = k_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
         values = v_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
+    if backend is not None:  # [seq_len, kv_heads, D] as they are: no layout copies
+        return backend.prefill_attention(q[s:e], keys, values, scale, window)
+    query = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
     keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
     values = values.transpose(0, 1).unsqueeze(0)
     mask = chunk.mask

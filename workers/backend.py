@@ -73,6 +73,10 @@ class CpuBackend:
         return self.attention and dtype in (torch.float32, torch.bfloat16) \
             and head_dim in self.head_dims
 
+    def prefills(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether long prefill chunks take the tiled causal kernel (fp32)."""
+        return self.attention and dtype == torch.float32 and head_dim in self.head_dims
+
     def describe(self) -> dict:
         """What stats(), `tierserve status` and the start-up log show."""
         paths = [p for p in ("attention", "fused", "fp32_linear", "amx_linear", "greedy_head",
@@ -93,6 +97,11 @@ class CpuBackend:
         num_rows == n); it sees the last `window` tokens of its context where window is set."""
         return self.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                window or 0, rows)
+
+    def prefill_attention(self, q, k, v, scale: float, window: int | None = None):
+        """Causal attention of a chunk's queries q [L, heads, D] over its keys and values
+        [S, kv_heads, D], S >= L, query i at position S - L + i -> [L, heads, D] (fp32)."""
+        return self.ops.prefill_attention(q, k, v, scale, window or 0)
 
     def linear_f32(self, x, panels, bias, out_features: int):
         """x [M, K] float32 times a weight in panels [ceil(N / W), K, W] -> [M, N] (+ bias)."""

@@ -3,6 +3,7 @@
 // with TIERSERVE_OPS naming the variant's op namespace and TIERSERVE_ISA its ISA.
 
 #include "paged_attention.cpp"
+#include "prefill_attention.cpp"
 #include "linear.cpp"
 #include "linear_amx.cpp"
 #include "fused.cpp"
