@@ -1,6 +1,7 @@
 """The C++ CPU kernels of every kernel backend this machine runs against the torch path they
 replace: paged decode attention on ragged contexts over scattered pool blocks, its input
-validation, the build/cache protocol, and greedy tokens of the whole engine on each backend."""
+validation, the tiled prefill attention against a float64 reference, the build/cache protocol,
+and greedy tokens of the whole engine on each backend."""
 from __future__ import annotations
 
 import logging
@@ -129,7 +130,7 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     """A mixed step: 2 decodes, a chunk continuing a cached 37-token prefix, a fresh prompt
     (is_causal) and a one-token prompt; the kernel, token by token over each causal context,
     against the torch path's per-chunk SDPA. With a context limit of 30, the two longer chunks
-    stay on SDPA and the kernel takes the other 3 rows."""
+    take the tiled prefill kernel (fp32) or SDPA (bf16) and the decode kernel the other 3 rows."""
     monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_CONTEXT", max_context)
     g = torch.Generator().manual_seed(7)
     block_size, kv_heads, group, head_dim = 8, 2, 3, 64
