@@ -98,25 +98,30 @@ def _causal_reference(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     (1, 1, 2, 1, 64, 0),
     (5, 5, 2, 2, 64, 3),
 ])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_kernel_matches_float64_reference(kernels, threads, L, S, heads, kv_heads,
-                                                  head_dim, window):
+                                                  head_dim, window, dtype, atol):
     g = torch.Generator().manual_seed(L + S)
     # q and k as slices of wider rows, as the fused qkv projection gives them.
-    q = torch.randn(L, heads + 2, head_dim, generator=g)[:, :heads]
-    k = torch.randn(S, kv_heads * 2, head_dim, generator=g)[:, ::2]
-    v = torch.randn(S, kv_heads, head_dim, generator=g)
+    q = torch.randn(L, heads + 2, head_dim, generator=g).to(dtype)[:, :heads]
+    k = torch.randn(S, kv_heads * 2, head_dim, generator=g).to(dtype)[:, ::2]
+    v = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
     got = kernels.prefill_attention(q, k, v, scale, window)
-    torch.testing.assert_close(got, _causal_reference(q, k, v, scale, window), atol=1e-5, rtol=0)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), _causal_reference(q, k, v, scale, window),
+                               atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["short_keys", "bf16", "heads"])
+@pytest.mark.parametrize("case", ["short_keys", "fp16", "mixed", "heads"])
 def test_prefill_kernel_rejects_bad_inputs(kernels, case):
     q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
     if case == "short_keys":
         k = k[:5]
-    elif case == "bf16":
-        q, k = q.bfloat16(), k.bfloat16()
+    elif case == "fp16":
+        q, k = q.half(), k.half()
+    elif case == "mixed":
+        k = k.bfloat16()
     else:
         k = torch.randn(8, 3, 64)
     with pytest.raises(RuntimeError, match="prefill_attention"):
@@ -130,7 +135,7 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     """A mixed step: 2 decodes, a chunk continuing a cached 37-token prefix, a fresh prompt
     (is_causal) and a one-token prompt; the kernel, token by token over each causal context,
     against the torch path's per-chunk SDPA. With a context limit of 30, the two longer chunks
-    take the tiled prefill kernel (fp32) or SDPA (bf16) and the decode kernel the other 3 rows."""
+    take the tiled prefill kernel and the decode kernel the other 3 rows."""
     monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_CONTEXT", max_context)
     g = torch.Generator().manual_seed(7)
     block_size, kv_heads, group, head_dim = 8, 2, 3, 64
@@ -160,8 +165,8 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     # One call for the kernel's rows, reading the step's block tables in place.
     calls = [(args[1].shape[0], args[4] is attn.block_tables) for args in calls]
     assert calls == [(kernel_rows, True)]
-    # fp32 chunks past the limit take the tiled prefill kernel; bf16 ones stay on SDPA.
-    assert len(tiled) == (2 if max_context == 30 and dtype == torch.float32 else 0)
+    # Chunks past the limit take the tiled prefill kernel.
+    assert len(tiled) == (2 if max_context == 30 else 0)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 

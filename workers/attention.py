@@ -323,7 +323,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through the tiled prefill kernel (fp32) or SDPA, whose GEMM-shaped work wins
+# token; longer ones through the tiled prefill kernel (fp32, bf16) or SDPA, whose GEMM-shaped work wins
 # there (bench/prefill_attention.py times the three routes: on AVX2 the tiled kernel wins from
 # 256 tokens, SDPA from about 384). Up to the limit a lone prompt breaks even; a batch of short
 # prompts gains (one call instead of a call, gathers and copies per chunk).

@@ -74,8 +74,9 @@ class CpuBackend:
             and head_dim in self.head_dims
 
     def prefills(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether long prefill chunks take the tiled causal kernel (fp32)."""
-        return self.attention and dtype == torch.float32 and head_dim in self.head_dims
+        """Whether long prefill chunks take the tiled causal kernel."""
+        return self.attention and dtype in (torch.float32, torch.bfloat16) \
+            and head_dim in self.head_dims
 
     def describe(self) -> dict:
         """What stats(), `tierserve status` and the start-up log show."""
@@ -100,7 +101,8 @@ class CpuBackend:
 
     def prefill_attention(self, q, k, v, scale: float, window: int | None = None):
         """Causal attention of a chunk's queries q [L, heads, D] over its keys and values
-        [S, kv_heads, D], S >= L, query i at position S - L + i -> [L, heads, D] (fp32)."""
+        [S, kv_heads, D], S >= L, query i at position S - L + i -> [L, heads, D]; fp32 or
+        bf16 (fp32 math)."""
         return self.ops.prefill_attention(q, k, v, scale, window or 0)
 
     def linear_f32(self, x, panels, bias, out_features: int):

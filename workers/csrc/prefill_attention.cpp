@@ -1,4 +1,4 @@
-// Causal prefill attention for CPU, fp32: a chunk of L query tokens over its S >= L keys (the
+// Causal prefill attention for CPU, fp32 or bf16 storage (fp32 math): a chunk of L query tokens over its S >= L keys (the
 // chunk's own, after any cached prefix), query i sitting at position S - L + i. Flash-style:
 // scores are computed a tile of keys at a time and folded into an online softmax, so no
 // [L, S] matrix is ever formed, and key tiles past a query tile's last position are never
@@ -34,17 +34,18 @@ constexpr int kKTile = 4 * 8;       // keys per score tile: a multiple of 2 Vecs
 constexpr int kKVecs = kKTile / kLanes;
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
+template <typename T>
 struct PrefillArgs {
-  const float* q;
+  const T* q;
   int64_t q_tok, q_head;  // strides of q [L, H, D]
-  const float* v;
+  const T* v;
   int64_t v_tok, v_head;  // strides of v [S, KV, D]
   const float* kt;        // [kv_heads, D, s_pad], transposed K, zero-padded past S
   int64_t s_pad;
   int64_t L, S, kv_heads, group;
   float scale;
   int64_t window;
-  float* out;  // [L, H, D] contiguous
+  T* out;  // [L, H, D] contiguous
 };
 
 struct PrefillScratch {
@@ -87,15 +88,15 @@ void prefill_scores(const float* q, int64_t rows, const float* kt, int64_t s_pad
 }
 
 // One item: query tokens [t0, t1) of the chunk, the query heads of KV head g.
-template <int D>
-void attend_tile(const PrefillArgs& a, int64_t g, int64_t t0, int64_t t1, PrefillScratch& s) {
+template <typename T, int D>
+void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, PrefillScratch& s) {
   constexpr int kVecs = D / kLanes;
   const int64_t G = a.group, rows = (t1 - t0) * G, offset = a.S - a.L;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < G; ++h) {
-      const float* src = a.q + t * a.q_tok + (g * G + h) * a.q_head;
+      const T* src = a.q + t * a.q_tok + (g * G + h) * a.q_head;
       float* dst = s.q.data() + ((t - t0) * G + h) * D;
-      for (int d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
     }
   std::fill_n(s.acc.begin(), rows * D, 0.0f);
   std::fill_n(s.m.begin(), rows, kMasked);
@@ -141,10 +142,10 @@ void attend_tile(const PrefillArgs& a, int64_t g, int64_t t0, int64_t t1, Prefil
       for (int c = 0; c < kVecs; ++c) row[c] = load(ar + c * kLanes) * alpha;
       s.l[r] = s.l[r] * alpha + hsum(sum);
       s.m[r] = new_max;
-      const float* vrow = a.v + k0 * a.v_tok + g * a.v_head;
+      const T* vrow = a.v + k0 * a.v_tok + g * a.v_head;
       for (int64_t j = 0; j < nk; ++j, vrow += a.v_tok) {
         const Vec w = splat(pr[j]);
-        for (int c = 0; c < kVecs; ++c) row[c] += w * load(vrow + c * kLanes);
+        for (int c = 0; c < kVecs; ++c) row[c] += w * load_as_float(vrow + c * kLanes);
       }
       for (int c = 0; c < kVecs; ++c) store(ar + c * kLanes, row[c]);
     }
@@ -153,13 +154,13 @@ void attend_tile(const PrefillArgs& a, int64_t g, int64_t t0, int64_t t1, Prefil
     for (int64_t h = 0; h < G; ++h) {
       const int64_t r = (t - t0) * G + h;
       const float inv = 1.0f / s.l[r];  // l >= 1: every row sees at least its own key
-      float* dst = a.out + (t * a.kv_heads * G + g * G + h) * D;
-      for (int d = 0; d < D; ++d) dst[d] = s.acc[r * D + d] * inv;
+      T* dst = a.out + (t * a.kv_heads * G + g * G + h) * D;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(s.acc[r * D + d] * inv);
     }
 }
 
-template <int D>
-void run_prefill(const PrefillArgs& a) {
+template <typename T, int D>
+void run_prefill(const PrefillArgs<T>& a) {
   static_assert(D % kLanes == 0, "rows are processed in whole vectors of kLanes floats");
   const int64_t tiles = (a.L + kQTile - 1) / kQTile, items = tiles * a.kv_heads;
   std::atomic<int64_t> next{0};
@@ -168,17 +169,40 @@ void run_prefill(const PrefillArgs& a) {
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t tile = tiles - 1 - i / a.kv_heads;  // latest (most keys) first
       const int64_t t0 = tile * kQTile;
-      attend_tile<D>(a, i % a.kv_heads, t0, std::min(t0 + kQTile, a.L), scratch);
+      attend_tile<T, D>(a, i % a.kv_heads, t0, std::min(t0 + kQTile, a.L), scratch);
     }
   });
+}
+
+template <typename T>
+PrefillArgs<T> make_prefill_args(const at::Tensor& q, const at::Tensor& v, const at::Tensor& kt,
+                                 int64_t S, int64_t KV, double scale, int64_t window,
+                                 at::Tensor& out) {
+  return PrefillArgs<T>{q.data_ptr<T>(), q.stride(0), q.stride(1),
+                        v.data_ptr<T>(), v.stride(0), v.stride(1),
+                        kt.data_ptr<float>(), kt.size(2), q.size(0), S, KV, q.size(1) / KV,
+                        static_cast<float>(scale), window, out.data_ptr<T>()};
+}
+
+template <typename T>
+void dispatch_prefill(const PrefillArgs<T>& args, int64_t head_dim) {
+  switch (head_dim) {
+#define TIERSERVE_CASE(DIM)    \
+  case DIM:                    \
+    return run_prefill<T, DIM>(args);
+    TIERSERVE_HEAD_DIMS(TIERSERVE_CASE)
+#undef TIERSERVE_CASE
+  }
+  TORCH_CHECK(false, "prefill_attention: unsupported head_dim ", head_dim);
 }
 
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in,
                              const at::Tensor& v_in, double scale, int64_t window) {
   const char* op = "prefill_attention: ";
   for (const at::Tensor* t : {&q_in, &k_in, &v_in}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, op,
-                "q, k and v must be float32 CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == q_in.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                op, "q, k and v must be CPU tensors of one dtype, float32 or bfloat16");
     TORCH_CHECK(t->dim() == 3, op, "q must be [L, heads, D], k and v [S, kv_heads, D]");
   }
   TORCH_CHECK(k_in.sizes() == v_in.sizes(), op, "k ", k_in.sizes(), " != v ", v_in.sizes());
@@ -191,24 +215,17 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in,
   TORCH_CHECK(window >= 0, op, "window must be >= 0");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
-  // [KV, D, S_pad] zero-padded to whole key tiles (and one extra: a tile may start anywhere).
+  // [KV, D, S_pad] fp32, zero-padded to whole key tiles (and one extra: a tile may start
+  // anywhere).
   const int64_t s_pad = (S + 2 * kKTile - 1) / kKTile * kKTile;
-  at::Tensor kt = at::zeros({KV, D, s_pad}, k_in.options());
+  at::Tensor kt = at::zeros({KV, D, s_pad}, k_in.options().dtype(at::kFloat));
   kt.narrow(2, 0, S).copy_(k_in.permute({1, 2, 0}));
   at::Tensor out = at::empty({L, H, D}, q.options());
-  const PrefillArgs args{q.data_ptr<float>(), q.stride(0), q.stride(1),
-                         v.data_ptr<float>(), v.stride(0), v.stride(1),
-                         kt.data_ptr<float>(), s_pad, L, S, KV, H / KV,
-                         static_cast<float>(scale), window, out.data_ptr<float>()};
-  switch (D) {
-#define TIERSERVE_CASE(DIM) \
-  case DIM:                 \
-    run_prefill<DIM>(args); \
-    return out;
-    TIERSERVE_HEAD_DIMS(TIERSERVE_CASE)
-#undef TIERSERVE_CASE
-  }
-  TORCH_CHECK(false, op, "unsupported head_dim ", D);
+  if (q.scalar_type() == at::kFloat)
+    dispatch_prefill(make_prefill_args<float>(q, v, kt, S, KV, scale, window, out), D);
+  else
+    dispatch_prefill(make_prefill_args<c10::BFloat16>(q, v, kt, S, KV, scale, window, out), D);
+  return out;
 }
 
 }  // namespace
