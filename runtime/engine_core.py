@@ -153,7 +153,6 @@ class EngineCore:
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
-        self._pipelined = config.pipelined
         self._last_collect = 0.0
 
     @staticmethod
@@ -301,7 +300,7 @@ class EngineCore:
         submitted = self._submit_next()
         if not self._in_flight:
             return []
-        if submitted and self._pipelined and len(self._in_flight) == 1:
+        if submitted and self.scheduler.async_scheduling and len(self._in_flight) == 1:
             return []
         return self._collect_oldest()
 
