@@ -435,8 +435,10 @@ class Scheduler:
             child = parent.fork(index, params)
             self.requests[child.request_id] = child
             family.live.add(child.request_id)
+            # A parent preempted while its first sample was in flight holds no blocks.
             copy = (self.kv.fork(parent, child, num_shared)
-                    if len(self.running) < self.max_num_seqs else None)
+                    if parent.status == RequestStatus.RUNNING
+                    and len(self.running) < self.max_num_seqs else None)
             if copy is None:
                 self.waiting.prepend(child)
                 continue

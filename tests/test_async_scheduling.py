@@ -5,7 +5,7 @@ token for token, under chunked prefill, preemption, stops, aborts and n > 1."""
 from collections import deque
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
@@ -151,6 +151,10 @@ def requests(draw):
        budget=st.integers(4, 40), max_seqs=st.integers(1, 6),
        threshold=st.sampled_from([0, 0, 3]), arrive_every=st.integers(0, 3),
        aborts=st.lists(st.integers(0, 30), max_size=3))
+# n=3 whose first sample's step is in flight when the parent is preempted: no blocks to fork.
+@example(batch=[([1, 1, 1], 7, 3, None, False), ([1], 5, 1, None, False),
+                ([1], 1, 2, None, False)],
+         num_blocks=10, budget=5, max_seqs=5, threshold=0, arrive_every=3, aborts=[])
 def test_random_batches_under_async_scheduling_give_the_reference_tokens(
         batch, num_blocks, budget, max_seqs, threshold, arrive_every, aborts):
     kv = KVCacheManager(num_blocks, BS, enable_caching=True)
