@@ -16,11 +16,13 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from tierserve.workers.gguf_file import GGUFFile, open_gguf
 
@@ -107,7 +109,7 @@ def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), path)
+        return Tokenizer(_auto_tokenizer().from_pretrained(path, local_files_only=True), path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return Tokenizer(_load_gguf(os.path.abspath(path), cache_dir), path)
     if not os.path.exists(path):
@@ -131,7 +133,7 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
     folder = gguf_cache_folder(gguf_path, cache_dir)
     if os.path.isdir(folder):
         try:
-            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            return _cached_class(folder).from_pretrained(folder, local_files_only=True)
         except Exception as exc:  # a damaged entry is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)
@@ -140,12 +142,33 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
     return hf
 
 
+def _auto_tokenizer() -> type:
+    # Imported on first use: importing AutoTokenizer has transformers index every model package,
+    # which a GGUF tokenizer loaded from the cache never needs.
+    from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
+def _cached_class(folder: str) -> type:
+    """The class a cache entry was saved from, when it is the plain TokenizersBackend that the
+    direct conversion builds; otherwise AutoTokenizer, which maps the entry's class itself."""
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        name = json.load(f).get("tokenizer_class")
+    if name == "TokenizersBackend":
+        try:
+            from transformers import TokenizersBackend
+            return TokenizersBackend
+        except ImportError:
+            pass
+    return _auto_tokenizer()
+
+
 def _convert_gguf(gguf_path: str) -> PreTrainedTokenizerBase:
     gguf_file = open_gguf(gguf_path)
     converter = _gguf_converter()
     if converter is not None and _direct_conversion_applies(gguf_file):
         return _build_gguf_tokenizer(gguf_file, *converter)
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+    return _auto_tokenizer().from_pretrained(os.path.dirname(gguf_path),
                                          gguf_file=os.path.basename(gguf_path),
                                          local_files_only=True)
 

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -77,6 +79,41 @@ def test_default_gguf_dequantizes_like_gguf_reader(default_reader):
         expected = gguf.quants.dequantize(theirs.data, theirs.tensor_type)
         assert got.shape == mine.shape == expected.shape
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_loader_dequantizes_every_default_tensor_bit_for_bit_like_gguf():
+    """The loader's whole-tensor Q4_1 / Q8_0 dequantizers round as gguf.quants does, on every
+    tensor of the default file (the quantized-linear route re-derives codes from these)."""
+    types = set()
+    for t in GGUFFile(DEFAULT).tensors:
+        got = loader.dequantize_gguf(t.data, t.tensor_type)
+        expected = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert got.dtype == np.float32 and got.shape == expected.shape == t.shape, t.name
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), t.name
+        types.add(t.tensor_type)
+    assert {QT.Q4_1, QT.Q8_0, QT.F32} <= types
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0], ids=["q4_1", "q8_0"])
+def test_loader_dequantizers_match_gguf_on_random_and_special_blocks(qtype):
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=(3, 5, 4 * block_bytes), dtype=np.uint8)
+    scales = np.array([0.0, -0.0, 1e-7, 65504.0, -3.5, np.inf, -np.inf, np.nan],
+                      dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = data.reshape(-1, block_bytes)
+    blocks[:len(scales), :2] = scales  # d: zero, subnormal, largest, infinities, NaN
+    if qtype == QT.Q4_1:
+        blocks[len(scales):2 * len(scales), 2:4] = scales  # and m
+    got = loader.dequantize_gguf(data, qtype)
+    with np.errstate(invalid="ignore"):  # inf * 0
+        expected = gguf.quants.dequantize(data, qtype)
+    assert got.shape == expected.shape == (3, 5, 128)
+    nan = np.isnan(expected)
+    assert nan.any() and np.array_equal(np.isnan(got), nan)  # a NaN's sign bit is the CPU's
+    assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        loader.dequantize_gguf(data[..., :-1], qtype)
 
 
 def test_open_gguf_is_shared_and_follows_the_file(tmp_path):
@@ -441,3 +478,21 @@ def test_other_tokenizer_classes_go_through_transformers(tmp_path, arch, name):
     assert not tokenizer_mod._direct_conversion_applies(open_gguf(path))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", local_files_only=True)
     assert_same_tokenizer(tokenizer_mod._convert_gguf(path), theirs, TINY_TEXTS)
+    for attempt in ("cold", "cached"):  # a cached entry of another class loads as that class
+        tok = load_tokenizer(path, cache_dir=tmp_path / "cache")
+        assert_same_tokenizer(tok.hf, theirs, TINY_TEXTS)
+
+
+def test_a_cached_gguf_tokenizer_loads_without_indexing_transformers_models(tmp_path):
+    """The default model's tokenizer, once cached, loads as its own class: AutoTokenizer (whose
+    import indexes every transformers model package, a cold-start cost) is never imported."""
+    load_tokenizer(DEFAULT, cache_dir=tmp_path)
+    code = ("import sys\n"
+            "from tierserve.runtime.tokenizer import load_tokenizer\n"
+            f"tok = load_tokenizer({DEFAULT!r}, cache_dir={str(tmp_path)!r})\n"
+            "assert type(tok.hf).__name__ == 'TokenizersBackend', type(tok.hf)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

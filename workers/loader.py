@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from tierserve.workers.gguf_file import GGUFFile, open_gguf
 from tierserve.workers.backend import CpuBackend
@@ -200,14 +201,50 @@ def _gguf_hf_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart here")
 
 
-def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, 20] uint8 Q4_1 blocks (fp16 d, fp16 m, 16 bytes of nibbles: weight j low, j + 16
+    high) -> [n, 32] fp32 q * d + m, rounded as gguf.quants rounds it (a product, then a sum:
+    no fused multiply-add, so the quantized-linear route recovers the codes exactly)."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [n, 1]
+    nibbles = blocks[:, 4:]  # [n, 16]
+    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=1).float()  # [n, 32]
+    return q.mul_(d).add_(m)
 
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, 34] uint8 Q8_0 blocks (fp16 d, 32 int8 codes) -> [n, 32] fp32 q * d."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d)
+
+
+# Whole-tensor torch versions of the formats SmolLM2's file uses, on the cold-start path:
+# gguf.quants loops in Python over row groups. Other formats go through gguf.quants.
+_DEQUANTIZERS = {GGMLQuantizationType.Q4_1: (20, _dequantize_q4_1),
+                 GGMLQuantizationType.Q8_0: (34, _dequantize_q8_0)}
+
+
+def dequantize_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
+    """A GGUF tensor's rows of blocks ([*shape[:-1], bytes per row] uint8) -> fp32 [*shape]."""
+    if tensor_type not in _DEQUANTIZERS:
+        from gguf.quants import dequantize
+        return dequantize(data, tensor_type)
+    block_bytes, dequantize_blocks = _DEQUANTIZERS[tensor_type]
+    if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
+        raise ValueError(f"{tensor_type.name} rows of {data.shape[-1]} bytes are not whole "
+                         f"blocks of {block_bytes}")
+    # A copy: the mmap view is read-only, which torch.from_numpy does not allow for.
+    blocks = torch.from_numpy(np.array(data, copy=True)).view(-1, block_bytes)
+    out = dequantize_blocks(blocks).numpy()
+    return out.reshape(*data.shape[:-1], data.shape[-1] // block_bytes * 32)
+
+
+def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     config = _gguf_config(path)
     gguf_file = _gguf_file(path)
     permute = config.architecture == "llama"  # llama.cpp permutes q/k for llama only
     for t in gguf_file.tensors:
-        array = dequantize(t.data, t.tensor_type)  # [rows, cols] in HF order, float32
+        array = dequantize_gguf(t.data, t.tensor_type)  # [rows, cols] in HF order, float32
         if permute and ".attn_q." in t.name:
             array = _unpermute_rope_rows(array, config.num_attention_heads)
         elif permute and ".attn_k." in t.name:
