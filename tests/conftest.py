@@ -19,7 +19,16 @@ _RAY_TMP = tempfile.mkdtemp(prefix="tierserve-ray-", dir="/tmp")
 os.environ["RAY_TMPDIR"] = _RAY_TMP
 os.environ.pop("RAY_ADDRESS", None)
 
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
 from tierserve.runtime import envs  # noqa: E402
+
+# Property tests draw the same examples on every run, so that a run passes or fails on the code
+# alone (a failure is replayed by rerunning); `--hypothesis-profile=explore` draws fresh ones
+# (with `--hypothesis-seed=N`, a chosen set), which is how new cases get found.
+hypothesis_settings.register_profile("pinned", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore")
+hypothesis_settings.load_profile("pinned")
 from tierserve.workers.cpu_features import detect_cpu_features, isa_rank  # noqa: E402
 
 
