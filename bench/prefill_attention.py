@@ -22,7 +22,6 @@ import torch
 from report import emit
 from tierserve import LLM, SamplingParams
 from tierserve.workers import attention
-from tierserve.workers.backend import CpuBackend
 
 
 def ttft_ms(llm: LLM, prompt: list[int], repeats: int) -> float:
@@ -42,7 +41,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    default, tiled = attention.KERNEL_PREFILL_MAX_CONTEXT, CpuBackend.prefills
+    default, tiled = attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill
+
+    def sdpa(*args, backend=None):  # _prefill without the backend: its SDPA route
+        return tiled(*args)
+
     result: dict[str, float] = {}
     try:
         with LLM(enable_prefix_caching=False) as llm:
@@ -50,13 +53,12 @@ def main() -> None:
             for n in (int(x) for x in args.lengths.split(",")):
                 rng = random.Random(n)
                 prompt = [rng.randrange(100, 40000) for _ in range(n)]
-                for path, limit, prefills in (("token", 1 << 30, tiled), ("tiled", 0, tiled),
-                                              ("sdpa", 0, lambda *_: False)):
-                    attention.KERNEL_PREFILL_MAX_CONTEXT = limit
-                    CpuBackend.prefills = prefills
+                for path, limit, prefill in (("token", 1 << 30, tiled), ("tiled", 0, tiled),
+                                             ("sdpa", 0, sdpa)):
+                    attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill = limit, prefill
                     result[f"ttft_{path}_ms_{n}"] = ttft_ms(llm, prompt, args.repeats)
     finally:
-        attention.KERNEL_PREFILL_MAX_CONTEXT, CpuBackend.prefills = default, tiled
+        attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill = default, tiled
     emit(result, args.json)
 
 

@@ -169,8 +169,8 @@ def _convert_gguf(gguf_path: str) -> PreTrainedTokenizerBase:
     if converter is not None and _direct_conversion_applies(gguf_file):
         return _build_gguf_tokenizer(gguf_file, *converter)
     return _auto_tokenizer().from_pretrained(os.path.dirname(gguf_path),
-                                         gguf_file=os.path.basename(gguf_path),
-                                         local_files_only=True)
+                                             gguf_file=os.path.basename(gguf_path),
+                                             local_files_only=True)
 
 
 def _gguf_converter():

@@ -323,10 +323,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through the tiled prefill kernel (fp32, bf16) or SDPA, whose GEMM-shaped work wins
-# there (bench/prefill_attention.py times the three routes: on AVX2 the tiled kernel wins from
-# 256 tokens, SDPA from about 384). Up to the limit a lone prompt breaks even; a batch of short
-# prompts gains (one call instead of a call, gathers and copies per chunk).
+# token; longer ones through the tiled prefill kernel, whose tiles reuse each K/V row across a
+# block of queries (bench/prefill_attention.py times the token, tiled and SDPA routes by prompt
+# length). Up to the limit a lone prompt breaks even; a batch of short prompts gains (one call
+# instead of a call, gathers and copies per chunk).
 KERNEL_PREFILL_MAX_CONTEXT = 192
 
 
@@ -343,11 +343,10 @@ def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
         return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window, rows)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     keep = torch.ones(q.shape[0], dtype=torch.bool)
-    tiled = backend.prefills(q.dtype, q.shape[-1])
     for chunk in long:
         keep[chunk.query_start : chunk.query_end] = False
         out[chunk.query_start : chunk.query_end] = _prefill(
-            q, k, v, k_cache, v_cache, chunk, scale, window, backend if tiled else None)
+            q, k, v, k_cache, v_cache, chunk, scale, window, backend=backend)
     kept = keep.nonzero().squeeze(1).to(q.device)
     if kept.numel():
         out[kept] = backend.paged_attention(

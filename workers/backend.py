@@ -32,7 +32,7 @@ AVX2_PANEL_MAX_ROWS = 1024
 # Largest row count the quantized-weight kernel takes: up to it a product is bound by the
 # bytes of weight it streams, past it by its FMAs, where the fp32 panels' register blocking wins.
 # Both kernels give the same bits, so the limit moves speed only; bench/linear_kernels.py's
-# q4_1 and panel routes show where they cross (on AVX2 between 8 and 16 rows).
+# q4_1 and panel routes show where they cross.
 QUANT_MAX_ROWS = 8
 
 
@@ -70,11 +70,8 @@ class CpuBackend:
         return self.fused and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
     def attends(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return self.attention and dtype in (torch.float32, torch.bfloat16) \
-            and head_dim in self.head_dims
-
-    def prefills(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether long prefill chunks take the tiled causal kernel."""
+        """Whether attention takes the kernels: paged decode and the tiled causal prefill,
+        which are built for the same dtypes and head sizes."""
         return self.attention and dtype in (torch.float32, torch.bfloat16) \
             and head_dim in self.head_dims
 
