@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash, KVCacheBlock
 from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.events import KVEventRecorder
 from tierserve.kvcache.tiers import TierHit, TierManager
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "CacheableRequest"]
@@ -45,7 +46,8 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  verify_hits: bool = True, watermark: float = 0.01,
-                 tiers: TierManager | None = None) -> None:
+                 tiers: TierManager | None = None,
+                 events: KVEventRecorder | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -55,7 +57,8 @@ class KVCacheManager:
         # With tiers, a cached block is demoted to the CPU tier when its slot is reused.
         self.tiers = tiers if enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching, verify_hits,
-                              self.tiers.demote if self.tiers is not None else None)
+                              self.tiers.demote if self.tiers is not None else None,
+                              events if enable_caching else None)
         # Reserved from new admissions only, so running requests can always take a next block.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

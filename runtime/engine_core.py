@@ -13,7 +13,9 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
+from tierserve.kvcache import (
+    BlockHash, BlockHasher, KVCacheManager, KVEventRecorder, SlotState, TierManager,
+)
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
@@ -24,6 +26,9 @@ from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
 from tierserve.scheduler import (
     EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
+)
+from tierserve.scheduler.kv_events import (
+    KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
@@ -136,7 +141,13 @@ class EngineCore:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             raise
         self.config = config
-        self.scheduler = self._make_scheduler(config, info)
+        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
+        self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self._event_seq = -1
+        self._requests_added = 0
+        self.prefill_tokens_per_s = 0.0
+        self.scheduler = self._make_scheduler(config, info, self.kv_events)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         tiering = self.scheduler.tiering
@@ -169,9 +180,11 @@ class EngineCore:
         return tiers
 
     @classmethod
-    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo) -> Scheduler:
+    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo,
+                        events: KVEventRecorder | None = None) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.verify_prefix_hits, tiers=cls._make_tiers(config, info))
+                            config.verify_prefix_hits, tiers=cls._make_tiers(config, info),
+                            events=events)
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
         max_model_len = config.max_model_len or min(
             info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
@@ -210,6 +223,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
+        self._requests_added += 1
         check_request(request)
         params = request.sampling_params
         prompt_ids = self.tokenize(request)
@@ -346,14 +360,15 @@ class EngineCore:
         return outputs
 
     def _observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Prefill throughput, for the swap-vs-recompute choice (an average over steps)."""
-        tiering = self.scheduler.tiering
-        if tiering is None or seconds <= 0 or max(out.num_scheduled_tokens, default=1) <= 1:
+        """Prefill throughput (an average over steps), for the swap-vs-recompute choice and
+        for a router's estimate of this replica's time to first token."""
+        if seconds <= 0 or max(out.num_scheduled_tokens, default=1) <= 1:
             return
         rate = sum(out.num_scheduled_tokens) / seconds
-        costs = tiering.costs
-        costs.prefill_tokens_per_s = rate if not costs.prefill_tokens_per_s else (
-            0.8 * costs.prefill_tokens_per_s + 0.2 * rate)
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
+            0.8 * self.prefill_tokens_per_s + 0.2 * rate)
+        if self.scheduler.tiering is not None:
+            self.scheduler.tiering.costs.prefill_tokens_per_s = self.prefill_tokens_per_s
 
     def _announce(self, outputs: list[EngineCoreOutput]) -> None:
         for o in outputs:
@@ -418,6 +433,46 @@ class EngineCore:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    # ------------------------------------------------------------------ KV events
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The next KV event batch: the tiers' changes since the last one, and the load now
+        (None when this engine publishes no events)."""
+        if self.kv_events is None:
+            return None
+        stored, removed = self.kv_events.take()
+        self._event_seq += 1
+        return KVEventBatch(KV_EVENTS_VERSION, self._event_epoch, self._event_seq, stored,
+                            removed, self.load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The batch of changes not yet taken, then every tier's hashes as of that batch;
+        publish the batch first."""
+        if self.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        batch = self.take_kv_events()
+        tiers = [self.scheduler.kv.pool.cached_hashes(), [], []]
+        return batch, KVSnapshot(KV_EVENTS_VERSION, self._event_epoch, batch.seq, tiers,
+                                 batch.load)
+
+    def load(self) -> ReplicaLoad:
+        """O(unfinished requests): prompt tokens not computed yet, by request."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens for r in sched.waiting)
+        for r in sched.running:
+            left = r.num_tokens - r.num_computed_tokens - 1  # a decode's last token aside
+            if left > 0:
+                queued += left
+        tiering = sched.tiering
+        loading = len(tiering.loading) if tiering is not None else 0
+        cpu_block_s = 0.0
+        if tiering is not None and tiering.costs.copy_bytes_per_s:
+            cpu_block_s = tiering.costs.block_bytes / tiering.costs.copy_bytes_per_s
+        pool = sched.kv.pool
+        return ReplicaLoad(len(sched.running), len(sched.waiting) + loading, queued,
+                           pool.num_free_blocks, pool.num_usable_blocks, self._requests_added,
+                           self.prefill_tokens_per_s, cpu_block_s)
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
@@ -445,6 +500,10 @@ class EngineCore:
                 "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                "block_size": self.config.block_size,
+                "hash": {"algorithm": self.config.prefix_caching_hash_algo,
+                         "seed": self.config.hash_seed,
+                         "enabled": self.config.enable_prefix_caching},
                 "backends": [dict(b) for b in self.backends]}
 
     def reset_prefix_cache(self) -> bool:

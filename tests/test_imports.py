@@ -19,7 +19,9 @@ ALLOWED = {
     "scheduler": {"kvcache"},
     "workers": SCHEDULER_MESSAGES,
     "runtime": {"kvcache", "scheduler", "workers"},
-    "deploy": {"runtime", "workers"} | SCHEDULER_MESSAGES,
+    # deploy's router hashes prompts as the engines do and reads their KV event stream.
+    "deploy": {"runtime", "workers", "kvcache.hashing", "scheduler.kv_events"}
+    | SCHEDULER_MESSAGES,
 }
 # Third-party packages a package must never import: the bookkeeping core stays torch- and
 # Ray-free, and only deploy/ touches Ray and ZMQ.
