@@ -166,7 +166,9 @@ def start_replicated(config: EngineConfig, name: str | None = None,
     config = replica_config(config)
     device = resolve_device(config.device)
     check_placement(config.tensor_parallel_size * config.data_parallel_size, device,
-                    "PACK", config.cpus_per_worker)
+                    "PACK", config.cpus_per_worker,
+                    what=f"data_parallel_size={config.data_parallel_size} x "
+                         f"tensor_parallel_size={config.tensor_parallel_size}")
     uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
     options = dict(num_cpus=0, max_concurrency=1000,
                    runtime_env={"env_vars": envs.tierserve_variables()})
@@ -267,7 +269,8 @@ def _stop_replicated(name: str, ns: str) -> bool:
     return router is not None or bool(leftovers) or bool(pgs)
 
 
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int) -> None:
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int,
+                    what: str | None = None) -> None:
     """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles."""
     bundle = worker_bundle(device, cpus_per_worker)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -284,7 +287,7 @@ def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: i
     if room < tp_size:
         total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
         raise ValueError(
-            f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
+            f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of {bundle} "
             f"({strategy}); {where} can hold {room} (cluster: {total}). Lower "
             f"tensor_parallel_size or cpus_per_worker, or add nodes")
 

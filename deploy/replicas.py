@@ -46,9 +46,11 @@ def replica_config(config: EngineConfig) -> EngineConfig:
     the ranks of the replicas that node would hold, spread evenly)."""
     if config.cpus_per_worker is not None:
         return config
-    nodes = max(1, len(_alive_nodes()))
-    per_node = math.ceil(config.data_parallel_size / nodes)
-    cpus = max(1, (os.cpu_count() or 1) // (config.tensor_parallel_size * per_node))
+    nodes = _alive_nodes()
+    per_node = math.ceil(config.data_parallel_size / max(1, len(nodes)))
+    cores = min((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0) \
+        or os.cpu_count() or 1
+    cpus = max(1, cores // (config.tensor_parallel_size * per_node))
     return config.replace(cpus_per_worker=cpus)
 
 

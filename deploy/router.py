@@ -29,7 +29,7 @@ from tierserve.deploy.kv_index import KVIndex
 from tierserve.deploy.replicas import (
     kill_replica, node_of, replica_config, start_replica, stop_replica,
 )
-from tierserve.deploy.routing import Candidate, LoadTracker, RouteQuery, make_policy
+from tierserve.deploy.routing import Candidate, KVAware, LoadTracker, RouteQuery, make_policy
 from tierserve.kvcache.hashing import BlockHasher
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.executor import EngineDeadError
@@ -87,6 +87,8 @@ class Router:
                              config.hash_seed)
         self.policy = make_policy(config.routing_policy, self.index, hasher,
                                   config.max_num_batched_tokens)
+        self._hasher = hasher
+        self._chain = KVAware(self.index, hasher, config.max_num_batched_tokens).chain
         self.replicas: dict[int, _Replica] = {}
         self._codec = KVEventCodec()
         self._live = asyncio.Event()
@@ -142,6 +144,7 @@ class Router:
             self.index.add_replica(replica.id)
             replica.load = LoadTracker()
             replica.state, replica.error = ReplicaState.LIVE, None
+            self._fetch_snapshot(replica)  # what it holds already (its SSD tier)
             self._live.set()
             asyncio.get_running_loop().create_task(self._watch(replica, replica.generation))
             return
@@ -285,6 +288,20 @@ class Router:
         self._routed += len(queries)
         return out
 
+    async def set_policy(self, name: str) -> str:
+        """Switches the routing policy (for comparisons); returns the one it replaced."""
+        old = self.policy.name
+        self.policy = make_policy(name, self.index, self._hasher,
+                                  self.config.max_num_batched_tokens)
+        return old
+
+    async def explain(self, query: RouteQuery) -> dict[int, list[int]]:
+        """What each live replica holds of the query's prompt, as the index says: blocks
+        found on the device, in the CPU tier and on SSD (routes nothing)."""
+        live = [r.id for r in self.replicas.values() if r.state == ReplicaState.LIVE]
+        found = self.index.match(self._chain(query.prompt_token_ids, query.cache_salt), live)
+        return {r: [m.device, m.cpu, m.ssd] for r, m in found.items()}
+
     def _errors(self) -> str:
         return "; ".join(f"replica {r.id}: {r.error}" for r in self.replicas.values()
                          if r.error) or "none started"
@@ -335,8 +352,10 @@ class Router:
         """A live replica's engine info, with the deployment's shape."""
         for res in (await self._each("info")).values():
             if not isinstance(res, BaseException):
+                # Every replica queues as many: the deployment admits their sum.
                 return dict(res, data_parallel_size=len(self.replicas),
-                            routing_policy=self.policy.name)
+                            routing_policy=self.policy.name,
+                            max_queued_requests=res["max_queued_requests"] * len(self.replicas))
         await self.health()
         raise EngineDeadError("no replica answered")
 
