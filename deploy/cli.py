@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_api_server(args: argparse.Namespace) -> int:
-    from tierserve.deploy.http_server import ServerConfig, serve_http
+    from tierserve.deploy.openai import ServerConfig, serve_http
     from tierserve.runtime.client import AsyncLLM
     options = engine_options(args)
     if args.name is not None:

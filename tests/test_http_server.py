@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
 from tierserve import AsyncLLM
-from tierserve.deploy.http_server import ServerConfig, build_app
+from tierserve.deploy.openai import ServerConfig, build_app
 
 MODEL = "tiny"
 
