@@ -3,7 +3,6 @@ and the server's own counters and latency histograms."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -68,25 +67,43 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("tierserve:e2e_request_latency_seconds", "request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens", registry=r)
+        # The tenant label is the API key's tenant ("" without keys).
+        self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens", ["tenant"],
+                                     registry=r)
+        self.cached_tokens = Counter("tierserve:prompt_cached_tokens", "prompt tokens served "
+                                     "from the prefix cache, any tier", ["tenant"], registry=r)
         self.generation_tokens = Counter("tierserve:generation_tokens", "generated tokens",
-                                         registry=r)
+                                         ["tenant"], registry=r)
         self.finished = Counter("tierserve:request_success", "finished requests",
-                                ["finished_reason"], registry=r)
+                                ["finished_reason", "tenant"], registry=r)
         self.refused = Counter("tierserve:requests_refused", "requests answered with an error "
-                               "status", ["status"], registry=r)
+                               "status", ["status", "tenant"], registry=r)
 
 
-
-@dataclass
 class Tracker:
-    """One engine request's timing, for the latency histograms."""
+    """One engine request's metrics: its token counts (charged to its tenant's token rate
+    too), finish reasons and latencies."""
 
-    metrics: Metrics
-    start: float = field(default_factory=time.perf_counter)
-    last: float | None = None
+    def __init__(self, metrics: Metrics, tenant: str, charge=None) -> None:
+        self.metrics, self.tenant, self.charge = metrics, tenant, charge
+        self.generated = metrics.generation_tokens.labels(tenant)
+        self.start = time.perf_counter()
+        self.last: float | None = None
 
-    def tokens(self, n: int) -> None:
+    def prompt(self, delta) -> None:
+        m = self.metrics
+        m.prompt_tokens.labels(self.tenant).inc(len(delta.prompt_token_ids))
+        if delta.num_cached_tokens > 0:
+            m.cached_tokens.labels(self.tenant).inc(delta.num_cached_tokens)
+        if self.charge is not None:
+            self.charge(len(delta.prompt_token_ids))
+
+    def outputs(self, delta) -> None:
+        n = 0
+        for c in delta.outputs:
+            n += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.metrics.finished.labels(c.finish_reason, self.tenant).inc()
         if n <= 0:
             return
         now = time.perf_counter()
@@ -95,4 +112,9 @@ class Tracker:
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
-        self.metrics.generation_tokens.inc(n)
+        self.generated.inc(n)
+        if self.charge is not None:
+            self.charge(n)
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)

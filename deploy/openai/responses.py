@@ -36,12 +36,14 @@ class Fold:
         self.choices = [CompletionOutput(k % n, "", [], None, [] if want_logprobs else None)
                         for k in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
         self.completion_tokens = 0
 
     def add(self, i: int, delta: RequestOutput) -> list[Piece]:
         """Folds prompt i's delta in; returns its pieces with something to send."""
         if delta.prompt_token_ids:
             self.prompt_tokens[i] = len(delta.prompt_token_ids)
+        self.cached_tokens[i] = max(self.cached_tokens[i], delta.num_cached_tokens)
         pieces = []
         for c in delta.outputs:
             self.completion_tokens += len(c.token_ids)
@@ -59,7 +61,8 @@ class Fold:
         return pieces
 
     def usage(self) -> dict:
-        return usage_json(sum(self.prompt_tokens), self.completion_tokens)
+        return usage_json(sum(self.prompt_tokens), self.completion_tokens,
+                          sum(self.cached_tokens))
 
 
 class Responder:
@@ -119,9 +122,11 @@ class Responder:
         return tail + [b"data: [DONE]\n\n"]
 
 
-def usage_json(prompt: int, completion: int) -> dict:
+def usage_json(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; cached: prompt tokens served from the prefix cache (any tier)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(obj) -> bytes:

@@ -5,10 +5,10 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +22,7 @@ from tierserve.deploy.openai.protocol import (
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
 from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
+from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
 
@@ -35,6 +36,8 @@ class ServerConfig:
     served_model_name: str
     max_queued_requests: int = 256
     max_body_bytes: int = 1 << 20
+    # API keys and their tenants; None: no authentication, the client's cache_salt as sent.
+    keys: KeyTable | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -60,13 +63,26 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.config.served_model_name!r}", "model")
 
-    async def generate(self, kind: str, prompts: list, body, request: Request):
+    def authenticate(self, request: Request) -> Tenant | None:
+        """The request's tenant (None without keys); 401 without a valid key."""
+        keys = self.config.keys
+        if keys is None:
+            return None
+        tenant = keys.authenticate(request.headers.get("authorization"))
+        request.state.tenant = tenant.name
+        return tenant
+
+    async def generate(self, kind: str, prompts: list, body, request: Request,
+                       tenant: Tenant | None):
         """Runs a body's prompts; the response, streamed or whole."""
         params = sampling_params(body)
+        if tenant is not None:
+            tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
-        stream = EngineStream(self.engine, prompts, params, base_id, body.priority,
-                              body.cache_salt, self.admission, self.metrics)
+        salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
+        stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
+                              self.admission, self.metrics, tenant)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
                               self._decode_one, params.logprobs or 0, include_usage)
@@ -103,13 +119,15 @@ class OpenAIServer:
         finally:
             await stream.aclose()
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request,
+                          tenant: Tenant | None):
         self.check_model(body.model)
-        return await self.generate("completion", completion_prompts(body), body, request)
+        return await self.generate("completion", completion_prompts(body), body, request,
+                                   tenant)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
-        return await self.generate("chat", [chat_messages(body)], body, request)
+        return await self.generate("chat", [chat_messages(body)], body, request, tenant)
 
     async def metrics_text(self) -> bytes:
         self.metrics.engine.stats = await self._stats()
@@ -141,16 +159,19 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     app.state.server = server
     _error_handlers(app, server)
 
+    # The key is checked (a dependency) before the body is parsed: no key, no 400 either.
+    auth = Depends(server.authenticate)
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.completions(body, request, tenant)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        return await server.chat(body, request)
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.chat(body, request, tenant)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(tenant: Tenant | None = auth):
         return server.models()
 
     @app.get("/health")
@@ -165,21 +186,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
 
 
 def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
-    refused = server.metrics.refused
+    def refused(request: Request, status: int) -> None:
+        tenant = getattr(request.state, "tenant", "")
+        server.metrics.refused.labels(str(status), tenant).inc()
 
     @app.exception_handler(ApiError)
-    async def _api_error(_, e: ApiError):
-        refused.labels(str(e.status)).inc()
+    async def _api_error(request: Request, e: ApiError):
+        refused(request, e.status)
         return error_response(e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(BadField)
-    async def _bad_field(_, e: BadField):
-        refused.labels("400").inc()
+    async def _bad_field(request: Request, e: BadField):
+        refused(request, 400)
         return error_response(400, str(e), e.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        refused.labels("400").inc()
+    async def _invalid(request: Request, e: RequestValidationError):
+        refused(request, 400)
         first = e.errors()[0] if e.errors() else {}
         param = param_path([str(p) for p in first.get("loc", ()) if p != "body"])
         return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -12,6 +11,7 @@ from fastapi.responses import Response
 
 from tierserve.deploy.openai.admission import Admission
 from tierserve.deploy.openai.metrics import Metrics, Tracker
+from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.runtime.outputs import RequestOutput
@@ -29,10 +29,11 @@ class EngineStream:
 
     def __init__(self, engine: AsyncLLM, prompts: list, params: SamplingParams, base_id: str,
                  priority: int, cache_salt: str | None, admission: Admission,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, tenant: Tenant | None = None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.admission, self.metrics = admission, metrics
         self.base_id = base_id
+        self.tenant = tenant
         admission.admit(len(prompts))
         self.tasks = [asyncio.ensure_future(self._pump(
             i, engine.generate(p, params, request_id=f"{base_id}-{i}" if len(prompts) > 1
@@ -42,19 +43,18 @@ class EngineStream:
         self.head: tuple[int, RequestOutput] | None = None
 
     async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
-        tracker, started = Tracker(self.metrics), False
+        t = self.tenant
+        tracker = Tracker(self.metrics, t.name if t else "", t.charge if t else None)
+        started = False
         try:
             async for delta in gen:
                 if not started and (delta.prompt_token_ids or delta.error):
                     started = True
                     self.admission.started()
-                    self.metrics.prompt_tokens.inc(len(delta.prompt_token_ids))
-                tracker.tokens(sum(len(c.token_ids) for c in delta.outputs))
-                for c in delta.outputs:
-                    if c.finish_reason is not None:
-                        self.metrics.finished.labels(c.finish_reason).inc()
+                    tracker.prompt(delta)
+                tracker.outputs(delta)
                 await self.queue.put((i, delta))
-            self.metrics.e2e.observe(time.perf_counter() - tracker.start)
+            tracker.done()
         except Exception as e:  # the engine is gone: this prompt fails, the stream ends
             failed = RequestOutput.failed("", None, [], str(e))
             failed.error_kind = "engine_dead" if isinstance(e, EngineDeadError) else "internal"
