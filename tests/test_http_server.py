@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
 from tierserve import AsyncLLM
-from tierserve.deploy.http_server import ServerConfig, build_app
+from tierserve.deploy.openai import KeyTable, ServerConfig, build_app
 
 MODEL = "tiny"
 
@@ -48,10 +48,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama")
-    add_tiny_tokenizer(path)
-    llm = AsyncLLM(str(path), block_size=4, max_model_len=256)
+def checkpoint(tmp_path_factory):
+    return add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=256)
     yield llm
     llm.shutdown()
 
@@ -237,6 +240,9 @@ def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, 
     _idle(engine)
 
 
+NO_TENANT = (("tenant", ""),)
+
+
 def _metrics(base) -> dict:
     text = httpx.get(base + "/metrics", timeout=10).text
     out = {}
@@ -259,12 +265,14 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     def moved(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0)
 
-    assert moved("tierserve:generation_tokens_total") == 10
-    assert moved("tierserve:prompt_tokens_total") > 0
+    assert moved("tierserve:generation_tokens_total", NO_TENANT) == 10
+    assert moved("tierserve:prompt_tokens_total", NO_TENANT) > 0
     assert moved("tierserve:time_to_first_token_seconds_count") == 2
     assert moved("tierserve:e2e_request_latency_seconds_count") == 2
     assert moved("tierserve:inter_token_latency_seconds_count") == 8
-    assert moved("tierserve:request_success_total", (("finished_reason", "length"),)) == 2
+    assert moved("tierserve:request_success_total",
+                 (("finished_reason", "length"), ("tenant", ""))) == 2
+    assert moved("tierserve:prompt_cached_tokens_total", NO_TENANT) > 0
     assert moved("tierserve:prefix_cache_queries_total") > 0
     assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
     assert ("tierserve:num_preemptions_total", ()) in after
@@ -298,7 +306,8 @@ def test_a_full_queue_answers_503_at_once(engine):
         hold.set()
         assert [f.result().status_code for f in admitted] == [200, 200]
         metrics = _metrics(srv.base)
-        assert metrics[("tierserve:requests_refused_total", (("status", "503"),))] == 3
+        assert metrics[("tierserve:requests_refused_total",
+                        (("status", "503"), ("tenant", "")))] == 3
     finally:
         hold.set()
         srv.stop()
@@ -317,6 +326,100 @@ def test_health_is_503_once_the_engine_is_dead(tmp_path):
         r = httpx.post(srv.base + "/v1/completions", json={"model": MODEL, "prompt": "x"},
                        timeout=10)
         assert r.status_code == 503
+    finally:
+        srv.stop()
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- keys and tenants
+
+KEYS = {"secret": "tests", "keys": {"sk-alpha": "alpha", "sk-beta": "beta", "sk-slow": "slow",
+                                    "sk-thrifty": "thrifty"},
+        "tenants": {"slow": {"requests_per_second": 0.05},
+                    "thrifty": {"tokens_per_minute": 4}}}
+
+
+@pytest.fixture(scope="module")
+def keyed(engine):
+    srv = Server(engine, keys=KeyTable.from_dict(KEYS))
+    yield srv
+    srv.stop()
+
+
+def _as(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key=key, max_retries=0)
+
+
+def test_without_a_valid_key_it_is_401(keyed):
+    for key in ("sk-wrong", "sk-alph", "sk-alpha2"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            _as(keyed, key).completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["code"] == 401
+        assert key not in e.value.body["message"]
+    # no key at all, even with a bad body: 401 before the body is read
+    r = httpx.post(keyed.base + "/v1/completions", json={"prompt": 5}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(keyed.base + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(keyed.base + "/health", timeout=10).status_code == 200
+    out = _as(keyed, "sk-alpha").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert out.usage.completion_tokens == 1
+
+
+def test_two_tenants_never_share_a_prefix_whatever_salt_they_send(keyed):
+    prompt = "Tenants keep their caches apart, even for one and the same long prompt"
+    alpha, beta = _as(keyed, "sk-alpha"), _as(keyed, "sk-beta")
+
+    def cached(client, salt):
+        body = {"cache_salt": salt} if salt else {}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        extra_body=body)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    for salt in (None, "shared"):
+        cached(alpha, salt)
+        assert cached(alpha, salt) > 0  # a tenant hits its own prefix
+        assert cached(beta, salt) == 0  # the other one, with the same salt, does not
+    # a client's own salt is a cache of its own inside its tenant's
+    assert cached(alpha, "elsewhere") == 0
+    tenants = KeyTable.from_dict(KEYS).tenants
+    assert tenants["alpha"].salt != tenants["beta"].salt
+    assert tenants["alpha"].salt == KeyTable.from_dict(KEYS).tenants["alpha"].salt
+
+
+def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(keyed):
+    slow, thrifty = _as(keyed, "sk-slow"), _as(keyed, "sk-thrifty")
+    slow.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        slow.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert e.value.status_code == 429 and "requests per second" in e.value.body["message"]
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    # tokens per minute: the first request spends past the budget, the next waits
+    thrifty.completions.create(model=MODEL, prompt="a few words", max_tokens=4)
+    with pytest.raises(openai.RateLimitError) as e:
+        thrifty.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert "tokens per minute" in e.value.body["message"]
+    out = _as(keyed, "sk-beta").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert out.usage.completion_tokens == 1
+    metrics = _metrics(keyed.base)
+    assert metrics[("tierserve:requests_refused_total",
+                    (("status", "429"), ("tenant", "slow")))] == 1
+    assert metrics[("tierserve:generation_tokens_total", (("tenant", "beta"),))] >= 1
+
+
+def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix(checkpoint):
+    """On a 32-block pool, tenant beta floods unique prompts, each under a salt of its own
+    (as if it were many tenants); alpha's warm prefix stays: beta's salts are all beta's."""
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33)
+    srv = Server(llm, keys=KeyTable.from_dict(KEYS))
+    try:
+        alpha, beta = _as(srv, "sk-alpha"), _as(srv, "sk-beta")
+        warm = list(range(10, 30))  # 5 blocks
+        alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
+        for i in range(12):  # 12 x 5 blocks: the pool over and over
+            beta.completions.create(model=MODEL, prompt=[100 + i] + list(range(40, 59)),
+                                    max_tokens=1, extra_body={"cache_salt": f"s{i}"})
+        again = alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16
     finally:
         srv.stop()
         llm.shutdown()

@@ -1,5 +1,5 @@
 """OpenAI's request bodies (completions, chat completions) and what they become: engine
-prompts and SamplingParams, then response and stream-chunk JSON.
+prompts and SamplingParams (responses.py shapes what comes back).
 
 Bodies are validated by pydantic with unknown fields refused, so a typo is a 400 naming it,
 never silently dropped. Ranges are checked once, by SamplingParams; its ValueError names the
@@ -10,12 +10,10 @@ from __future__ import annotations
 import re
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierserve.runtime.outputs import CompletionOutput, Logprob
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "BadField", "sampling_params",
-           "completion_prompts", "chat_messages", "param_of", "chat_logprobs",
-           "completion_logprobs"]
+           "completion_prompts", "chat_messages", "param_of"]
 
 
 class BadField(ValueError):
@@ -178,41 +176,3 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             msg["name"] = m.name
         out.append(msg)
     return out
-
-
-# ---------------------------------------------------------------------------- logprobs JSON
-
-def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    # The sampled token keeps its true rank; the top-k are ranks 1..k.
-    return sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
-                   and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
-
-
-def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
-    if completion.logprobs is None:
-        return None
-    content = []
-    for tid, entries in zip(completion.token_ids, completion.logprobs):
-        token = decode(tid)
-        content.append({
-            "token": token, "logprob": entries[tid].logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
-                              "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
-    return {"content": content}
-
-
-def completion_logprobs(completion: CompletionOutput, decode, k: int,
-                        offset: int = 0) -> dict | None:
-    if completion.logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entries in zip(completion.token_ids, completion.logprobs):
-        token = decode(tid)
-        tokens.append(token)
-        token_lps.append(entries[tid].logprob)
-        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k)})
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-

@@ -1,0 +1,217 @@
+"""The server's routes: completions and chat (full or streamed), models, health, metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tierserve.deploy.openai.admission import Admission, BodyLimit
+from tierserve.deploy.openai.errors import ApiError, error_of, error_response, param_path
+from tierserve.deploy.openai.metrics import Metrics
+from tierserve.deploy.openai.protocol import (
+    BadField, ChatCompletionRequest, CompletionRequest, chat_messages, completion_prompts,
+    sampling_params,
+)
+from tierserve.deploy.openai.responses import Fold, Responder, sse
+from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
+from tierserve.deploy.openai.tenants import KeyTable, Tenant
+from tierserve.runtime import envs
+from tierserve.runtime.client import AsyncLLM
+
+__all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
+
+log = logging.getLogger("tierserve.http")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_queued_requests: int = 256
+    max_body_bytes: int = 1 << 20
+    # API keys and their tenants; None: no authentication, the client's cache_salt as sent.
+    keys: KeyTable | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.max_queued_requests < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_queued_requests and max_body_bytes must be >= 1")
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        self.admission = Admission(config.max_queued_requests)
+        self.created = int(time.time())
+        self.max_model_len = engine.info().get("max_model_len")
+        tok = engine.tokenizer
+        self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
+            if tok is not None else str
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.config.served_model_name!r}", "model")
+
+    def authenticate(self, request: Request) -> Tenant | None:
+        """The request's tenant (None without keys); 401 without a valid key."""
+        keys = self.config.keys
+        if keys is None:
+            return None
+        tenant = keys.authenticate(request.headers.get("authorization"))
+        request.state.tenant = tenant.name
+        return tenant
+
+    async def generate(self, kind: str, prompts: list, body, request: Request,
+                       tenant: Tenant | None):
+        """Runs a body's prompts; the response, streamed or whole."""
+        params = sampling_params(body)
+        if tenant is not None:
+            tenant.admit(len(prompts))
+        base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
+                                     f"{uuid.uuid4().hex}"
+        salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
+        stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
+                              self.admission, self.metrics, tenant)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
+                              self._decode_one, params.logprobs or 0, include_usage)
+        fold = Fold(len(prompts), params.n, params.logprobs is not None)
+        first = await stream.first()
+        if first is not None and first.error:
+            await stream.aclose()
+            raise error_of(first)
+        if body.stream:
+            return StreamingResponse(self._chunks(stream, fold, responder),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, self._full(stream, fold, responder), stream)
+
+    async def _full(self, stream: EngineStream, fold: Fold, responder: Responder):
+        async for i, delta in stream:
+            if delta.error:
+                raise error_of(delta)
+            fold.add(i, delta)
+        return JSONResponse(responder.full(fold))
+
+    async def _chunks(self, stream: EngineStream, fold: Fold, responder: Responder):
+        try:
+            for chunk in responder.opening(len(fold.choices)):
+                yield chunk
+            async for i, delta in stream:
+                if delta.error:
+                    yield sse({"error": {"message": delta.error,
+                                         "code": error_of(delta).status}})
+                    break
+                for piece in fold.add(i, delta):
+                    yield responder.piece(piece)
+            for chunk in responder.closing(fold):
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    async def completions(self, body: CompletionRequest, request: Request,
+                          tenant: Tenant | None):
+        self.check_model(body.model)
+        return await self.generate("completion", completion_prompts(body), body, request,
+                                   tenant)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
+        self.check_model(body.model)
+        return await self.generate("chat", [chat_messages(body)], body, request, tenant)
+
+    async def metrics_text(self) -> bytes:
+        self.metrics.engine.stats = await self._stats()
+        return generate_latest(self.metrics.registry)
+
+    async def _stats(self) -> dict:
+        try:
+            return await asyncio.to_thread(self.engine.stats)
+        except Exception as e:
+            return {"dead": f"the engine cannot be reached: {e}"}
+
+    async def health(self) -> Response:
+        stats = await self._stats()
+        if stats.get("dead"):
+            return error_response(503, f"the engine is dead: {stats['dead']}")
+        return Response(status_code=200)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": self.created,
+            "owned_by": "tierserve", "root": self.config.served_model_name,
+            "max_model_len": self.max_model_len}]}
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig):
+    """The ASGI app: FastAPI routes behind the body-size limit."""
+    server = OpenAIServer(engine, config)
+    app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
+    app.state.server = server
+    _error_handlers(app, server)
+
+    # The key is checked (a dependency) before the body is parsed: no key, no 400 either.
+    auth = Depends(server.authenticate)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.completions(body, request, tenant)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.chat(body, request, tenant)
+
+    @app.get("/v1/models")
+    async def models(tenant: Tenant | None = auth):
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return await server.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return BodyLimit(app, config.max_body_bytes)
+
+
+def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
+    def refused(request: Request, status: int) -> None:
+        tenant = getattr(request.state, "tenant", "")
+        server.metrics.refused.labels(str(status), tenant).inc()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        refused(request, e.status)
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(BadField)
+    async def _bad_field(request: Request, e: BadField):
+        refused(request, 400)
+        return error_response(400, str(e), e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        refused(request, 400)
+        first = e.errors()[0] if e.errors() else {}
+        param = param_path([str(p) for p in first.get("loc", ()) if p != "body"])
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                              param)
+
+
+def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
+    """Runs the server in the foreground until interrupted."""
+    app = build_app(engine, config)
+    log.info("serving %s on http://%s:%d/v1", config.served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=envs.log_level().lower(),
+                timeout_graceful_shutdown=5)
