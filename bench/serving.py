@@ -171,7 +171,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tierserve.runtime.engine_core import load_model_tokenizer
-    from tierserve.workers.loader import default_model_path
+    from tierserve.workers.model.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     proc = None
     if args.base_url is None:

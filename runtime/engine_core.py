@@ -27,9 +27,9 @@ from tierserve.scheduler import (
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
-from tierserve.workers.layers import partition_heads
-from tierserve.workers.loader import default_model_path, load_model_config
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.layers import partition_heads
+from tierserve.workers.model.loader import default_model_path, load_model_config
+from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
 __all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",

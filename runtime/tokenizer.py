@@ -24,7 +24,7 @@ import transformers
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from tierserve.workers.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
 __all__ = ["Tokenizer", "load_tokenizer", "gguf_cache_folder"]
 

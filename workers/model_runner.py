@@ -8,7 +8,7 @@ from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, Sche
 from tierserve.workers import parallel
 from tierserve.workers.attention import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
-from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
 from tierserve.workers.tiers import TierStore
 

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
 
 __all__ = [
     "SAMPLING_EPS",

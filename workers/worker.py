@@ -17,10 +17,10 @@ from tierserve.scheduler.messages import (
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
 from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from tierserve.workers.backend import CpuBackend, plan_for, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
-from tierserve.workers.kernels import KernelLibrary, kernel_library
-from tierserve.workers.loader import load_model, resolve_dtype
+from tierserve.workers.backends.cpu import CpuBackend, plan_for, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
+from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 from tierserve.workers.tiers import SsdStore, TierStore, model_fingerprint, tier_slots
 
@@ -51,8 +51,8 @@ class WorkerSpec:
     num_kv_blocks: int | None
     cpu_threads: int | None
     collective_timeout_s: float
-    # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
-    # cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
+    # Compiled CPU kernels: "background", "sync" or "off" (see workers/backends/kernels.py),
+    # built into cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
     # ("auto": the CPU's best; "torch": none).
     cpu_kernels: str
     cpu_isa: str
