@@ -117,6 +117,21 @@ def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
     raise ValueError(f"{path!r} is neither a model folder nor a .gguf file")
 
 
+def tokenizer_json_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None
+                        ) -> str | None:
+    """The tokenizer.json a loaded tokenizer came from (a model folder's, or a GGUF file's
+    cached conversion); None when there is none."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        folder = path
+    elif path.endswith(".gguf") and cache_dir is not None and os.path.isfile(path):
+        folder = gguf_cache_folder(path, cache_dir)
+    else:
+        return None
+    found = os.path.join(folder, "tokenizer.json")
+    return os.path.abspath(found) if os.path.isfile(found) else None
+
+
 def gguf_cache_folder(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike) -> str:
     """Where the converted tokenizer of this exact file (path, size, mtime) is cached."""
     gguf_path = os.path.abspath(os.fspath(gguf_path))

@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-__all__ = ["SamplingParams", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
+__all__ = ["SamplingParams", "StructuredOutputs", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
            "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
@@ -71,6 +71,38 @@ def finish_reason_of(status: RequestStatus) -> FinishReason | None:
     return _STATUS_TO_REASON.get(status)
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True,
+                        gc=False):
+    """One constraint on a request's output (vLLM's names): `json` a JSON schema (its JSON
+    text), `json_object` any JSON object, `regex`, `choice` one of the strings, `grammar` a
+    Lark (or GBNF) grammar. workers/structured.py compiles it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs takes exactly one of json, "
+                             f"json_object, regex, choice, grammar; got {kinds or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a "
+                                 f"non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c
+                                               for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be non-empty strings")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+                ] + (["json_object"] if self.json_object is True else [])
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, gc=False):
     """vLLM's names and defaults. temperature 0 is greedy; top_k 0 or -1 disables top-k."""
 
@@ -89,6 +121,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logprobs: int | None = None
     # Samples per prompt: the prompt's KV is computed once and each sample forks from it.
     n: int = 1
+    # A grammar the output must follow; its matcher lives on the rank that samples.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +162,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 type(t) is not int or not 0 <= t < 2**63 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, 2**63), got "
                              f"{self.stop_token_ids!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("SamplingParams.structured_outputs must be StructuredOutputs or "
+                             "a dict of its fields")
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got "
                              f"{self.ignore_eos!r}")

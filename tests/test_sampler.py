@@ -447,3 +447,25 @@ def test_greedy_breaks_ties_like_argmax():
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[3] == 100 and got[5] == 7
     assert all(got[r] == 0 or x[r, : got[r]].max() < 4 for r in range(64) if r not in (3, 5))
+
+
+def test_a_bitmask_keeps_only_its_tokens_and_leaves_free_rows_alone():
+    from tierserve.workers.sampler import make_generator
+    from tierserve.workers.structured import apply_bitmask_
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    allowed = [5, 33, 64, 69]
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    for t in allowed:
+        bitmask[0, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0)]
+    batch = SamplingBatch.build(params, [None, make_generator(1, "cpu"), None], None, vocab,
+                                "cpu", masks=([1], bitmask))
+    for _ in range(20):
+        out = Sampler()(logits, batch).token_ids.tolist()
+        assert out[1] in allowed
+        assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    x = logits[:1].clone()
+    apply_bitmask_(x, bitmask)
+    assert torch.isfinite(x[0]).nonzero().flatten().tolist() == allowed

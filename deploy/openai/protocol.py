@@ -7,21 +7,14 @@ field, which the server turns into the error's `param`.
 """
 from __future__ import annotations
 
-import re
 from pydantic import BaseModel, ConfigDict, Field
 
+from tierserve.deploy.openai.errors import BadField, param_of
+from tierserve.deploy.openai.structured import ToolPlan, structured_of
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "BadField", "sampling_params",
            "completion_prompts", "chat_messages", "param_of"]
-
-
-class BadField(ValueError):
-    """A request field with a value the server cannot serve (the message names it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +47,13 @@ class _Common(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    # Constrained output (deploy/openai/structured.py): at most one of these.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -78,12 +78,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def sampling_params(req: CompletionRequest | ChatCompletionRequest,
+                    tools: ToolPlan | None = None) -> SamplingParams:
     """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve."""
     _refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
@@ -105,7 +105,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs, n=req.n)
+        logprobs=logprobs, n=req.n, structured_outputs=structured_of(req, tools))
     try:
         return SamplingParams(**fields)
     except ValueError as e:
@@ -127,21 +127,6 @@ def _refuse_unsupported(req) -> None:
             raise BadField("suffix", "suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise BadField("best_of", "best_of must equal n (beam-style best_of is not supported)")
-    else:
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise BadField("tools", "tool calling is not supported")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise BadField("response_format", "only response_format {\"type\": \"text\"} is "
-                           "supported")
-
-
-_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?\b")
-
-
-def param_of(message: str) -> str | None:
-    """The field a ValueError from SamplingParams or the engine's checks names first."""
-    m = _PARAM.match(message)
-    return m.group(1) if m else None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -21,6 +21,7 @@ from tierserve.deploy.openai.protocol import (
     sampling_params,
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
+from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
 from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
@@ -73,9 +74,9 @@ class OpenAIServer:
         return tenant
 
     async def generate(self, kind: str, prompts: list, body, request: Request,
-                       tenant: Tenant | None):
+                       tenant: Tenant | None, tools: ToolPlan | None = None):
         """Runs a body's prompts; the response, streamed or whole."""
-        params = sampling_params(body)
+        params = sampling_params(body, tools)
         if tenant is not None:
             tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
@@ -85,7 +86,7 @@ class OpenAIServer:
                               self.admission, self.metrics, tenant)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
-                              self._decode_one, params.logprobs or 0, include_usage)
+                              self._decode_one, params.logprobs or 0, include_usage, tools)
         fold = Fold(len(prompts), params.n, params.logprobs is not None)
         first = await stream.first()
         if first is not None and first.error:
@@ -113,7 +114,8 @@ class OpenAIServer:
                                          "code": error_of(delta).status}})
                     break
                 for piece in fold.add(i, delta):
-                    yield responder.piece(piece)
+                    for chunk in responder.piece(piece, fold):
+                        yield chunk
             for chunk in responder.closing(fold):
                 yield chunk
         finally:
@@ -127,7 +129,8 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
-        return await self.generate("chat", [chat_messages(body)], body, request, tenant)
+        tools = tool_plan(body.tools, body.tool_choice)
+        return await self.generate("chat", [chat_messages(body)], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:
         self.metrics.engine.stats = await self._stats()
