@@ -222,7 +222,8 @@ class EngineCore:
         rid = request.req_id
         # Everything that can fail comes before the scheduler takes the request.
         detoks = [] if self.tokenizer is None else [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
+                                   include_stop=params.include_stop_str_in_output)
             for _ in range(params.n)]
         self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
                                    priority=request.priority, cache_salt=request.cache_salt)

@@ -545,3 +545,57 @@ def test_forced_tool_calls_parse_match_and_stream_the_same(client, tool_choice):
     assert reasons[-1] == "tool_calls"
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
         (c.function.name, c.function.arguments) for c in full]
+
+
+# ---------------------------------------------------------------------------- tokens, sampling
+
+def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, engine):
+    tok = engine.tokenizer
+    r = httpx.post(server.base + "/tokenize", json={"model": MODEL, "prompt": "hello world"},
+                   timeout=10).json()
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    messages = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": messages}, timeout=10).json()
+    assert r["tokens"] == tok.apply_chat_template(messages)
+    ids = tok.encode("round trip", add_special_tokens=False)
+    r = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=10).json()
+    assert r == {"prompt": "round trip"}
+    r = httpx.post(server.base + "/detokenize", json={"tokens": [10 ** 6]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_logit_bias_allowed_tokens_and_min_tokens(client, engine):
+    tok = engine.tokenizer
+    x, y = (tok.encode(c, add_special_tokens=False)[0] for c in "xy")
+    base = dict(model=MODEL, prompt="choose", max_tokens=8, temperature=0)
+    free = client.completions.create(**base, extra_body={"allowed_token_ids": [x, y],
+                                                         "ignore_eos": True})
+    assert set(free.choices[0].text) <= {"x", "y"}
+    first = free.choices[0].text[0]
+    banned = client.completions.create(**base, logit_bias={str(tok.encode(
+        first, add_special_tokens=False)[0]): -100}, extra_body={"allowed_token_ids": [x, y],
+                                                                 "ignore_eos": True})
+    assert first not in banned.choices[0].text and len(banned.choices[0].text) == 8
+    eos = {str(tok.eos_token_id): 100}
+    assert client.completions.create(**base, logit_bias=eos).usage.completion_tokens == 1
+    held = client.completions.create(**base, logit_bias=eos, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**base, logit_bias={"1000000": 1})
+    assert "out of range" in e.value.body["message"]
+
+
+def test_echo_and_a_stop_string_kept_in_the_output(client):
+    base = dict(model=MODEL, prompt="The capital of Italy", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    text = client.completions.create(**base).choices[0].text
+    echoed = client.completions.create(**base, echo=True).choices[0].text
+    assert echoed == "The capital of Italy" + text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **base, echo=True, stream=True))
+    assert streamed == echoed
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip())
+    kept = client.completions.create(**dict(base, extra_body={
+        "ignore_eos": True, "include_stop_str_in_output": True}), stop=[stop]).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == text[:text.index(stop) + len(stop)]

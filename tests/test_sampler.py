@@ -469,3 +469,20 @@ def test_a_bitmask_keeps_only_its_tokens_and_leaves_free_rows_alone():
     x = logits[:1].clone()
     apply_bitmask_(x, bitmask)
     assert torch.isfinite(x[0]).nonzero().flatten().tolist() == allowed
+
+
+def test_token_rules_ban_bad_words_where_they_would_end_and_eos_before_min_tokens():
+    from tierserve.workers.token_rules import TokenRules
+    params = SamplingParams(bad_words_token_ids=[[5, 6], [7]], min_tokens=2,
+                            stop_token_ids=[9], logit_bias={3: 1.5})
+    rules = TokenRules(params, 12, eos_token_ids=[2], device=torch.device("cpu"))
+
+    def banned():
+        row = rules.row()
+        return sorted(torch.isinf(row).nonzero().flatten().tolist()), float(row[3])
+
+    assert banned() == ([2, 7, 9], 1.5)  # EOS and stop tokens too, before min_tokens
+    rules.push(5)
+    assert banned() == ([2, 6, 7, 9], 1.5)  # 5 was written: 6 would end [5, 6]
+    rules.push(4)
+    assert banned() == ([7], 1.5)

@@ -38,7 +38,9 @@ class ModelRunner:
         vocab = model.config.vocab_size
         grammars = GrammarMatchers(tokenizer_file, vocab, model.config.eos_token_ids) \
             if is_driver else None
-        self.batch = InputBatch(block_size, SamplingStateTable(vocab, device, grammars=grammars),
+        table = SamplingStateTable(vocab, device, grammars=grammars,
+                                   eos_token_ids=model.config.eos_token_ids)
+        self.batch = InputBatch(block_size, table,
                                 device=device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
         # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).

@@ -32,9 +32,13 @@ class Piece:
 class Fold:
     """A body's choices (text, tokens, logprobs, finish reason so far) and usage."""
 
-    def __init__(self, num_prompts: int, n: int, want_logprobs: bool) -> None:
+    def __init__(self, num_prompts: int, n: int, want_logprobs: bool,
+                 echo: list[str] | None = None) -> None:
         self.n = n
-        self.choices = [CompletionOutput(k % n, "", [], None, [] if want_logprobs else None)
+        # With echo, each choice's text begins with its prompt's.
+        self.echo = echo
+        self.choices = [CompletionOutput(k % n, echo[k // n] if echo else "", [], None,
+                                         [] if want_logprobs else None)
                         for k in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
@@ -99,13 +103,16 @@ class Responder:
         return {"index": index, "message": message,
                 "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
 
-    def opening(self, num_choices: int) -> list[bytes]:
-        """Chunks before any output: chat announces each choice's role."""
+    def opening(self, fold: Fold) -> list[bytes]:
+        """Chunks before any output: chat announces each choice's role; an echoing completion
+        sends each choice's prompt."""
         if self.kind == "completion":
-            return []
+            return [self._chunk({"index": k, "text": c.text, "logprobs": None,
+                                 "finish_reason": None})
+                    for k, c in enumerate(fold.choices) if c.text]
         return [self._chunk({"index": k, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
-                for k in range(num_choices)]
+                for k in range(len(fold.choices))]
 
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         c = p.output
