@@ -70,6 +70,8 @@ class WorkerSpec:
     # The engine schedules a step before it knows the tokens of the step before (async
     # scheduling): the ranks append their sampled tokens to the batch themselves.
     async_scheduling: bool = False
+    # The tokenizer.json structured outputs compile grammars against (on the driver rank).
+    tokenizer_file: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
 
@@ -254,7 +256,8 @@ class Worker:
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
                            max_model_len=self.spec.max_model_len,
-                           append_sampled=self.spec.async_scheduling)
+                           append_sampled=self.spec.async_scheduling,
+                           tokenizer_file=self.spec.tokenizer_file)
 
     def _make_tiers(self) -> TierReport:
         spec = self.spec
