@@ -19,7 +19,7 @@ import threading
 
 import xxhash
 
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.tier_ssd import FORMAT_VERSION
 
 __all__ = ["kv_fingerprint", "weights_digest", "weight_files", "KV_CONFIG_FIELDS"]

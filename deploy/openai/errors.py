@@ -1,12 +1,13 @@
 """OpenAI's error JSON and the statuses that answer each failure."""
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
-from tierserve.deploy.openai.protocol import param_of
 from tierserve.runtime.outputs import RequestOutput
 
-__all__ = ["ApiError", "HTTP_STATUS", "ERROR_TYPE", "error_json", "error_response", "error_of",
+__all__ = ["ApiError", "BadField", "param_of", "HTTP_STATUS", "ERROR_TYPE", "error_json", "error_response", "error_of",
            "param_path"]
 
 # An error kind (RequestOutput.error_kind) and the HTTP status that answers it.
@@ -14,6 +15,23 @@ HTTP_STATUS = {"bad_request": 400, "overloaded": 503, "engine_dead": 503, "inter
 ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
               413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
               503: "ServiceUnavailableError"}
+
+
+class BadField(ValueError):
+    """A request field with a value the server cannot serve (the message names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?\b")
+
+
+def param_of(message: str) -> str | None:
+    """The field a ValueError from SamplingParams or the engine's checks names first."""
+    m = _PARAM.match(message)
+    return m.group(1) if m else None
 
 
 class ApiError(Exception):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["Fold", "Piece", "Responder", "sse", "usage_json", "chat_logprobs",
@@ -31,9 +32,13 @@ class Piece:
 class Fold:
     """A body's choices (text, tokens, logprobs, finish reason so far) and usage."""
 
-    def __init__(self, num_prompts: int, n: int, want_logprobs: bool) -> None:
+    def __init__(self, num_prompts: int, n: int, want_logprobs: bool,
+                 echo: list[str] | None = None) -> None:
         self.n = n
-        self.choices = [CompletionOutput(k % n, "", [], None, [] if want_logprobs else None)
+        # With echo, each choice's text begins with its prompt's.
+        self.echo = echo
+        self.choices = [CompletionOutput(k % n, echo[k // n] if echo else "", [], None,
+                                         [] if want_logprobs else None)
                         for k in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
@@ -69,9 +74,11 @@ class Responder:
     """The JSON of one body's response and stream chunks: `kind` is "completion" or "chat"."""
 
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
-                 include_usage: bool) -> None:
+                 include_usage: bool, tools: ToolPlan | None = None) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
         self.include_usage = include_usage
+        # Chat with tools the model may call (not "none"): its text may be tool calls.
+        self.tools = tools if tools is not None and tools.mode != "none" else None
         obj = "text_completion" if kind == "completion" else "chat.completion"
         self.head = {"id": rid, "object": obj, "created": created, "model": model}
         self.chunk_head = self.head if kind == "completion" else \
@@ -86,28 +93,66 @@ class Responder:
             return {"index": index, "text": c.text,
                     "logprobs": completion_logprobs(c, self.decode, self.k),
                     "finish_reason": c.finish_reason}
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, self.decode, self.k),
-                "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        if self.tools is not None:
+            calls, content = parse_tool_calls(self.tools, c.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message,
+                "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
 
-    def opening(self, num_choices: int) -> list[bytes]:
-        """Chunks before any output: chat announces each choice's role."""
+    def opening(self, fold: Fold) -> list[bytes]:
+        """Chunks before any output: chat announces each choice's role; an echoing completion
+        sends each choice's prompt."""
         if self.kind == "completion":
-            return []
+            return [self._chunk({"index": k, "text": c.text, "logprobs": None,
+                                 "finish_reason": None})
+                    for k, c in enumerate(fold.choices) if c.text]
         return [self._chunk({"index": k, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
-                for k in range(num_choices)]
+                for k in range(len(fold.choices))]
 
-    def piece(self, p: Piece) -> bytes:
+    def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         c = p.output
         if self.kind == "completion":
-            return self._chunk({"index": p.index, "text": c.text,
-                                "logprobs": completion_logprobs(c, self.decode, self.k,
-                                                                p.text_offset),
-                                "finish_reason": c.finish_reason})
-        return self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},
-                            "logprobs": chat_logprobs(c, self.decode, self.k),
-                            "finish_reason": c.finish_reason})
+            return [self._chunk({"index": p.index, "text": c.text,
+                                 "logprobs": completion_logprobs(c, self.decode, self.k,
+                                                                 p.text_offset),
+                                 "finish_reason": c.finish_reason})]
+        if self.tools is not None and self.tools.mode in ("named", "required"):
+            return self._tool_piece(p, fold)
+        return [self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},
+                             "logprobs": chat_logprobs(c, self.decode, self.k),
+                             "finish_reason": c.finish_reason})]
+
+    def _tool_piece(self, p: Piece, fold: Fold) -> list[bytes]:
+        """A forced call streams as OpenAI streams calls: a named function's arguments as they
+        come (the first chunk names the call); `required` calls whole, once the list closes."""
+        c, plan, chunks = p.output, self.tools, []
+        lp = chat_logprobs(c, self.decode, self.k)
+        if plan.mode == "named":
+            if p.text_offset == 0:
+                call = parse_tool_calls(plan, "")[0][0]
+                call["function"]["arguments"] = ""
+                chunks.append(self._chunk({"index": p.index, "delta": {"tool_calls": [
+                    dict(call, index=0)]}, "logprobs": None, "finish_reason": None}))
+            if c.text:
+                chunks.append(self._chunk({"index": p.index, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": c.text}}]}, "logprobs": lp,
+                    "finish_reason": None}))
+        if c.finish_reason is None:
+            return chunks
+        delta = {}
+        if plan.mode == "required":
+            calls, content = parse_tool_calls(plan, fold.choices[p.index].text)
+            delta = {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]} \
+                if calls else {"content": content}
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        chunks.append(self._chunk({"index": p.index, "delta": delta, "logprobs": None,
+                                   "finish_reason": reason}))
+        return chunks
 
     def _chunk(self, choice: dict) -> bytes:
         chunk = dict(self.chunk_head, choices=[choice])

@@ -17,10 +17,12 @@ from tierserve.deploy.openai.admission import Admission, BodyLimit
 from tierserve.deploy.openai.errors import ApiError, error_of, error_response, param_path
 from tierserve.deploy.openai.metrics import Metrics
 from tierserve.deploy.openai.protocol import (
-    BadField, ChatCompletionRequest, CompletionRequest, chat_messages, completion_prompts,
+    BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    TokenizeChatRequest, TokenizeCompletionRequest, chat_messages, completion_prompts,
     sampling_params,
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
+from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
 from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
@@ -53,10 +55,13 @@ class OpenAIServer:
         self.metrics = Metrics()
         self.admission = Admission(config.max_queued_requests)
         self.created = int(time.time())
-        self.max_model_len = engine.info().get("max_model_len")
-        tok = engine.tokenizer
+        info = engine.info()
+        self.max_model_len, self.vocab_size = info.get("max_model_len"), info.get("vocab_size")
+        tok = self.tokenizer = engine.tokenizer
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
+        self._encode = (lambda text: tok.encode(text, add_special_tokens=False)) \
+            if tok is not None else None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -73,9 +78,11 @@ class OpenAIServer:
         return tenant
 
     async def generate(self, kind: str, prompts: list, body, request: Request,
-                       tenant: Tenant | None):
-        """Runs a body's prompts; the response, streamed or whole."""
-        params = sampling_params(body)
+                       tenant: Tenant | None, tools: ToolPlan | None = None,
+                       echo: list[str] | None = None):
+        """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
+        text, which its choices begin with."""
+        params = sampling_params(body, tools, self._encode)
         if tenant is not None:
             tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
@@ -85,8 +92,8 @@ class OpenAIServer:
                               self.admission, self.metrics, tenant)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
-                              self._decode_one, params.logprobs or 0, include_usage)
-        fold = Fold(len(prompts), params.n, params.logprobs is not None)
+                              self._decode_one, params.logprobs or 0, include_usage, tools)
+        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
         first = await stream.first()
         if first is not None and first.error:
             await stream.aclose()
@@ -105,7 +112,7 @@ class OpenAIServer:
 
     async def _chunks(self, stream: EngineStream, fold: Fold, responder: Responder):
         try:
-            for chunk in responder.opening(len(fold.choices)):
+            for chunk in responder.opening(fold):
                 yield chunk
             async for i, delta in stream:
                 if delta.error:
@@ -113,7 +120,8 @@ class OpenAIServer:
                                          "code": error_of(delta).status}})
                     break
                 for piece in fold.add(i, delta):
-                    yield responder.piece(piece)
+                    for chunk in responder.piece(piece, fold):
+                        yield chunk
             for chunk in responder.closing(fold):
                 yield chunk
         finally:
@@ -122,12 +130,47 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request,
                           tenant: Tenant | None):
         self.check_model(body.model)
-        return await self.generate("completion", completion_prompts(body), body, request,
-                                   tenant)
+        prompts = completion_prompts(body)
+        echo = None
+        if body.echo:
+            if body.logprobs is not None:
+                raise BadField("echo", "echo with logprobs needs prompt logprobs, which this "
+                                       "server does not compute")
+            echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
+        return await self.generate("completion", prompts, body, request, tenant, echo=echo)
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send and read token ids")
+        return self.tokenizer
+
+    def _text(self, ids: list[int]) -> str:
+        return self._tok().decode(ids, skip_special_tokens=False)
+
+    async def tokenize(self, body) -> dict:
+        self.check_model(body.model)
+        tok = self._tok()
+        if isinstance(body, TokenizeChatRequest):
+            text = tok.render_chat(chat_messages(body), body.add_generation_prompt)
+        else:
+            text = body.prompt
+        ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs
+                else None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        vocab = self.vocab_size
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise BadField("tokens", f"token id {bad[0]} is out of range [0, {vocab})")
+        return {"prompt": await asyncio.to_thread(self._text, body.tokens)}
 
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
-        return await self.generate("chat", [chat_messages(body)], body, request, tenant)
+        tools = tool_plan(body.tools, body.tool_choice)
+        return await self.generate("chat", [chat_messages(body)], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:
         self.metrics.engine.stats = await self._stats()
@@ -169,6 +212,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
         return await server.chat(body, request, tenant)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest,
+                       tenant: Tenant | None = auth):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, tenant: Tenant | None = auth):
+        return await server.detokenize(body)
 
     @app.get("/v1/models")
     async def models(tenant: Tenant | None = auth):
