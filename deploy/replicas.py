@@ -4,7 +4,8 @@ Replica r of the deployment whose engine id is `uid` is the actor `uid+r<r>`, it
 `uid+r<r>-rank<k>`, and (named deployments) its detached placement group `tierserve-pg-
 <name>+r<r>`, so that `stop` finds every part of it by name whatever died. Replicas spread over
 the nodes: a replica whose TP group fits one node goes, where it fits, to the node holding the
-fewest of the deployment's replicas.
+fewest of the deployment's replicas. Replicas on one node share its SSD tier folder (entries
+are content-addressed: what one wrote, another finds on a miss).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.workers.worker import resolve_device
 
-__all__ = ["replica_uid", "replica_pg_name", "replica_config", "ssd_path_of", "start_replica",
+__all__ = ["replica_uid", "replica_pg_name", "replica_config", "start_replica",
            "stop_replica", "kill_replica", "node_of"]
 
 log = logging.getLogger("tierserve.replicas")
@@ -53,14 +54,6 @@ def replica_config(config: EngineConfig) -> EngineConfig:
     cpus = max(1, cores // (config.tensor_parallel_size * per_node))
     return config.replace(cpus_per_worker=cpus)
 
-
-def ssd_path_of(config: EngineConfig, replica: int) -> EngineConfig:
-    """Replica r's SSD tier: its own folder under the one given (entries are numbered by
-    slot, so two engines must not write one folder); a restarted replica finds its own."""
-    if config.kv_offload_ssd_path is None:
-        return config
-    return config.replace(kv_offload_ssd_path=os.path.join(config.kv_offload_ssd_path,
-                                                           f"replica{replica}"))
 
 
 def node_of(pg: PlacementGroup) -> str | None:
@@ -99,8 +92,7 @@ def start_replica(config: EngineConfig, uid: str, name: str | None, replica: int
                                   config.cpus_per_worker, detached=name is not None,
                                   name=replica_pg_name(name, replica), target_node=target)
     try:
-        actor = start_engine_actor(ssd_path_of(config, replica), pg, replica_uid(uid, replica),
-                                   namespace,
+        actor = start_engine_actor(config, pg, replica_uid(uid, replica), namespace,
                                    detached=name is not None)
     except BaseException:
         if made:

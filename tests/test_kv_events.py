@@ -228,3 +228,42 @@ def test_prefix_tree_follows_its_own_history_blind_to_salts():
     assert tree.pick(RouteQuery(prompt, "other"), cands).replica == first
     other = tree.pick(RouteQuery(list(range(200, 240))), cands).replica
     assert other != first  # a new prompt goes to the replica with the smaller tree
+
+
+def test_tier_events_replay_to_the_tier_index_every_step():
+    """Device, CPU and SSD events through a workload several times the pool (blocks demoted,
+    spilled, loaded back), and a worker rebuild that drops the CPU tier: replayed, they give
+    exactly what the pool and the tier index hold after every step."""
+    from tests.sched_driver import TieredMirror, tiered_step
+    from tierserve.kvcache import KVCacheManager, TierIndex, TierPolicy
+    from tierserve.scheduler import Scheduler
+    mirror = TieredMirror(BS)
+    index = TierIndex(8, 64, ssd_probe=mirror.probe)
+    rec = KVEventRecorder()
+    kv = KVCacheManager(12, BS, watermark=0.0, events=rec,
+                        tiers=TierPolicy(index, block_size=BS, block_bytes=100))
+    sched = Scheduler(kv, BlockHasher(BS), max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=40, vocab_size=1000)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 900) for _ in range(18)] for _ in range(8)]
+    held = [set(), set(), set()]
+    seen = [0, 0, 0]
+    n = 0
+    for step_no in range(400):
+        if len(sched.waiting) < 2 and n < 48:
+            sched.add_request(f"r{n}", rng.choice(prompts) + [rng.randrange(1, 900)],
+                              SamplingParams(temperature=0, max_tokens=2))
+            n += 1
+        if step_no == 200:
+            index.drop_worker_memory()  # a worker rebuild: the CPU tier's memory is gone
+        if sched.has_unfinished_requests() or sched.has_pending_worker_updates():
+            tiered_step(sched, mirror)
+        sched.check_integrity()
+        stored, removed = rec.take()
+        for t in range(3):
+            assert not set(stored[t]) & held[t] and set(removed[t]) <= held[t], t
+            held[t] = (held[t] | set(stored[t])) - set(removed[t])
+            seen[t] += len(stored[t])
+        cpu, ssd = index.held_hashes()
+        assert held == [set(kv.pool.cached_hashes()), set(cpu), set(ssd)]
+    assert all(seen), seen
