@@ -5,7 +5,7 @@ there, from the exact KV index (deploy/kv_index.py) and the replica's load:
 
     work  = queued prefill tokens + tokens routed there and not yet reported + this request's
             tokens not cached there
-    ttft ~ (work + running requests x steps) / measured prefill rate
+    ttft ~ (work + running requests x steps) / prefill rate (the replicas' measured mean)
            + blocks found in the CPU tier x a CPU block's load time
            + blocks found on SSD x an SSD block's load time
 
@@ -193,21 +193,21 @@ class KVAware:
         tokens = query.prompt_token_ids
         matches = self.index.match(self.chain(tokens, query.cache_salt),
                                    [c.replica for c in eligible])
-        rates = [c.load.reported.prefill_tokens_per_s for c in eligible
+        # Replicas run one model and config: one prefill rate, the mean of those measured (a
+        # replica's own swings with its batches, and would make an idle one look slower).
+        rates = [c.load.reported.prefill_tokens_per_s for c in candidates
                  if c.load.reported.prefill_tokens_per_s > 0]
-        default_rate = sum(rates) / len(rates) if rates else _DEFAULT_PREFILL_TOKENS_PER_S
+        rate = sum(rates) / len(rates) if rates else _DEFAULT_PREFILL_TOKENS_PER_S
         turn, n = next(self._turn), len(eligible)
-        scored = [(self.estimate(c.load, matches[c.replica], len(tokens), default_rate),
+        scored = [(self.estimate(c.load, matches[c.replica], len(tokens), rate),
                    c.load.outstanding, (i - turn) % n, i) for i, c in enumerate(eligible)]
         best = eligible[min(scored)[-1]]
         m = matches[best.replica]
         return Choice(best.replica, len(tokens) - m.blocks * self.block_size, m.blocks)
 
-    def estimate(self, load: LoadTracker, m: Match, num_tokens: int,
-                 default_rate: float) -> float:
+    def estimate(self, load: LoadTracker, m: Match, num_tokens: int, rate: float) -> float:
         """Seconds to the request's first token on a replica (module docstring)."""
         r = load.reported
-        rate = r.prefill_tokens_per_s or default_rate
         block_s = self.block_size / rate
         cpu_s = r.cpu_block_s or _CPU_BLOCK_SHARE * block_s
         ssd_s = r.ssd_block_s or _SSD_BLOCK_SHARE * block_s

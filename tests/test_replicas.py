@@ -23,15 +23,19 @@ from tierserve import SamplingParams
 from tierserve.deploy.cli import main as cli
 from tierserve.deploy.routing import RouteQuery
 
-path, prompts, greedy = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+path, prompts, greedy, ssd = (sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]),
+                              sys.argv[4])
 cluster = Cluster(initialize_head=True, head_node_args={
     "num_cpus": 1, "include_dashboard": False, "object_store_memory": 96 * 1024 * 1024})
 cluster.add_node(num_cpus=1, object_store_memory=96 * 1024 * 1024)
 ray.init(address=cluster.address, namespace="replicas", log_to_driver=False)
 out = {}
 try:
+    # Small tiers (block: 3 layers x K, V x 2 heads x 16 x 4 bytes x 4 tokens = 1536 bytes):
+    # a 48-block pool, 32 CPU slots, SSD below.
     h = tierserve.serve("rep", model=path, block_size=4, data_parallel_size=2,
-                        max_num_batched_tokens=64)
+                        max_num_batched_tokens=64, num_kv_blocks=48,
+                        kv_offload_cpu_bytes=32 * 1536, kv_offload_ssd_path=ssd)
     router = h.engine.router
     view = h.engine.describe()["replicas"]
     out["nodes"] = [r["node"] for r in view.values()]
@@ -58,8 +62,27 @@ try:
     holders = [ray.get(router.explain.remote(RouteQuery(p + [380 - i])))
                for i, p in enumerate(prefixes)]
     out["holders"] = [sorted(r for r, m in x.items() if m[0]) for x in holders]
-    out["follow_cached"] = [c for _, c in asyncio.run(many(
-        [p + [380 - i] for i, p in enumerate(prefixes)], short))]
+    out["follow_cached"] = [asyncio.run(collect(p + [380 - i], short))[1]
+                            for i, p in enumerate(prefixes)]
+
+    # Pushed out of the pool, then out of the CPU tier: still routed to its holder, by tier.
+    target = prefixes[0]
+    holder = out["holders"][0][0]
+    rng = __import__("random").Random(0)
+    out["tiers_seen"] = []
+    for tier in (1, 2):  # CPU, then SSD only
+        for _ in range(60):
+            found = ray.get(router.explain.remote(RouteQuery(target + [380])))
+            if found[holder][tier] == 8 and not found[holder][0]:
+                break
+            asyncio.run(many([[rng.randrange(1, 380) for _ in range(33)]], short))
+            time.sleep(0.2)
+        others = [m for r, m in found.items() if r != holder]
+        out["tiers_seen"].append([found[holder], others])
+        toks, cached = asyncio.run(collect(target + [370 + tier], short))
+        out.setdefault("tier_follow_cached", []).append(cached)
+        # Served: the prefix is back on the holder's device; make it tiered again for the
+        # next round by pushing.
 
     # Tenants: an identical prompt under another salt matches nothing of the first's.
     tenant_prompt = list(range(200, 241))
@@ -142,8 +165,8 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
             PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)]
     ray_tmp = tempfile.mkdtemp(prefix="ts-rep-", dir="/tmp")
     run = subprocess.run([sys.executable, "-c", SCRIPT, path, json.dumps(PROMPTS),
-                          json.dumps(GREEDY)], env=_env(ray_tmp), capture_output=True,
-                         text=True, timeout=600)
+                          json.dumps(GREEDY), str(tmp_path / "ssd")], env=_env(ray_tmp),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     # One replica per node.
@@ -153,6 +176,11 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     # Each prefix is on exactly one replica's device, and its follow-up was routed there.
     assert all(len(h) == 1 for h in out["holders"]), out["holders"]
     assert out["follow_cached"] == [32] * 6, out["follow_cached"]
+    # Later, only in the holder's CPU tier, then only on its SSD: still routed there.
+    cpu, ssd = out["tiers_seen"]
+    assert cpu[0][1] == 8 and cpu[0][0] == 0 and ssd[0] == [0, 0, 8], out["tiers_seen"]
+    assert all(m == [0, 0, 0] for m in cpu[1] + ssd[1]), out["tiers_seen"]
+    assert out["tier_follow_cached"] == [32, 32], out["tier_follow_cached"]
     # Tenants: B's identical prompt matches none of A's blocks.
     assert max(m[0] for m in out["tenant_a"].values()) == 10
     assert all(m == [0, 0, 0] for m in out["tenant_b"].values())
