@@ -318,9 +318,11 @@ class Scheduler:
         assert not req.num_output_placeholders, "admitted before its step in flight returned"
         if req.swapped_slots:
             return self._resume_swapped(req, plan)
-        hits, num_hit = self.kv.get_computed_blocks(req)
         admission = None
-        if self.tiering is not None:
+        # Prompt logprobs want every prompt position's logits: no hit in any tier.
+        full = req.sampling_params.prompt_logprobs is not None and not req.output_token_ids
+        hits, num_hit = ([], 0) if full else self.kv.get_computed_blocks(req)
+        if self.tiering is not None and not full:
             admission = self.tiering.lookup(req, self.kv.find_tier_hits(req, len(hits)))
             if admission.wait:
                 self.waiting.pop()
