@@ -8,10 +8,10 @@ from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, Sche
 from tierserve.workers import parallel
 from tierserve.workers.attention import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
-from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
 from tierserve.workers.structured import GrammarMatchers
-from tierserve.workers.tiers import TierStore
+from tierserve.workers.tier_copier import TierCopier
 
 __all__ = ["ModelRunner", "PromptPositions"]
 
@@ -83,24 +83,18 @@ class ModelRunner:
         self.batch = InputBatch(block_size, table,
                                 device=device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
-        # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).
-        self.tiers: TierStore | None = None
+        # The rank's tier copier; the Worker gives it CPU slots and an SSD folder where the
+        # engine has tiers (none: every step's copy list is empty).
+        self.tiers = TierCopier(kv_caches, 0, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         cow = (lambda: copy_blocks(self.kv_caches, out.copy_src, out.copy_dst)
                ) if out.copy_src else None
-        if self.tiers is not None:
-            # Before the forward: swap-outs before a block id is reused, swap-ins before it is
-            # read. Then every rank agrees on the async copies completed so far.
-            self.tiers.run(out.tier_ops, cow)
-            done, failed = self.tiers.agree()
-        elif out.tier_ops:
-            raise RuntimeError("tier copies were sent to a rank without tiers")
-        else:
-            if cow is not None:
-                cow()
-            done, failed = [], []
+        # Before the forward: device -> CPU copies before a block id is reused, CPU -> device
+        # ones before it is read. Then every rank agrees on the async copies completed so far.
+        self.tiers.run(out.tier_copies, cow)
+        done, failed = self.tiers.agree()
         result = self._execute(out)
         result.tier_done, result.tier_failed = done, failed
         return result

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
 from tierserve.workers.structured import GrammarMatchers, apply_bitmask_
 from tierserve.workers.token_rules import TokenRules
 
