@@ -406,20 +406,31 @@ def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(keyed):
     assert metrics[("tierserve:generation_tokens_total", (("tenant", "beta"),))] >= 1
 
 
-def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix(checkpoint):
-    """On a 32-block pool, tenant beta floods unique prompts, each under a salt of its own
-    (as if it were many tenants); alpha's warm prefix stays: beta's salts are all beta's."""
-    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33)
+def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(checkpoint):
+    """On a 32-block pool over a CPU tier, tenant beta floods unique prompts, each under a salt
+    of its own (as if it were many tenants); alpha's warm prefix stays: beta's salts are all
+    beta's. Beta's evicted blocks hit again from the CPU tier, but never for alpha, whatever
+    salt alpha sends."""
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33,
+                   kv_offload_cpu_bytes=1 << 20)
     srv = Server(llm, keys=KeyTable.from_dict(KEYS))
     try:
         alpha, beta = _as(srv, "sk-alpha"), _as(srv, "sk-beta")
+
+        def cached(client, prompt, salt=None):
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                            extra_body={"cache_salt": salt} if salt else {})
+            return out.usage.prompt_tokens_details.cached_tokens
+
         warm = list(range(10, 30))  # 5 blocks
-        alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
-        for i in range(12):  # 12 x 5 blocks: the pool over and over
-            beta.completions.create(model=MODEL, prompt=[100 + i] + list(range(40, 59)),
-                                    max_tokens=1, extra_body={"cache_salt": f"s{i}"})
-        again = alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
-        assert again.usage.prompt_tokens_details.cached_tokens >= 16
+        cached(alpha, warm)
+        flood = [[100 + i] + list(range(40, 59)) for i in range(12)]  # the pool over and over
+        for i, prompt in enumerate(flood):
+            cached(beta, prompt, f"s{i}")
+        assert cached(alpha, warm) >= 16
+        assert llm.stats()["cpu_tier_usage"] > 0
+        assert cached(alpha, flood[0], "s0") == 0
+        assert cached(beta, flood[0], "s0") >= 16  # back from the CPU tier
     finally:
         srv.stop()
         llm.shutdown()
