@@ -335,7 +335,7 @@ def test_health_is_503_once_the_engine_is_dead(tmp_path):
 
 KEYS = {"secret": "tests", "keys": {"sk-alpha": "alpha", "sk-beta": "beta", "sk-slow": "slow",
                                     "sk-thrifty": "thrifty"},
-        "tenants": {"slow": {"requests_per_second": 0.05},
+        "tenants": {"slow": {"requests_per_second": 0.05}, "beta": {"kv_share": 0.5},
                     "thrifty": {"tokens_per_minute": 4}}}
 
 
