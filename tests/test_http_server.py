@@ -631,3 +631,27 @@ def test_prompt_logprobs_equal_the_full_forwards_log_softmax(client, checkpoint)
             assert entry["rank"] == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
             best = min(got[i].items(), key=lambda e: e[1]["rank"])
             assert int(best[0]) == int(ref[i - 1].argmax())
+
+
+def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, server,
+                                                                         engine):
+    """auto: text in the Hermes format becomes tool_calls (here forced by a regex, as a
+    model trained for it would write it); a conversation carrying an assistant's calls and the
+    tool's answer is rendered with the calls written the same way."""
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
+        max_tokens=200, extra_body={"guided_regex": call.replace("{", r"\{").replace(
+            "}", r"\}")})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {
+                       "name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": history}, timeout=10).json()
+    text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert call in text and "12:00" in text
