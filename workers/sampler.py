@@ -263,9 +263,8 @@ class SamplingStateTable:
             slot = self._take_slot()
             _fill_penalty_row(self._counts[slot], self._prompt_mask[slot], prompt_token_ids,
                               output_token_ids)
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured outputs need the sampling rank's grammar matchers")
+        # Only the rank that samples (the one with matchers) follows the grammar.
+        if params.structured_outputs is not None and self.grammars is not None:
             self.grammars.add(req_id, params.structured_outputs)
             if len(output_token_ids):
                 self.grammars.advance([req_id] * len(output_token_ids), list(output_token_ids))
@@ -332,6 +331,12 @@ class SamplingStateTable:
                 rows.append(i)
                 dense.append(row)
         return (rows, torch.stack(dense)) if rows else None
+
+    def prefetch(self, req_ids: Sequence[str]) -> None:
+        """The rows that will sample this step, before its forward: constrained ones start
+        filling their masks."""
+        if self.grammars is not None and len(self.grammars):
+            self.grammars.prefetch(req_ids)
 
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""
