@@ -10,8 +10,9 @@ remaining max_tokens, the same seed, routed again away from the failed replica; 
 stream continues with no token missing or repeated (greedy output equals an undisturbed run).
 A request with n samples continues each unfinished sample as a request of its own (sample i
 with seed + i, as the engine forks it). What a continuation cannot carry over: a seeded
-sampler's random stream restarts from the seed, and presence / frequency penalties count the
-streamed tokens as prompt.
+sampler's random stream restarts from the seed, penalties and bad words count the streamed
+tokens as prompt, and a structured output that has begun fails (its grammar's state died with
+the replica).
 """
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ class _Tracked:
     def done(self) -> bool:
         return len(self.finished) >= self.n
 
+    @property
+    def continuable(self) -> bool:
+        """A grammar's state lives on the replica that died: a structured output that has
+        begun cannot go on elsewhere."""
+        return self.request.sampling_params.structured_outputs is None or \
+            not any(self.tokens.values())
+
     def continuations(self) -> list[EngineCoreRequest]:
         """What is left of it, as requests to route again."""
         req, params = self.request, self.request.sampling_params
@@ -82,7 +90,10 @@ class _Tracked:
             if seed is not None and index > 0:
                 seed = (seed + index) % 2**64
             left = None if params.max_tokens is None else params.max_tokens - len(streamed)
-            sample = msgspec.structs.replace(params, n=1, seed=seed, max_tokens=left)
+            # The prompt's logprobs went out with the first output.
+            sample = msgspec.structs.replace(
+                params, n=1, seed=seed, max_tokens=left, prompt_logprobs=None,
+                min_tokens=max(0, params.min_tokens - len(streamed)))
             rid = req.req_id if self.n == 1 else f"{req.req_id}{_CONT_SEP}{index}"
             out.append(EngineCoreRequest(rid, sample, prompt_token_ids=self.prompt_ids + streamed,
                                          priority=req.priority, cache_salt=req.cache_salt))
@@ -287,6 +298,10 @@ class RouterClient:
             t.failed_on.add(replica)
             if t.failovers > MAX_FAILOVERS:
                 call.fail(t, f"the request failed on {t.failovers} replicas; last: {reason}")
+                continue
+            if not t.continuable:
+                call.fail(t, f"the replica serving this structured output failed ({reason}); "
+                             f"its grammar cannot continue elsewhere")
                 continue
             log.info("continuing %r elsewhere: replica %d failed (%s)", t.request.req_id,
                      replica, reason)
