@@ -165,6 +165,8 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prompt ids of requests that have produced no output yet (the first output carries them).
         self._unannounced: dict[str, list[int]] = {}
+        # Prompt logprobs of requests not yet announced, gathered chunk by chunk.
+        self._prompt_logprobs: dict[str, list] = {}
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
@@ -352,6 +354,10 @@ class EngineCore:
         # Queued behind the step before, it started running when that one was collected.
         self.scheduler.observe_step(out, now - max(submitted_at, self._last_collect))
         self._last_collect = now
+        if reply.prompt_logprobs:
+            for rid, lps in zip(out.scheduled_req_ids(), reply.prompt_logprobs):
+                if lps:
+                    self._prompt_logprobs.setdefault(rid, []).extend(lps)
         outputs = self.scheduler.update_from_output(out, reply)
         if self._detok:
             self._detokenize(outputs)
@@ -375,6 +381,7 @@ class EngineCore:
             prompt_ids = self._unannounced.pop(o.req_id, None)
             if prompt_ids is not None:
                 o.prompt_token_ids = prompt_ids
+                o.prompt_logprobs = self._prompt_logprobs.pop(o.req_id, [])
 
     def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
         stopped = []
@@ -424,6 +431,7 @@ class EngineCore:
         for rid, index in seqs:
             self._detok.pop(seq_id(rid, index), None)
             self._unannounced.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
 
     @property
     def dead_reason(self) -> str | None:

@@ -175,6 +175,9 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     sampled_token_ids: list[int] = []
     # Aligned with sampled_token_ids where any request asked for logprobs; None elsewhere.
     logprobs: list[SampleLogprobs | None] = []
+    # Aligned the same way where a request asked for prompt logprobs: one per prompt token
+    # this step's chunk predicted (the token first, then the top-n); None elsewhere.
+    prompt_logprobs: list[list[SampleLogprobs] | None] = []
     # Asynchronous tier copies, per kind in ASYNC_KINDS order (SSD_TO_CPU, CPU_TO_SSD): every
     # rank has completed those with seq < tier_done[i] (-1: no news); tier_failed holds
     # (CopyKind, seq) pairs, flat, of copies that failed on some rank.
@@ -217,6 +220,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     index: int = 0
     # An ErrorKind value when error is set.
     error_kind: int = 0
+    # With the first output, when asked for: prompt tokens 1.. given the ones before.
+    prompt_logprobs: list[SampleLogprobs] = []
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tierserve.kvcache import BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager
+from tierserve.kvcache import (
+    BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager, TierAdmission,
+)
 from tierserve.scheduler.messages import (
     CachedRequestData, EngineCoreOutput, FlushTiers, ModelRunnerOutput, NewRequestData,
     SchedulerOutput, TierCopyBatch,
@@ -321,8 +323,12 @@ class Scheduler:
         swapped = self.tiers.swapped_tokens(req.request_id)
         if swapped:
             return self._resume_swapped(req, swapped, plan)
-        hits, num_hit = self.kv.get_computed_blocks(req)
-        admission = self.tiers.admit(req, len(hits))
+        # Prompt logprobs want every prompt position's logits: no hit in any tier.
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            hits, num_hit, admission = [], 0, TierAdmission()
+        else:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            admission = self.tiers.admit(req, len(hits))
         if admission.wait:
             self.waiting.pop()
             return False
