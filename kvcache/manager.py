@@ -174,6 +174,16 @@ class KVCacheManager:
             self.tiers.clear()
         return True
 
+    def drop_worker_memory(self) -> None:
+        """The workers were replaced (self-healing): what the device pool held is gone, so every
+        cached block forgets its hash, and the tiers drop their CPU slots and copies in flight
+        (SSD entries stay). Every request has released its blocks first."""
+        if self.req_to_blocks:
+            raise RuntimeError(f"{len(self.req_to_blocks)} requests still hold blocks")
+        assert self.pool.reset_prefix_cache(), "a block is referenced by no request"
+        if self.tiers is not None:
+            self.tiers.drop_worker_memory()
+
     def _cache_full_blocks(self, request: CacheableRequest, held: list[KVCacheBlock],
                            num_tokens: int) -> None:
         rid = request.request_id

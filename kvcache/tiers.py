@@ -187,6 +187,13 @@ class SlotTier:
                 self.release(slot)
         return dropped
 
+    def reset(self) -> None:
+        """Every slot FREE and nothing indexed: the memory behind the tier is gone."""
+        self.slots = [TierSlot(i) for i in range(self.num_slots)]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._index.clear()
+        self._lru.clear()
+
     def _unindex(self, slot: TierSlot) -> None:
         if slot.block_hash is not None and self._index.get(slot.block_hash) is slot:
             del self._index[slot.block_hash]
@@ -585,6 +592,29 @@ class TierManager:
         else:
             entry.state = SlotState.READY
             self.ssd.release(entry)
+
+    # ---------------------------------------------------------------- workers replaced
+
+    def drop_worker_memory(self) -> None:
+        """The workers were replaced (self-healing): their CPU slots and every copy in flight
+        are gone, and so is each SSD entry whose write had not completed; the SSD entries
+        written before stay, since the new workers open the same folder. Copies count from 0
+        again, as the new workers' queues do."""
+        for copy in sorted(self.in_flight.values(), key=lambda c: c.kind):
+            entry = self.ssd.slots[copy.ssd_entry]
+            if copy.kind == CopyKind.LOAD:
+                self.ssd.unpin(entry)
+            else:  # a spill never completed: its entry may be torn
+                entry.state = SlotState.READY
+                self.ssd.release(entry)
+        self.in_flight.clear()
+        self._next_seq = {CopyKind.LOAD: 0, CopyKind.SPILL: 0}
+        self.copies = StepCopies()
+        self._sync_fills, self._sync_reads = [], []
+        self._loading.clear()
+        self._held.clear()
+        self.stats.cpu_dropped += sum(1 for s in self.cpu.cached_slots() if not s.clean)
+        self.cpu.reset()
 
     # ---------------------------------------------------------------- views
 

@@ -153,6 +153,12 @@ class Tiering:
         ready = self.tiers.complete_async(upto, failed)
         return [self.loading.pop(rid) for rid in ready if rid in self.loading]
 
+    def workers_lost(self) -> None:
+        """The workers were replaced: no load is coming (the requests that waited for one are
+        the scheduler's to re-admit) and no step's copies will complete."""
+        self.loading.clear()
+        self._steps.clear()
+
     def has_work(self) -> bool:
         """Copies in flight whose completion only a step can report."""
         return self.tiers.has_in_flight() or bool(self.tiers.copies)

@@ -72,6 +72,9 @@ class WorkerSpec:
     async_scheduling: bool = False
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
+    # Test-only fault injection (rank, token id): that rank crashes on a new request holding
+    # the token (Worker.crash).
+    debug_crash: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +243,21 @@ class Worker:
         runner.execute(out)
         del runner
 
-    def initialize_cache(self, num_blocks: int) -> TierReport:
+    def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
+        """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
+        knows the SSD entries and the copy bandwidth; neither is scanned nor measured again."""
         self.runner = self._make_runner(num_blocks)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
-        return self._make_tiers()
+        return self._make_tiers(known)
+
+    def reset(self, num_blocks: int) -> TierReport:
+        """A fresh runner (input batch, KV pool) and tiers, as a new rank would start them, for
+        an engine whose step failed here; the weights stay loaded."""
+        if self.runner is not None and self.runner.tiers is not None:
+            self.runner.tiers.close()
+        self.runner = None  # the old pool goes before the new one is allocated
+        return self.initialize_cache(num_blocks, known=True)
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.model.config
@@ -256,7 +269,7 @@ class Worker:
                            max_model_len=self.spec.max_model_len,
                            append_sampled=self.spec.async_scheduling)
 
-    def _make_tiers(self) -> TierReport:
+    def _make_tiers(self, known: bool = False) -> TierReport:
         spec = self.spec
         block_bytes = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
                                                spec.block_size, self.dtype)
@@ -275,12 +288,29 @@ class Worker:
                            ssd_entries, [len(kv), 2, *kv[0][0].shape[1:]], self.dtype)
         store = TierStore(kv, cpu_slots, ssd, self.device)
         self.runner.tiers = store
+        if known:
+            return TierReport(cpu_slots, ssd_entries, (), 0.0)
         t0 = time.monotonic()
         found = tuple(store.scan())
         log.info("rank %d: KV tiers of %d CPU slots and %d SSD entries; %d entries found on "
                  "SSD in %.2f s", self.rank, cpu_slots, ssd_entries, len(found),
                  time.monotonic() - t0)
         return TierReport(cpu_slots, ssd_entries, found, store.measure_copy_bandwidth())
+
+    def _inject_crash(self, msg: SchedulerOutput) -> None:
+        crash = self.spec.debug_crash
+        if crash is None or crash[0] != self.rank:
+            return
+        for new in msg.scheduled_new_reqs:
+            if crash[1] in new.prompt_token_ids:
+                log.warning("rank %d: crashing on request %r (TIERSERVE_DEBUG_CRASH)",
+                            self.rank, new.req_id)
+                self.crash(f"injected crash on request {new.req_id!r}")
+
+    def crash(self, reason: str) -> None:
+        """A fault injected for tests: raised here (in-process, a failed step); a rank in a
+        process of its own replaces this to exit at once."""
+        raise RuntimeError(reason)
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.tiers is not None:
@@ -303,6 +333,7 @@ class Worker:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
             try:
+                self._inject_crash(msg)
                 result = self.runner.execute(msg)
             except Exception as e:  # reported as data: the engine fails the step's requests
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)
