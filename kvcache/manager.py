@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash, KVCacheBlock
 from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.tenants import tenant_of
 from tierserve.kvcache.tiers import TierHit, TierManager
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "CacheableRequest"]
@@ -21,7 +22,7 @@ class CacheableRequest(Protocol):
 
     request_id: str
     num_computed_tokens: int
-    # The tenant the request's blocks belong to (kvcache/tenants.py); None: unsalted.
+    # Its tenant, the part before the first '|' (kvcache/tenants.py); None: unsalted.
     cache_salt: str | None
     # Hashes (and, when verifying, the hashed keys) of every full block of the request's tokens.
     block_hashes: list[BlockHash]
@@ -126,7 +127,7 @@ class KVCacheManager:
             self._record_admission(request, num_new_computed_tokens)
         self.pool.touch(new_computed_blocks)
         held.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new, request.cache_salt)
+        new_blocks = self.pool.get_new_blocks(num_new, tenant_of(request.cache_salt))
         held.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, held, total)
@@ -152,7 +153,7 @@ class KVCacheManager:
         self._record_admission(child, num_tokens)
         if not partial:
             return True
-        copy = self.pool.get_new_blocks(1, child.cache_salt)[0]
+        copy = self.pool.get_new_blocks(1, tenant_of(child.cache_salt))[0]
         blocks.append(copy)
         return held[num_full].block_id, copy.block_id
 

@@ -6,6 +6,7 @@ one device, Ray + ZMQ in deployment (deploy/); the EngineCore code is the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,16 +21,16 @@ from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, token_ids
-from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
+from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
     EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
-from tierserve.workers.layers import partition_heads
-from tierserve.workers.loader import default_model_path, load_model_config
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.layers import partition_heads
+from tierserve.workers.model.loader import default_model_path, load_model_config
+from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
 __all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",
@@ -131,6 +132,9 @@ class EngineCore:
         spec = make_worker_spec(config)
         self.tokenizer_path = config.tokenizer or spec.model
         self.tokenizer = load_model_tokenizer(self.tokenizer_path)
+        if self.tokenizer is not None:
+            spec = dataclasses.replace(spec, tokenizer_file=tokenizer_json_file(
+                self.tokenizer_path, envs.cache_dir()))
         self.executor = executor_factory(spec)
         t0 = time.perf_counter()
         try:
@@ -228,7 +232,8 @@ class EngineCore:
         rid = request.req_id
         # Everything that can fail comes before the scheduler takes the request.
         detoks = [] if self.tokenizer is None else [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
+                                   include_stop=params.include_stop_str_in_output)
             for _ in range(params.n)]
         self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
                                    priority=request.priority, cache_salt=request.cache_salt)

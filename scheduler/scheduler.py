@@ -137,6 +137,7 @@ class Scheduler:
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(sampling_params).__name__}")
         self._validate_prompt(prompt_token_ids)
+        self._validate_token_ids(sampling_params.token_ids_named())
         if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
             raise QueueFullError(f"the engine's queue is full ({self.max_queued_requests} "
                                  f"requests waiting); try again later")
@@ -152,6 +153,12 @@ class Scheduler:
             self.families[request_id] = _Family(list(range(1, sampling_params.n)), {request_id})
         self.waiting.add(req)
         return req
+
+    def _validate_token_ids(self, ids: list[int]) -> None:
+        """Token ids the sampling parameters name, against the vocabulary."""
+        if ids and self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise ValueError(f"token id {max(ids)} in the sampling parameters is out of range "
+                             f"[0, {self.vocab_size})")
 
     def _validate_prompt(self, prompt: list[int]) -> None:
         if not prompt:

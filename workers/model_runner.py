@@ -8,8 +8,9 @@ from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, Sche
 from tierserve.workers import parallel
 from tierserve.workers.attention import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
-from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
+from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.tiers import TierStore
 
 __all__ = ["ModelRunner"]
@@ -19,7 +20,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list, block_size: int,
                  device: torch.device, is_driver: bool, seed: int, *,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 append_sampled: bool = False) -> None:
+                 append_sampled: bool = False, tokenizer_file: str | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -34,7 +35,12 @@ class ModelRunner:
         self.sampler = Sampler(generator, model.backend)
         # Capacities are the engine's limits where known; the batch grows past them on demand
         # (preempted requests keep their rows while others run).
-        self.batch = InputBatch(block_size, SamplingStateTable(model.config.vocab_size, device),
+        vocab = model.config.vocab_size
+        grammars = GrammarMatchers(tokenizer_file, vocab, model.config.eos_token_ids) \
+            if is_driver else None
+        table = SamplingStateTable(vocab, device, grammars=grammars,
+                                   eos_token_ids=model.config.eos_token_ids)
+        self.batch = InputBatch(block_size, table,
                                 device=device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
         # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).

@@ -17,10 +17,10 @@ from tierserve.scheduler.messages import (
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
 from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from tierserve.workers.backend import CpuBackend, plan_for, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
-from tierserve.workers.kernels import KernelLibrary, kernel_library
-from tierserve.workers.loader import load_model, resolve_dtype
+from tierserve.workers.backends.cpu import CpuBackend, plan_for, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
+from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 from tierserve.workers.tiers import SsdStore, TierStore, model_fingerprint, tier_slots
 
@@ -51,8 +51,8 @@ class WorkerSpec:
     num_kv_blocks: int | None
     cpu_threads: int | None
     collective_timeout_s: float
-    # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
-    # cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
+    # Compiled CPU kernels: "background", "sync" or "off" (see workers/backends/kernels.py),
+    # built into cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
     # ("auto": the CPU's best; "torch": none).
     cpu_kernels: str
     cpu_isa: str
@@ -70,6 +70,8 @@ class WorkerSpec:
     # The engine schedules a step before it knows the tokens of the step before (async
     # scheduling): the ranks append their sampled tokens to the batch themselves.
     async_scheduling: bool = False
+    # The tokenizer.json structured outputs compile grammars against (on the driver rank).
+    tokenizer_file: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
     # Test-only fault injection (rank, token id): that rank crashes on a new request holding
@@ -267,7 +269,8 @@ class Worker:
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
                            max_model_len=self.spec.max_model_len,
-                           append_sampled=self.spec.async_scheduling)
+                           append_sampled=self.spec.async_scheduling,
+                           tokenizer_file=self.spec.tokenizer_file)
 
     def _make_tiers(self, known: bool = False) -> TierReport:
         spec = self.spec
