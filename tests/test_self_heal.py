@@ -9,7 +9,9 @@ import pytest
 
 from tests.checkpoints import make_tiny_llama
 from tests.sched_driver import WorkerMirror, make_scheduler
-from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, TierManager
+from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager
+from tierserve.kvcache.tier_index import TierIndex
+from tierserve.kvcache.tier_policy import TierPolicy
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore
 from tierserve.scheduler import ModelRunnerOutput, SamplingParams, Scheduler
@@ -25,7 +27,7 @@ def _step(sched: Scheduler, mirror: WorkerMirror) -> list:
 
 
 def _tiered_scheduler() -> Scheduler:
-    tiers = TierManager(8, 8, block_bytes=1)
+    tiers = TierPolicy(TierIndex(8, 8), block_size=4, block_bytes=1)
     kv = KVCacheManager(24, 4, tiers=tiers, watermark=0.0)
     return Scheduler(kv, BlockHasher(4), max_num_seqs=8, max_num_batched_tokens=32,
                      max_model_len=64, vocab_size=1000)
@@ -33,9 +35,9 @@ def _tiered_scheduler() -> Scheduler:
 
 def test_losing_the_workers_readmits_every_request_and_keeps_only_ssd():
     sched = _tiered_scheduler()
-    tiers = sched.kv.tiers
-    for e, h in enumerate((b"a" * 16, b"b" * 16)):  # SSD entries an earlier run wrote
-        tiers.ssd.restore(e, BlockHash(h), None)
+    index = sched.kv.tiers.index
+    for h in (b"a" * 16, b"b" * 16):  # SSD entries written before
+        index.ssd.commit(index.ssd.start_write(BlockHash(h), None)[0])
     mirror = WorkerMirror()
     for i in range(5):
         sched.add_request(f"r{i}", [10 * i + j for j in range(1, 13)], GREEDY)
@@ -53,8 +55,8 @@ def test_losing_the_workers_readmits_every_request_and_keeps_only_ssd():
         assert req.num_output_tokens == 0 or req.status == RequestStatus.PREEMPTED
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks and pool.num_cached_blocks() == 0
-    assert tiers.cpu.num_free == tiers.cpu.num_slots and not tiers.in_flight
-    assert tiers.ssd.num_free == tiers.ssd.num_slots - 2  # SSD entries stay
+    assert index.cpu.num_free == index.cpu.num_slots and not index.has_in_flight()
+    assert len(index.ssd) == 2  # SSD entries stay
 
     # The new workers hold nothing: each request is sent whole again, prompt and outputs,
     # and the suspects re-enter one at a time.
