@@ -346,6 +346,12 @@ class SamplingStateTable:
                 dense.append(row)
         return (rows, torch.stack(dense)) if rows else None
 
+    def prefetch(self, req_ids: Sequence[str]) -> None:
+        """The rows that will sample this step, before its forward: constrained ones start
+        filling their masks."""
+        if self.grammars is not None and len(self.grammars):
+            self.grammars.prefetch(req_ids)
+
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""
         entries = [self._entries[r] for r in req_ids]
