@@ -39,6 +39,10 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    # The last num_output_tokens of prompt_token_ids are the request's outputs so far (a
+    # request re-sent to new workers after a restart): penalties count them as outputs, and
+    # a seeded generator continues past the draws that sampled them.
+    num_output_tokens: int = 0
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):

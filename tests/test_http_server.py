@@ -256,6 +256,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     before = _metrics(server.base)
     assert before[("tierserve:num_requests_running", ())] == 0
     assert ("tierserve:kv_cache_usage_perc", (("tier", "device"),)) in before
+    assert before[("tierserve:worker_restarts_total", ())] == 0
     prompt = "A tiny model writes tiny words; tests read them back"
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,

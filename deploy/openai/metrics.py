@@ -43,6 +43,8 @@ class EngineCollector:
         for name in ("promotions", "demotions", "loads", "spills"):
             if f"tier_{name}" in s:
                 yield _counter(f"kv_tier_{name}", f"KV tier block {name}", s[f"tier_{name}"])
+        yield _counter("worker_restarts", "times the engine rebuilt lost workers (a rank died "
+                       "or a step hung) and re-admitted their requests", s.get("restarts", 0))
         yield _gauge("engine_dead", "1 once the engine cannot serve", int(bool(s.get("dead"))))
 
 
