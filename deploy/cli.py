@@ -206,6 +206,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  prefix hit rate    {stats['prefix_cache_hit_rate']:.1%} "
           f"({stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} tokens)")
     print(f"  preemptions        {stats['num_preemptions']}")
+    if stats.get("restarts"):
+        print(f"  worker restarts    {stats['restarts']} (last: {stats['restart_reason']}; "
+              f"rebuilt in {stats['restart_s']:.1f} s)")
     backend = stats.get("backend")
     if backend:
         paths = ", ".join(backend["paths"]) or "plain torch ops"
@@ -230,7 +233,7 @@ def _print_replicas(stats: dict) -> None:
     print(f"  replicas ({len(stats['replicas'])}):")
     for rid, r in sorted(stats["replicas"].items()):
         line = f"    {rid}  {r['state']:<8} node {(r['node'] or '?')[:12]}  restarts " \
-               f"{r['restarts']}"
+               f"{r['replica_restarts']}"
         if "num_running" in r:
             line += (f"  running {r['num_running']:>3}  waiting {r['num_waiting']:>3}  KV "
                      f"{r['kv_usage']:.0%}  prefix hits {r['prefix_cache_hit_rate']:.0%}")

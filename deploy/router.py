@@ -327,7 +327,7 @@ class Router:
             "route_us_p99": route_us[int(0.99 * (len(route_us) - 1))] if route_us else 0.0,
             "dropped_event_frames": self._dropped_frames,
             "replicas": {r.id: {
-                "state": r.state.name.lower(), "node": r.node, "restarts": r.restarts,
+                "state": r.state.name.lower(), "node": r.node, "replica_restarts": r.restarts,
                 "error": r.error, "generation": r.generation,
                 "outstanding": r.load.outstanding, "in_transit": r.load.in_transit,
                 "indexed_blocks": [len(t) for t in self.index.replicas[r.id].tiers]

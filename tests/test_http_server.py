@@ -256,6 +256,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     before = _metrics(server.base)
     assert before[("tierserve:num_requests_running", ())] == 0
     assert ("tierserve:kv_cache_usage_perc", (("tier", "device"),)) in before
+    assert before[("tierserve:worker_restarts_total", ())] == 0
     prompt = "A tiny model writes tiny words; tests read them back"
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
@@ -272,7 +273,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     assert moved("tierserve:inter_token_latency_seconds_count") == 8
     assert moved("tierserve:request_success_total",
                  (("finished_reason", "length"), ("tenant", ""))) == 2
-    assert moved("tierserve:prompt_cached_tokens_total", NO_TENANT) > 0
+    assert moved("tierserve:prompt_cached_tokens_total", (("tenant", ""), ("tier", "device"))) > 0
     assert moved("tierserve:prefix_cache_queries_total") > 0
     assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
     assert ("tierserve:num_preemptions_total", ()) in after
@@ -431,6 +432,11 @@ def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(ch
         assert llm.stats()["cpu_tier_usage"] > 0
         assert cached(alpha, flood[0], "s0") == 0
         assert cached(beta, flood[0], "s0") >= 16  # back from the CPU tier
+        hits = _metrics(srv.base)
+        assert hits[("tierserve:prompt_cached_tokens_total",
+                     (("tenant", "beta"), ("tier", "cpu")))] >= 16
+        assert ("tierserve:prompt_cached_tokens_total",
+                (("tenant", "alpha"), ("tier", "cpu"))) not in hits
     finally:
         srv.stop()
         llm.shutdown()

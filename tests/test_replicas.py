@@ -134,7 +134,7 @@ try:
         if all(r["state"] == "live" for r in view.values()):
             break
         time.sleep(0.5)
-    out["rejoined"] = {str(k): [v["state"], v["restarts"]] for k, v in view.items()}
+    out["rejoined"] = {str(k): [v["state"], v["replica_restarts"]] for k, v in view.items()}
     out["after_rejoin"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
 
     print("STATUS-BEGIN")
