@@ -99,15 +99,20 @@ class EngineActor:
         snap = await asyncio.wrap_future(self.engine.kv_snapshot())
         return KVEventCodec().encode(snap)
 
-    async def watch(self) -> str:
-        """Returns why the engine can no longer serve (it died, or is shutting down); a
-        router keeps one call pending per replica and learns of an actor's death from its
+    async def watch(self, healing: bool = False) -> tuple[str, str]:
+        """Returns when the engine's state differs from the caller's view: ("dead", why) once
+        it can no longer serve (or shuts down), ("healing", "") while it rebuilds its workers
+        (the caller saw it serving), ("serving", "") after (the caller saw it healing). A
+        router keeps one call pending per replica, and learns of an actor's death from its
         failure, at once."""
+        core = self.engine.core
         while not self._stopping:
             if self.engine.dead_reason is not None:
-                return self.engine.dead_reason
+                return "dead", self.engine.dead_reason
+            if core.healing != healing:
+                return ("healing" if core.healing else "serving"), ""
             await asyncio.sleep(_WATCH_POLL_S)
-        return "shut down"
+        return "dead", "shut down"
 
     async def shutdown(self) -> None:
         self._stopping = True

@@ -60,6 +60,7 @@ class ReplicaState(enum.IntEnum):
     LIVE = 1
     DOWN = 2  # dead; restarting
     DRAINING = 3  # being scaled away: routed nothing, stopped once idle
+    HEALING = 4  # its engine rebuilds its workers: routed nothing meanwhile
 
 
 @dataclass(slots=True, eq=False)
@@ -150,19 +151,29 @@ class Router:
             return
 
     async def _watch(self, replica: _Replica, generation: int) -> None:
-        try:
-            reason = await replica.actor.watch.remote()
-        except Exception as e:  # the actor died
-            reason = f"{type(e).__name__}: {e}"
-        if self._stopping or replica.generation != generation:
-            return
-        self._down(replica, reason)
+        """Follows the replica's state until it dies: healing replicas are routed nothing."""
+        healing = False
+        while True:
+            try:
+                state, reason = await replica.actor.watch.remote(healing)
+            except Exception as e:  # the actor died
+                state, reason = "dead", f"{type(e).__name__}: {e}"
+            if self._stopping or replica.generation != generation:
+                return
+            if state == "dead":
+                self._down(replica, reason)
+                return
+            healing = state == "healing"
+            if replica.state in (ReplicaState.LIVE, ReplicaState.HEALING):
+                replica.state = ReplicaState.HEALING if healing else ReplicaState.LIVE
+                self._refresh_live()
 
     def _down(self, replica: _Replica, reason: str) -> None:
         """The replica can no longer serve: route it nothing from now on, forget what it
         held, and restart it (a draining one is just removed)."""
         if replica.state in (ReplicaState.DOWN, ReplicaState.STARTING):
             return
+        # A healing engine that died was not serving either: it restarts like a live one.
         log.warning("replica %d is down: %s", replica.id, reason)
         draining = replica.state == ReplicaState.DRAINING
         replica.state, replica.error = ReplicaState.DOWN, reason
@@ -193,7 +204,7 @@ class Router:
         """A client saw the replica fail (its stream broke): stop routing to it now."""
         replica = self.replicas.get(replica_id)
         if replica is not None and replica.generation == generation \
-                and replica.state == ReplicaState.LIVE:
+                and replica.state in (ReplicaState.LIVE, ReplicaState.HEALING):
             self._down(replica, f"reported by a client: {reason}")
 
     async def scale(self, size: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> dict:

@@ -189,6 +189,9 @@ class EngineCore:
         # what the restarts did.
         self._failures: deque[float] = deque()
         self.restarts = 0
+        # True while the workers are being rebuilt (read by other threads: a router routes
+        # nothing to a healing replica).
+        self.healing = False
         self.restart_reason: str | None = None
         self.restart_s = 0.0
 
@@ -360,6 +363,13 @@ class EngineCore:
         is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
         loss found in flight again fails alone (a poison pill). Past the budget, or where the
         transport cannot restart, the engine dies."""
+        self.healing = True
+        try:
+            return self._heal_loop(reason)
+        finally:
+            self.healing = False
+
+    def _heal_loop(self, reason: str) -> list[EngineCoreOutput]:
         outputs = []
         while True:
             if not self._may_restart():
