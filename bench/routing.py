@@ -24,6 +24,9 @@ cache (twice the pool and tier) and all its CPUs, the same workload.
 
 `route_us_at_100k_blocks` times the kv policy alone on the chat workload's prompts with the
 index holding 100,000 blocks over two replicas (the router's code, in this process).
+`router`: requests one router actor routes per second with 64 route calls in flight, and one
+call's round trip (no token passes through the router: this bounds the deployment's request
+rate, not its token rate).
 
 Usage: python bench/routing.py [--json] [--quick] [--policies kv,round_robin]
 """
@@ -180,6 +183,32 @@ def _reset(llm) -> None:
     assert llm.reset_prefix_cache(), "a cache could not be reset (requests still running?)"
 
 
+def router_capacity(router, prompts: list[list[int]], n: int = 2000,
+                    in_flight: int = 64) -> dict:
+    """How many requests one router actor routes per second when many clients ask at once
+    (each a route call of one request, `in_flight` calls outstanding), and one call's round
+    trip alone: the bound the router puts on a deployment's request rate, since no token
+    passes through it."""
+    from tierserve.deploy.routing import RouteQuery
+    queries = [RouteQuery(p) for p in prompts]
+
+    async def burst():
+        t0 = time.perf_counter()
+        for start in range(0, n, in_flight):
+            await asyncio.gather(*(router.route.remote([queries[i % len(queries)]])
+                                   for i in range(start, min(n, start + in_flight))))
+        return time.perf_counter() - t0
+
+    async def one_by_one(k=50):
+        t0 = time.perf_counter()
+        for i in range(k):
+            await router.route.remote([queries[i % len(queries)]])
+        return (time.perf_counter() - t0) / k
+    seconds = asyncio.run(burst())
+    return {"routes_per_s": round(n / seconds), "route_call_ms": round(
+        1e3 * asyncio.run(one_by_one()), 2)}
+
+
 def run_policies(args, workloads: dict) -> dict:
     import tierserve
     results = {name: {} for name in workloads}
@@ -205,6 +234,10 @@ def run_policies(args, workloads: dict) -> dict:
                 res["routed"] = routed
                 results[name][policy] = res
                 print(f"  {name:<9} {policy:<13} {res}", file=sys.stderr, flush=True)
+        # Last: the routes it makes count as load on their way to the replicas.
+        chat = next(w for kind, w in workloads.values() if kind == "chat")
+        results["router"] = router_capacity(
+            router, [s["system"] + [t for u in s["turns"] for t in u] for s in chat])
     finally:
         tierserve.stop("bench-routing")
     return results
@@ -286,7 +319,7 @@ def main() -> None:
     args.policies = [x for x in args.policies.split(",") if x]
     if args.quick:
         args.sessions, args.turns, args.mooncake_sessions, args.mooncake_turns = 3, 2, 3, 2
-        args.pool_blocks, args.cpu_blocks = 64, 256
+        args.pool_blocks, args.cpu_blocks, args.max_model_len = 96, 256, 1024
 
     if args.mooncake_trace:
         with open(args.mooncake_trace) as f:
@@ -301,7 +334,7 @@ def main() -> None:
                       for s in chat) // BLOCK_SIZE
 
     import ray
-    from tierserve.workers.cpu_features import detect_cpu_features
+    from tierserve.workers.backends.cpu_features import detect_cpu_features
     ray.init(num_cpus=2 * args.cpus_per_replica, include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="ts-bench-routing-", dir="/tmp"))
@@ -316,6 +349,7 @@ def main() -> None:
         ray.shutdown()
     for name in workloads:
         result["workloads"][name] = {"bound": bound.get(name, {}), **per_policy[name]}
+    result["router"] = per_policy.get("router", {})
     result["route_us_at_100k_blocks"] = route_us_at(
         100_000, [s["system"] + [t for u in s["turns"] for t in u] for s in chat] * 4)
     if args.json:
@@ -327,6 +361,10 @@ def main() -> None:
         print(f"\n## {name}")
         print_table([{"policy": k, **v} for k, v in per.items() if v])
     print(f"\nkv routing at 100k indexed blocks: {result['route_us_at_100k_blocks']} us/request")
+    r = result["router"]
+    if r:
+        print(f"router actor: {r['routes_per_s']} requests routed/s with 64 calls in flight; "
+              f"one call's round trip {r['route_call_ms']} ms")
 
 
 if __name__ == "__main__":

@@ -99,11 +99,23 @@ def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None
                            lifetime="detached")
         actor = ray.remote(EngineActor).options(**options).remote(config, pg, bundles, uid)
         ray.get(actor.health.remote())
-    except BaseException:
+    except BaseException as e:
         if actor is not None:
             ray.kill(actor, no_restart=True)
+        bad = _bad_config(e)
+        if bad is not None:
+            raise bad from None
         raise
     return actor
+
+
+def _bad_config(error: BaseException) -> ValueError | None:
+    """The ValueError an engine's constructor raised (a config the model or the pool cannot
+    take), out of the actor error Ray wraps it in."""
+    for arg in getattr(error, "args", ()):
+        if isinstance(arg, ray.exceptions.RayTaskError) and isinstance(arg.cause, ValueError):
+            return ValueError(str(arg.cause))
+    return None
 
 
 def _holder_name(name: str) -> str:

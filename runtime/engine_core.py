@@ -158,17 +158,19 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             info = self.executor.start()
+            self.worker_start_s = time.perf_counter() - t0
+            self.config = config
+            # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+            self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
+            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
-            self.executor.shutdown()  # a failed start leaves no worker, folder or socket
+            # A failed start (the workers', or a scheduler the pool cannot hold) leaves no
+            # worker, folder or socket behind.
+            self.executor.shutdown()
             raise
-        self.worker_start_s = time.perf_counter() - t0
-        self.config = config
-        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
-        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
         self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self._event_seq = -1
         self._requests_added = 0
-        self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         self.backends = info.backends

@@ -85,6 +85,13 @@ def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_a_start_failing_after_its_workers_started_raises_the_error_at_once(tiny):
+    """The scheduler refuses a pool smaller than max_model_len once the workers run: the
+    engine shuts them down, and the caller gets the ValueError (never a hang)."""
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        LLM(tiny["llama"], distributed=True, block_size=4, num_kv_blocks=4, max_model_len=64)
+
+
 def test_default_smollm2_tp3_on_ray_equals_in_process():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     with LLM() as llm:

@@ -53,6 +53,15 @@ try:
 
     greedy_params = SamplingParams(**greedy)
     out["tokens"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
+    # The synchronous path (LLM's): one batch over both replicas.
+    from tierserve.scheduler.messages import EngineCoreRequest
+    batch = [EngineCoreRequest(f"sync-{i}", greedy_params, prompt_token_ids=p)
+             for i, p in enumerate(prompts)]
+    sync = {}
+    for outputs in h.engine.stream_batch(batch):
+        for o in outputs:
+            sync.setdefault(o.req_id, []).extend(o.new_token_ids)
+    out["sync_tokens"] = [sync[f"sync-{i}"] for i in range(len(prompts))]
 
     # A prefix served once: its follow-up goes where it is cached, whichever replica that is.
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -143,6 +152,10 @@ try:
     # Scale down: the drained replica goes, the deployment keeps serving.
     out["scaled"] = h.engine.scale(1)
     out["after_scale"] = [t for t, _ in asyncio.run(many(prompts[:2], greedy_params))]
+    out["scaled_up"] = h.engine.scale(2)
+    out["after_scale_up"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
+    out["live_after_scale_up"] = sorted(
+        r["state"] for r in h.engine.describe()["replicas"].values())
 finally:
     out["stopped"] = tierserve.stop("rep")
     print(json.dumps(out))
@@ -171,8 +184,8 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     out = json.loads(run.stdout.strip().splitlines()[-1])
     # One replica per node.
     assert len(set(out["nodes"])) == 2
-    # Greedy tokens equal a single engine's.
-    assert out["tokens"] == ref
+    # Greedy tokens equal a single engine's, streamed or in one synchronous batch.
+    assert out["tokens"] == ref and out["sync_tokens"] == ref
     # Each prefix is on exactly one replica's device, and its follow-up was routed there.
     assert all(len(h) == 1 for h in out["holders"]), out["holders"]
     assert out["follow_cached"] == [32] * 6, out["follow_cached"]
@@ -196,4 +209,6 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
         (status, run.stderr[-3000:])
     assert out["scaled"] == {"replicas": 1, "errors": []}
     assert out["after_scale"] == ref[:2]
+    assert out["scaled_up"] == {"replicas": 2, "errors": []}
+    assert out["after_scale_up"] == ref and out["live_after_scale_up"] == ["live", "live"]
     assert out["stopped"]
