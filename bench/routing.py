@@ -19,8 +19,9 @@ policy runs the same workloads on the same replicas, caches emptied between runs
 Per policy (round_robin, least_loaded, prefix_tree: the approximate tree of past prompts that
 SGLang's and Ray Serve's routers keep, kv: the exact KV-event index): prefix hit rate (cached
 prompt tokens / prompt tokens), mean and p90 TTFT, output tok/s, requests shed (refused
-overloaded), and the router's time per request. `bound`: one engine with the cluster's total
-cache (twice the pool and tier) and all its CPUs, the same workload.
+overloaded), and the router's time per request: wall (`route_us`) and its thread's CPU time
+(`route_cpu_us`, what routing costs whatever else shares the cores). `bound`: one engine with
+the cluster's total cache (twice the pool and tier) and all its CPUs, the same workload.
 
 `route_us_at_100k_blocks` times the kv policy alone on the chat workload's prompts with the
 index holding 100,000 blocks over two replicas (the router's code, in this process).
@@ -225,12 +226,14 @@ def run_policies(args, workloads: dict) -> dict:
             for name, (kind, work) in workloads.items():
                 _reset(llm)
                 time.sleep(0.5)  # the replicas' reset events reach the router
+                ray.get(router.reset_route_times.remote())
                 before = llm.engine.describe()
                 res = asyncio.run(run_chat(llm, work, args) if kind == "chat"
                                   else run_trace(llm, work))
                 after = llm.engine.describe()
                 routed = after["routed"] - before["routed"]
                 res["route_us"] = round(after["route_us_mean"], 1)
+                res["route_cpu_us"] = round(after["route_cpu_us_mean"], 1)
                 res["routed"] = routed
                 results[name][policy] = res
                 print(f"  {name:<9} {policy:<13} {res}", file=sys.stderr, flush=True)

@@ -9,7 +9,8 @@ import pytest
 from tests.sched_driver import WorkerMirror, make_scheduler, step
 from tierserve.deploy.kv_index import KVIndex
 from tierserve.deploy.routing import (
-    LOAD_BOUND, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree, RoundRobin, RouteQuery, bounded,
+    LOAD_BOUND, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree, RoundRobin,
+    RouteQuery, bounded,
 )
 from tierserve.kvcache import BlockHasher, KVEventRecorder, KVTier
 from tierserve.kvcache.hashing import encode_extra_keys
