@@ -14,7 +14,8 @@ import os
 import threading
 
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
@@ -185,8 +186,10 @@ def start_replicated(config: EngineConfig, name: str | None = None,
     options = dict(num_cpus=0, max_concurrency=1000,
                    runtime_env={"env_vars": envs.tierserve_variables()})
     if name is not None:
+        # Ray restarts a named deployment's router (it then adopts the running replicas),
+        # and calls made meanwhile are retried.
         options.update(name=router_name(name), namespace=namespace or envs.default_namespace(),
-                       lifetime="detached")
+                       lifetime="detached", max_restarts=-1, max_task_retries=-1)
     router = ray.remote(Router).options(**options).remote(config, uid, name, namespace)
     try:
         ray.get(router.start.remote())
@@ -263,19 +266,17 @@ def _stop_replicated(name: str, ns: str) -> bool:
             log.warning("the router of %s did not shut down cleanly: %s", name, e)
         ray.kill(router, no_restart=True)
     prefix = actor_name(name) + "+r"
-    leftovers = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+    leftovers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == ns and a["name"].startswith(prefix)]
     for actor_id in leftovers:
         actor = _lookup(actor_id, ns)
         if actor is not None:
             ray.kill(actor, no_restart=True)
     pg_prefix = _holder_name(name) + "+r"
-    pgs = {pg["name"] for pg in ray.util.placement_group_table().values()
-           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"}
-    for pg_name in pgs:
-        try:
-            remove_placement_group(ray.util.get_placement_group(pg_name))
-        except ValueError:  # gone meanwhile, or another namespace's
-            pass
+    pgs = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"]
+    for pg_id in pgs:  # by id: a name is only found from its creator's namespace
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
     for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
         remove_ipc_dirs(uid, wait_s=0.0)
     return router is not None or bool(leftovers) or bool(pgs)

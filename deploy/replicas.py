@@ -80,6 +80,11 @@ def start_replica(config: EngineConfig, uid: str, name: str | None, replica: int
     (actor, pg). A failure leaves no actor behind, nor a group this call made."""
     from tierserve.deploy.ray_engine import start_engine_actor
 
+    if pg is None and name is not None:  # one left by a router that died
+        try:
+            pg = ray.util.get_placement_group(replica_pg_name(name, replica))
+        except ValueError:
+            pass
     made = pg is None
     if made:
         device = resolve_device(config.device)

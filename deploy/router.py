@@ -18,35 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import time
-from dataclasses import dataclass, field
 
 import ray
 
 from tierserve.deploy.kv_index import KVIndex
-from tierserve.deploy.replicas import (
-    kill_replica, node_of, replica_config, start_replica, stop_replica,
-)
-from tierserve.deploy.routing import Candidate, KVAware, LoadTracker, RouteQuery, make_policy
+from tierserve.deploy.replica_set import DRAIN_TIMEOUT_S, Replica, ReplicaSet
+from tierserve.deploy.replicas import replica_config
+from tierserve.deploy.routing import Candidate, KVAware, RouteQuery, make_policy
 from tierserve.kvcache.hashing import BlockHasher
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.scheduler.kv_events import KVEventCodec
 from tierserve.scheduler.messages import MalformedFrameError
 
-__all__ = ["Router", "ReplicaState", "router_name"]
+__all__ = ["Router", "router_name"]
 
 log = logging.getLogger("tierserve.router")
 
 # A request finding no live replica waits this long for one to (re)start before failing.
 _NO_REPLICA_WAIT_S = 120.0
-# Restart back-off of a replica that fails to start: doubling from the first, up to the cap.
-_RESTART_BACKOFF_S = (1.0, 30.0)
-# How long a scaled-away replica may take to finish its requests before it is stopped anyway
-# (its clients then continue their streams on other replicas).
-DRAIN_TIMEOUT_S = 600.0
 # Route times kept for the stats' mean and percentiles.
 _ROUTE_SAMPLES = 4096
 
@@ -55,34 +47,10 @@ def router_name(name: str) -> str:
     return f"tierserve-router-{name}"
 
 
-class ReplicaState(enum.IntEnum):
-    STARTING = 0
-    LIVE = 1
-    DOWN = 2  # dead; restarting
-    DRAINING = 3  # being scaled away: routed nothing, stopped once idle
-    HEALING = 4  # its engine rebuilds its workers: routed nothing meanwhile
-
-
-@dataclass(slots=True, eq=False)
-class _Replica:
-    id: int
-    state: ReplicaState = ReplicaState.STARTING
-    actor: object = None
-    pg: object = None
-    node: str | None = None
-    generation: int = 0  # bumped at every (re)start; event tags carry it
-    load: LoadTracker = field(default_factory=LoadTracker)
-    restarts: int = 0
-    error: str | None = None
-    task: asyncio.Task | None = None  # its start, restart or drain
-    snapshot: asyncio.Task | None = None
-
-
 class Router:
     def __init__(self, config: EngineConfig, uid: str, name: str | None,
                  namespace: str | None) -> None:
         self.config = replica_config(config)
-        self.uid, self.name, self.namespace = uid, name, namespace
         self.index = KVIndex()
         hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo,
                              config.hash_seed)
@@ -90,161 +58,66 @@ class Router:
                                   config.max_num_batched_tokens)
         self._hasher = hasher
         self._chain = KVAware(self.index, hasher, config.max_num_batched_tokens).chain
-        self.replicas: dict[int, _Replica] = {}
+        self.replicas = ReplicaSet(self.config, uid, name, namespace, self._replica_up,
+                                   self._replica_down)
         self._codec = KVEventCodec()
-        self._live = asyncio.Event()
         # Per request: wall time, and this thread's CPU time (what routing costs, whatever
         # else shares the cores).
         self._route_us: collections.deque[float] = collections.deque(maxlen=_ROUTE_SAMPLES)
         self._route_cpu_us: collections.deque[float] = collections.deque(maxlen=_ROUTE_SAMPLES)
         self._routed = 0
         self._dropped_frames = 0
-        self._stopping = False
+        # Ray restarted this actor (a named deployment's router): the replicas still run.
+        self._adopted: asyncio.Future | None = None
+        self._orphaned = name is not None and \
+            ray.get_runtime_context().was_current_actor_reconstructed
 
     # ------------------------------------------------------------------ replicas
 
     async def start(self) -> int:
         """Starts data_parallel_size replicas; returns once every one serves (or raises the
         first start's error, the others stopped)."""
-        for _ in range(self.config.data_parallel_size):
-            self._add_replica()
-        results = await asyncio.gather(*(r.task for r in self.replicas.values()),
-                                       return_exceptions=True)
-        errors = [e for e in results if isinstance(e, BaseException)]
-        if errors:
-            await self.shutdown()
-            raise errors[0]
-        return len(self.replicas)
+        await self.replicas.start(self.config.data_parallel_size)
+        return len(self.replicas.replicas)
 
-    def _add_replica(self) -> _Replica:
-        rid = next(i for i in range(len(self.replicas) + 1) if i not in self.replicas)
-        replica = self.replicas[rid] = _Replica(rid)
-        replica.task = asyncio.get_running_loop().create_task(self._start(replica, first=True))
-        return replica
+    async def _ready(self) -> None:
+        """A restarted router first adopts the replicas (once; other calls wait for it)."""
+        if not self._orphaned:
+            return
+        if self._adopted is None:
+            self._adopted = asyncio.ensure_future(self._adopt())
+        await asyncio.shield(self._adopted)
 
-    async def _start(self, replica: _Replica, first: bool = False) -> None:
-        """(Re)starts a replica until it serves; a first start's failure is raised."""
-        delay = _RESTART_BACKOFF_S[0]
-        while not self._stopping:
-            replica.state, replica.generation = ReplicaState.STARTING, replica.generation + 1
-            taken = collections.Counter(r.node for r in self.replicas.values() if r.node)
-            try:
-                replica.actor, replica.pg = await asyncio.to_thread(
-                    start_replica, self.config, self.uid, self.name, replica.id,
-                    self.namespace, replica.pg, taken)
-                replica.node = await asyncio.to_thread(node_of, replica.pg)
-                me = ray.get_runtime_context().current_actor
-                await replica.actor.subscribe_kv_events.remote(
-                    me, (replica.id, replica.generation))
-            except Exception as e:
-                replica.error = f"{type(e).__name__}: {e}"
-                if first:
-                    raise
-                log.warning("replica %d did not start (%s); retrying in %.0f s", replica.id,
-                            replica.error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _RESTART_BACKOFF_S[1])
-                continue
+    async def _adopt(self) -> None:
+        found = await self.replicas.adopt()
+        log.warning("restarted: adopted %d running replicas", found)
+        if not found:
+            await self.replicas.start(self.config.data_parallel_size)
+
+    def _replica_up(self, replica: Replica) -> None:
+        if replica.id not in self.index.replicas:
             self.index.add_replica(replica.id)
-            replica.load = LoadTracker()
-            replica.state, replica.error = ReplicaState.LIVE, None
-            self._fetch_snapshot(replica)  # what it holds already (its SSD tier)
-            self._live.set()
-            asyncio.get_running_loop().create_task(self._watch(replica, replica.generation))
-            return
+        self._fetch_snapshot(replica)  # what it holds already (its SSD tier)
 
-    async def _watch(self, replica: _Replica, generation: int) -> None:
-        """Follows the replica's state until it dies: healing replicas are routed nothing."""
-        healing = False
-        while True:
-            try:
-                state, reason = await replica.actor.watch.remote(healing)
-            except Exception as e:  # the actor died
-                state, reason = "dead", f"{type(e).__name__}: {e}"
-            if self._stopping or replica.generation != generation:
-                return
-            if state == "dead":
-                self._down(replica, reason)
-                return
-            healing = state == "healing"
-            if replica.state in (ReplicaState.LIVE, ReplicaState.HEALING):
-                replica.state = ReplicaState.HEALING if healing else ReplicaState.LIVE
-                self._refresh_live()
-
-    def _down(self, replica: _Replica, reason: str) -> None:
-        """The replica can no longer serve: route it nothing from now on, forget what it
-        held, and restart it (a draining one is just removed)."""
-        if replica.state in (ReplicaState.DOWN, ReplicaState.STARTING):
-            return
-        # A healing engine that died was not serving either: it restarts like a live one.
-        log.warning("replica %d is down: %s", replica.id, reason)
-        draining = replica.state == ReplicaState.DRAINING
-        replica.state, replica.error = ReplicaState.DOWN, reason
+    def _replica_down(self, replica: Replica) -> None:
         if replica.id in self.index.replicas:
             self.index.remove_replica(replica.id)
         self.policy.forget(replica.id)
-        self._refresh_live()
-        if draining:
-            return  # its drain task removes it
-        replica.restarts += 1
-        loop = asyncio.get_running_loop()
-        replica.task = loop.create_task(self._restart(replica))
-
-    async def _restart(self, replica: _Replica) -> None:
-        tp = self.config.tensor_parallel_size
-        await asyncio.to_thread(kill_replica, replica.actor, self.uid, replica.id, tp,
-                                self.namespace)
-        replica.actor = None
-        await self._start(replica)
-
-    def _refresh_live(self) -> None:
-        if any(r.state == ReplicaState.LIVE for r in self.replicas.values()):
-            self._live.set()
-        else:
-            self._live.clear()
 
     async def replica_failed(self, replica_id: int, generation: int, reason: str) -> None:
         """A client saw the replica fail (its stream broke): stop routing to it now."""
-        replica = self.replicas.get(replica_id)
-        if replica is not None and replica.generation == generation \
-                and replica.state in (ReplicaState.LIVE, ReplicaState.HEALING):
-            self._down(replica, f"reported by a client: {reason}")
+        await self._ready()
+        self.replicas.failed(replica_id, generation, reason)
 
     async def scale(self, size: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> dict:
-        """Adds replicas, or drains the highest-numbered ones (routed nothing, stopped once
-        their requests finished or drain_timeout_s passed); returns when done."""
-        if size < 1:
-            raise ValueError(f"a deployment needs at least one replica, got {size}")
-        serving = [r for r in self.replicas.values() if r.state != ReplicaState.DRAINING]
-        tasks = []
-        if size > len(serving):
-            tasks = [self._add_replica().task for _ in range(size - len(serving))]
-        for replica in sorted(serving, key=lambda r: r.id, reverse=True)[:len(serving) - size]:
-            replica.state = ReplicaState.DRAINING
-            replica.task = asyncio.get_running_loop().create_task(
-                self._drain(replica, drain_timeout_s))
-            tasks.append(replica.task)
-        self._refresh_live()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [f"{type(e).__name__}: {e}" for e in results if isinstance(e, BaseException)]
-        return {"replicas": len(self.replicas), "errors": errors}
-
-    async def _drain(self, replica: _Replica, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while replica.state == ReplicaState.DRAINING and time.monotonic() < deadline:
-            if replica.load.outstanding == 0:
-                break
-            await asyncio.sleep(0.2)
-        await asyncio.to_thread(stop_replica, replica.actor, replica.pg, self.uid, replica.id,
-                                self.config.tensor_parallel_size, self.namespace)
-        if replica.id in self.index.replicas:
-            self.index.remove_replica(replica.id)
-        self.policy.forget(replica.id)
-        del self.replicas[replica.id]
+        """Adds replicas, or drains the highest-numbered ones away (ReplicaSet.scale)."""
+        await self._ready()
+        return await self.replicas.scale(size, drain_timeout_s)
 
     # ------------------------------------------------------------------ KV events
 
     async def kv_events(self, tag: tuple[int, int], frames: list[bytes]) -> None:
+        await self._ready()
         replica_id, generation = tag
         replica = self.replicas.get(replica_id)
         if replica is None or replica.generation != generation \
@@ -261,13 +134,13 @@ class Router:
             if self.index.receive(replica_id, frame):
                 self._fetch_snapshot(replica)
 
-    def _fetch_snapshot(self, replica: _Replica) -> None:
+    def _fetch_snapshot(self, replica: Replica) -> None:
         if replica.snapshot is not None and not replica.snapshot.done():
             return
         replica.snapshot = asyncio.get_running_loop().create_task(
             self._snapshot(replica, replica.generation))
 
-    async def _snapshot(self, replica: _Replica, generation: int) -> None:
+    async def _snapshot(self, replica: Replica, generation: int) -> None:
         try:
             data = await replica.actor.kv_snapshot.remote()
         except Exception as e:  # its death is the watch's to handle
@@ -282,20 +155,21 @@ class Router:
 
     async def route(self, queries: list[RouteQuery]) -> list[tuple[int, int, object]]:
         """(replica, generation, engine actor) per query, in order."""
-        if not self._live.is_set():
+        await self._ready()
+        if not self.replicas.live.is_set():
             try:
-                await asyncio.wait_for(self._live.wait(), _NO_REPLICA_WAIT_S)
+                await asyncio.wait_for(self.replicas.live.wait(), _NO_REPLICA_WAIT_S)
             except asyncio.TimeoutError:
                 raise EngineDeadError(f"no replica of this deployment serves: "
-                                      f"{self._errors()}") from None
-        live = [r for r in self.replicas.values() if r.state == ReplicaState.LIVE]
+                                      f"{self.replicas.errors()}") from None
+        live = self.replicas.serving()
         out = []
         for query in queries:
             t0, c0 = time.perf_counter(), time.thread_time()
             candidates = [Candidate(r.id, r.load) for r in live if r.id not in query.exclude] \
                 or [Candidate(r.id, r.load) for r in live]
             choice = self.policy.pick(query, candidates)
-            replica = self.replicas[choice.replica]
+            replica = self.replicas.get(choice.replica)
             replica.load.route(choice.uncached_tokens)
             self._route_us.append((time.perf_counter() - t0) * 1e6)
             self._route_cpu_us.append((time.thread_time() - c0) * 1e6)
@@ -318,28 +192,27 @@ class Router:
     async def explain(self, query: RouteQuery) -> dict[int, list[int]]:
         """What each live replica holds of the query's prompt, as the index says: blocks
         found on the device, in the CPU tier and on SSD (routes nothing)."""
-        live = [r.id for r in self.replicas.values() if r.state == ReplicaState.LIVE]
+        live = [r.id for r in self.replicas.serving()]
         found = self.index.match(self._chain(query.prompt_token_ids, query.cache_salt), live)
         return {r: [m.device, m.cpu, m.ssd] for r, m in found.items()}
-
-    def _errors(self) -> str:
-        return "; ".join(f"replica {r.id}: {r.error}" for r in self.replicas.values()
-                         if r.error) or "none started"
 
     # ------------------------------------------------------------------ views
 
     async def replica_actors(self) -> dict[int, tuple[int, object]]:
         """Live replicas: id -> (generation, engine actor)."""
-        return {r.id: (r.generation, r.actor) for r in self.replicas.values()
-                if r.state == ReplicaState.LIVE}
+        await self._ready()
+        return {r.id: (r.generation, r.actor) for r in self.replicas.serving()}
 
     async def health(self) -> bool:
-        if not any(r.state == ReplicaState.LIVE for r in self.replicas.values()):
-            raise EngineDeadError(f"no replica of this deployment serves: {self._errors()}")
+        await self._ready()
+        if not self.replicas.serving():
+            raise EngineDeadError(f"no replica of this deployment serves: "
+                                  f"{self.replicas.errors()}")
         return True
 
     async def describe(self) -> dict:
         """The router's own view: each replica's state, node, restarts, load, index size."""
+        await self._ready()
         route_us = sorted(self._route_us)
         cpu_us = self._route_cpu_us
         return {
@@ -356,13 +229,14 @@ class Router:
                 if r.id in self.index.replicas else [0, 0, 0],
                 "event_resyncs": self.index.replicas[r.id].resyncs
                 if r.id in self.index.replicas else 0,
-            } for r in sorted(self.replicas.values(), key=lambda r: r.id)},
+            } for r in sorted(self.replicas, key=lambda r: r.id)},
         }
 
     async def _each(self, method: str, *args, timeout_s: float = 30.0) -> dict[int, object]:
         """method(*args) on every live replica, at once; replica -> result (an exception
         for one that failed)."""
-        live = [r for r in self.replicas.values() if r.state == ReplicaState.LIVE]
+        await self._ready()
+        live = self.replicas.serving()
         refs = [getattr(r.actor, method).remote(*args) for r in live]
 
         async def one(ref):
@@ -375,9 +249,9 @@ class Router:
         for res in (await self._each("info")).values():
             if not isinstance(res, BaseException):
                 # Every replica queues as many: the deployment admits their sum.
-                return dict(res, data_parallel_size=len(self.replicas),
-                            routing_policy=self.policy.name,
-                            max_queued_requests=res["max_queued_requests"] * len(self.replicas))
+                n = len(self.replicas.replicas)
+                return dict(res, data_parallel_size=n, routing_policy=self.policy.name,
+                            max_queued_requests=res["max_queued_requests"] * n)
         await self.health()
         raise EngineDeadError("no replica answered")
 
@@ -391,7 +265,7 @@ class Router:
         out["replicas"] = {r: dict(per.get(r, {}), **v) for r, v in view.pop("replicas").items()}
         out["router"] = view
         if not per:
-            out["dead"] = f"no replica of this deployment serves: {self._errors()}"
+            out["dead"] = f"no replica of this deployment serves: {self.replicas.errors()}"
         return out
 
     async def list_requests(self) -> list[dict]:
@@ -414,16 +288,8 @@ class Router:
 
     async def shutdown(self) -> None:
         """Stops every replica (each writes its SSD tier), in parallel."""
-        self._stopping = True
-        tp = self.config.tensor_parallel_size
-        await asyncio.gather(*(asyncio.to_thread(
-            stop_replica, r.actor, r.pg, self.uid, r.id, tp, self.namespace)
-            for r in self.replicas.values()), return_exceptions=True)
-        for r in self.replicas.values():
-            if r.task is not None and not r.task.done():
-                r.task.cancel()
-        self.replicas.clear()
-        self._live.clear()
+        await self._ready()
+        await self.replicas.stop()
 
 
 # Stats that are not summed over replicas: averaged, recomputed, or per replica only.

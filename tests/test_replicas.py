@@ -156,8 +156,23 @@ try:
     out["after_scale_up"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
     out["live_after_scale_up"] = sorted(
         r["state"] for r in h.engine.describe()["replicas"].values())
+
+    # The router dies mid-stream: Ray restarts it, it adopts the running replicas, the
+    # streams (straight from the replicas) never notice, and it routes again.
+    async def router_dies():
+        tasks = [asyncio.create_task(collect(p, greedy_params)) for p in prompts]
+        await asyncio.sleep(0.2)
+        ray.kill(router, no_restart=False)
+        return [t for t, _ in await asyncio.gather(*tasks)]
+    out["router_killed"] = asyncio.run(router_dies())
+    out["after_router_restart"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
+    out["adopted"] = sorted((r["state"], r["replica_restarts"])
+                            for r in h.engine.describe()["replicas"].values())
 finally:
     out["stopped"] = tierserve.stop("rep")
+    time.sleep(1)
+    out["left"] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)] + [
+        p["name"] for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
     print(json.dumps(out))
     ray.shutdown()
     cluster.shutdown()
@@ -211,4 +226,6 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     assert out["after_scale"] == ref[:2]
     assert out["scaled_up"] == {"replicas": 2, "errors": []}
     assert out["after_scale_up"] == ref and out["live_after_scale_up"] == ["live", "live"]
-    assert out["stopped"]
+    assert out["router_killed"] == ref and out["after_router_restart"] == ref
+    assert out["adopted"] == [["live", 0], ["live", 0]], out["adopted"]
+    assert out["stopped"] and out["left"] == [], out["left"]
