@@ -7,22 +7,30 @@ every step (same prefix, their own suffix, a few output tokens each). Reported:
   bytes_per_decode_request   encoded SchedulerOutput bytes / running decode requests
   codec_us                   encode + decode of that SchedulerOutput
   xxhash_ns_per_token, sha256_ns_per_token   block-hash chain cost over a 512-token prompt
+  step_us_log_off, step_us_log_on            median step of the arrival phase without and with the
+                                             request log (request_log_path), alternated in rounds
 
 Usage: python bench/scheduler_overhead.py [--json] [--steps N]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
 
 from report import emit
 from tierserve.kvcache import BlockHasher, KVCacheManager
+from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
 from tierserve.scheduler import ModelRunnerOutput, SamplingParams, Scheduler, WorkerChannelCodec
 
 BLOCK_SIZE = 16
 PREFIX = [random.Random(0).randrange(1, 49000) for _ in range(512)]
+_ARRIVALS = itertools.count(10**6)  # ids of arriving requests, unique across phases
 
 
 def build(num_running: int) -> Scheduler:
@@ -47,16 +55,36 @@ def _step(sched: Scheduler, codec: WorkerChannelCodec | None = None):
 
 def measure_steps(sched: Scheduler, steps: int, arrivals: int) -> list[float]:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    next_id = 10**6
     times = []
     for _ in range(steps):
         for _ in range(arrivals):
+            next_id = next(_ARRIVALS)
             sched.add_request(str(next_id), PREFIX + [next_id % 49000 + 1] * 24, params)
-            next_id += 1
         t0 = time.perf_counter()
         _step(sched)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def measure_request_log(sched: Scheduler, steps: int, rounds: int = 6) -> tuple[float, float]:
+    """Median step time of the arrival phase without and with the request log (its writer
+    thread appending to a file), alternated in rounds so that drift hits both alike."""
+    folder = tempfile.mkdtemp(prefix="tierserve-bench-log-")
+    log = RequestLog(os.path.join(folder, "requests.tslog"),
+                     LogHeader(MAGIC, LOG_VERSION, BLOCK_SIZE))
+    off, on = [], []
+    try:
+        for _ in range(rounds):
+            sched.on_finish = None
+            off += measure_steps(sched, steps // (2 * rounds), arrivals=2)
+            sched.on_finish = log.add
+            on += measure_steps(sched, steps // (2 * rounds), arrivals=2)
+    finally:
+        sched.on_finish = None
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert log.num_written > 0
+    return statistics.median(off) * 1e6, statistics.median(on) * 1e6
 
 
 def measure_codec(sched: Scheduler, num_running: int) -> tuple[float, float]:
@@ -93,6 +121,7 @@ def main() -> None:
     bytes_per_req, codec_us = measure_codec(sched, args.running)
     decode_only = measure_steps(sched, args.steps, arrivals=0)
     with_arrivals = measure_steps(sched, args.steps, arrivals=2)
+    log_off, log_on = measure_request_log(sched, args.steps)
     sched.check_integrity()
     result = {
         "running_requests": args.running,
@@ -103,6 +132,8 @@ def main() -> None:
         "codec_us": codec_us,
         "xxhash_ns_per_token": hash_ns_per_token("xxhash"),
         "sha256_ns_per_token": hash_ns_per_token("sha256"),
+        "step_us_log_off": log_off,
+        "step_us_log_on": log_on,
         "prefix_cache_hit_rate": sched.stats()["prefix_cache_hit_rate"],
     }
     emit(result, args.json)

@@ -122,7 +122,84 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _engine_flags(chat)
     _sampling_flags(chat)
+    _analyze_parser(sub)
     return parser
+
+
+def _analyze_parser(sub) -> None:
+    a = sub.add_parser(
+        "analyze", help="what prefix caches of each size would save on a request log",
+        description="Prefix-sharing statistics of a workload, and a replay through the "
+        "engine's own block manager at every capacity asked for: hit rate per tier, prefill "
+        "tokens and TTFT saved, and the smallest tiers within 2%% of an unbounded cache.")
+    a.add_argument("inputs", nargs="+", metavar="LOG",
+                   help="request logs (--request-log), OpenAI request JSONL, ShareGPT JSON(L) "
+                        "or Mooncake trace JSONL")
+    a.add_argument("--model", default=None,
+                   help="its tokenizer reads text inputs; its config sizes a KV block")
+    a.add_argument("--device-blocks", type=_int_list, default=None, metavar="N[,N...]",
+                   help="device pool sizes in blocks, null block included (num_kv_blocks); "
+                        "default: the engine's own, from its log")
+    a.add_argument("--cpu-bytes", type=_size_list, default=[0], metavar="SIZE[,SIZE...]",
+                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB (default: 0)")
+    a.add_argument("--ssd-bytes", type=_size_list, default=[0], metavar="SIZE[,SIZE...]",
+                   help="SSD tier sizes per rank (default: 0)")
+    a.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: a log's own, else 16)")
+    a.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="KV dtype for a block's bytes (default: a log's, else float32)")
+    a.add_argument("--tensor-parallel-size", "--tp", type=int, default=None,
+                   help="ranks (a block's bytes are per rank; default: a log's, else 1)")
+    a.add_argument("--rate", type=float, default=None,
+                   help="requests per second for inputs without times (default: each "
+                        "arrives when the one before has finished)")
+    a.add_argument("--output-len", type=int, default=128,
+                   help="output tokens of a request whose input does not say")
+    a.add_argument("--profile", action="store_true",
+                   help="measure prefill, decode and tier-copy costs with the engine on this "
+                        "machine (--model's, default SmolLM2), for the TTFT estimates")
+    a.add_argument("--ssd-path", default=None, help="folder --profile reads SSD speed in")
+    a.add_argument("--no-stats", dest="statistics", action="store_false",
+                   help="skip the sharing statistics (their memory grows with distinct "
+                        "blocks)")
+    a.add_argument("--json", action="store_true", help="print the figures as JSON")
+    a.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="hit-rate curves against tier size (needs matplotlib)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of ints: {text!r}") from None
+
+
+def _size_list(text: str) -> list[int]:
+    from tierserve.runtime.analyze.report import parse_size
+    try:
+        return [parse_size(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    import json
+    from tierserve.runtime.analyze import analyze
+    from tierserve.runtime.analyze.report import format_report, plot_curves
+    costs = None
+    if args.profile:
+        from tierserve.runtime.analyze.profile import profile_costs
+        costs = profile_costs(args.model, dtype=args.dtype or "auto",
+                              block_size=args.block_size or 16, ssd_path=args.ssd_path)
+    out = analyze(args.inputs, model=args.model, block_size=args.block_size,
+                  device_blocks=args.device_blocks, cpu_bytes=args.cpu_bytes,
+                  ssd_bytes=args.ssd_bytes, dtype=args.dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, costs=costs, rate=args.rate,
+                  output_len=args.output_len, statistics=args.statistics)
+    if args.plot:
+        plot_curves(out, args.plot)
+    print(json.dumps(out) if args.json else format_report(out))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -285,7 +362,7 @@ def _read_messages():
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "api-server": cmd_api_server,
+            "api-server": cmd_api_server, "analyze": cmd_analyze,
             "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort}
 
 

@@ -104,6 +104,16 @@ class EngineConfig:
                                    "dequantized run small batches from the blocks (exact, "
                                    "the same results); false: from the fp32 weights alone")
 
+    request_log_path: str | None = _opt(
+        None, "append a compact record per finished request to this file (arrival, tenant "
+        "id, lengths, block-hash chain, cached tokens per tier, TTFT, latency), for "
+        "`tierserve analyze`; rotated by size; default: no log", flags=("--request-log",))
+    request_log_tokens: bool = _opt(
+        False, "the request log also records token ids (not only block hashes)")
+    request_log_max_bytes: int = _opt(256 << 20, "the request log rotates past this size",
+                                      low=4096)
+    request_log_keep: int = _opt(8, "rotated request logs kept (PATH.1 is the newest)", low=0)
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))

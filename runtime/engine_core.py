@@ -19,6 +19,7 @@ from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.outputs import Outstanding
+from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
 from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
 from tierserve.scheduler import (
@@ -137,6 +138,7 @@ class EngineCore:
             raise
         self.config = config
         self.scheduler = self._make_scheduler(config, info)
+        self.request_log = self._make_request_log(config, spec, info)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         tiering = self.scheduler.tiering
@@ -188,6 +190,31 @@ class EngineCore:
             costs = scheduler.tiering.costs
             costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
         return scheduler
+
+    def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
+                          info: WorkerInfo) -> RequestLog | None:
+        """The request log, where configured: every finished sequence goes to it."""
+        if config.request_log_path is None:
+            return None
+        header = LogHeader(
+            MAGIC, LOG_VERSION, config.block_size, hash_algo=config.prefix_caching_hash_algo,
+            hash_seed=config.hash_seed, model=spec.model, dtype=spec.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            kv_block_bytes=info.kv_block_bytes, num_blocks=info.num_blocks,
+            cpu_slots=info.cpu_slots, ssd_entries=info.ssd_entries,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            copy_bytes_per_s=info.copy_bytes_per_s)
+        try:
+            request_log = RequestLog(config.request_log_path, header,
+                                     with_tokens=config.request_log_tokens,
+                                     max_bytes=config.request_log_max_bytes,
+                                     keep=config.request_log_keep)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler.on_finish = request_log.add
+        return request_log
 
     # ------------------------------------------------------------------ requests
 
@@ -461,6 +488,8 @@ class EngineCore:
         except Exception:  # the workers are gone or failing: nothing more to save
             log.exception("could not write the KV cache to SSD at shutdown")
         finally:
+            if self.request_log is not None:
+                self.request_log.close()
             self.executor.shutdown()
 
     def _flush_tiers(self) -> None:

@@ -24,6 +24,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
         "num_swapped_tokens", "family_id", "index", "num_output_placeholders",
+        "first_token_time", "cached_by_tier", "ssd_loaded_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -48,6 +49,12 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (reported to the user).
         self.num_cached_tokens = -1
+        # Of those, the tokens found in the device pool, the CPU tier and on SSD.
+        self.cached_by_tier = (0, 0, 0)
+        # Blocks loaded from SSD for it while it waited (CPU hits by the time it is admitted).
+        self.ssd_loaded_blocks = 0
+        # time.monotonic() when its first output token was appended (None: none yet).
+        self.first_token_time: float | None = None
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.
         self.num_sent_tokens = 0
@@ -77,6 +84,7 @@ class Request:
                         family_id=self.family_id, index=index)
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.cached_by_tier = self.cached_by_tier
         child._hasher, child._extra_first, child._extra = (self._hasher, self._extra_first,
                                                            self._extra)
         child.block_hashes = self.block_hashes[:]
@@ -94,6 +102,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         if self._hasher is not None and len(self.all_token_ids) % self._hasher.block_size == 0:
             self._hash_new_blocks()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
@@ -112,6 +113,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # Called with each sequence that finishes, however it finished (the request log).
+        self.on_finish: Callable[[Request], None] | None = None
         # The KV tiers' part of scheduling, where the cache has tiers (kvcache/tiers.py).
         self.tiering = Tiering(kv_cache_manager.tiers, kv_cache_manager.block_size,
                                preemption_mode) if kv_cache_manager.tiers is not None else None
@@ -195,6 +198,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
         self.kv.free(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
         if self.tiering is not None:
             self.tiering.forget(req)
         del self.requests[req.request_id]
@@ -314,7 +319,9 @@ class Scheduler:
         hits, num_hit = self.kv.get_computed_blocks(req)
         admission = None
         if self.tiering is not None:
+            loaded = self.tiering.tiers.stats.ssd_hit_blocks
             admission = self.tiering.lookup(req, self.kv.find_tier_hits(req, len(hits)))
+            req.ssd_loaded_blocks += self.tiering.tiers.stats.ssd_hit_blocks - loaded
             if admission.wait:
                 self.waiting.pop()
                 return False
@@ -327,10 +334,21 @@ class Scheduler:
             if admission is not None:
                 self.tiering.refused(admission)
             return None
+        if req.num_cached_tokens < 0:
+            req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
         if admission is not None:
             self.tiering.promoted(req, admission, blocks)
         self._start_running(req, num_hit, n, plan)
         return True
+
+    def _cached_by_tier(self, req: Request, num_device_blocks: int,
+                        num_hit: int) -> tuple[int, int, int]:
+        """(device, CPU, SSD) tokens of a first admission's hits; blocks loaded from SSD for
+        the request are CPU hits by now."""
+        device = num_device_blocks * self.kv.block_size
+        below = num_hit - device
+        ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
+        return device, below - ssd, ssd
 
     def _resume_swapped(self, req: Request, plan: _StepPlan) -> bool | None:
         n = self._chunk(req.num_tokens - req.num_swapped_tokens, plan.budget)

@@ -52,7 +52,7 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 def violations(root: Path = REPO) -> list[str]:
     bad = []
     for package in PACKAGES:
-        for path in sorted((root / package).glob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):
             for line, module in imports_of(path):
                 parts = module.split(".")
                 where = f"{path.relative_to(root)}:{line}"
