@@ -178,7 +178,7 @@ def main() -> None:
     s = child(log, args, "--stats")
     result.update(log_stats_seconds=s["seconds"], log_stats_peak_rss_mib=s["peak_rss_mib"])
     if not args.skip_text:
-        from tierserve.workers.loader import default_model_path
+        from tierserve.workers.model.loader import default_model_path
         model = args.model or default_model_path()
         text = os.path.join(args.dir, f"chats-{args.text_requests}.jsonl")
         if not os.path.exists(text):

@@ -12,7 +12,14 @@ Reported per rate: request throughput, output tok/s, TTFT / TPOT / ITL at p50 an
 admitted requests), and goodput: requests per second that met the SLO (--slo-ttft-ms and
 --slo-tpot-ms).
 
+With --structured it also prints the structured-output line: output tok/s of --batch
+requests at once constrained by a JSON schema against the same requests free (same prompts,
+both greedy, tokens counted from usage), the grammar compile time cold and cached (on the
+model's tokenizer, in this process), and the per-request cost of the API key and tenant checks
+(a 100-key table with limits, in this process).
+
     python bench/serving.py [--json] [--rates 1,2,4,8,inf] [--base-url URL --model NAME]
+    python bench/serving.py --structured --rates '' [--json]
 """
 from __future__ import annotations
 
@@ -81,6 +88,88 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     except httpx.HTTPError as e:
         out["status"] = f"error: {type(e).__name__}"
     return out
+
+
+# A schema a model fills until max_tokens: a list of short strings, never closed early.
+LIST_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "minItems": 64, "items": {"type": "string", "maxLength": 24}}}}
+
+
+async def _batch(url: str, model: str, prompts: list[str], output_len: int,
+                 extra: dict) -> tuple[int, float]:
+    """All prompts at once (non-streaming, greedy): (completion tokens, seconds)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+        async def one(prompt: str) -> int:
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": output_len, "temperature": 0} | extra
+            r = await client.post(url, json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(tokens), time.perf_counter() - t0
+
+
+def structured_line(url: str, model: str, prompts: list[str], output_len: int) -> dict:
+    """Free and JSON-schema-constrained batches on the same prompts, alternated twice."""
+    free, constrained = [], []
+    schema = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "list", "schema": LIST_SCHEMA}}}
+    for _ in range(2):
+        tokens, seconds = asyncio.run(_batch(url, model, prompts, output_len,
+                                             {"ignore_eos": True}))
+        free.append(tokens / seconds)
+        tokens, seconds = asyncio.run(_batch(url, model, prompts, output_len, schema))
+        constrained.append(tokens / seconds)
+    out = {"batch": len(prompts), "free_tok_s": round(max(free), 1),
+           "structured_tok_s": round(max(constrained), 1)}
+    out["structured_vs_free"] = round(out["structured_tok_s"] / out["free_tok_s"], 3)
+    return out | grammar_compile_ms() | {"auth_overhead_us": auth_overhead_us()}
+
+
+def grammar_compile_ms() -> dict:
+    """Compiling a new JSON schema on the default model's tokenizer, and taking a cached one
+    (the median of 20 of each; the tokenizer view is built once, before timing)."""
+    from tierserve.runtime.tokenizer import tokenizer_json_file
+    from tierserve.runtime import envs
+    from tierserve.scheduler.params import StructuredOutputs
+    from tierserve.workers.model.loader import default_model_path
+    from tierserve.workers.structured import GrammarMatchers
+    from tierserve.runtime.engine_core import load_model_tokenizer
+    path = default_model_path()
+    tok = load_model_tokenizer(path)
+    matchers = GrammarMatchers(tokenizer_json_file(path, envs.cache_dir()), len(tok.hf),
+                               [tok.eos_token_id])
+    matchers.add("warm", StructuredOutputs(json=json.dumps(LIST_SCHEMA)))
+    matchers.masks(["warm"])
+    cold, cached = [], []
+    for i in range(20):
+        schema = dict(LIST_SCHEMA, title=f"schema {i}")
+        spec = StructuredOutputs(json=json.dumps(schema))
+        for times, rid in ((cold, f"cold{i}"), (cached, f"cached{i}")):
+            t0 = time.perf_counter()
+            matchers.add(rid, spec)
+            matchers.masks([rid])
+            times.append(time.perf_counter() - t0)
+    ms = lambda xs: round(float(np.median(xs)) * 1000, 3)  # noqa: E731
+    return {"grammar_compile_ms_cold": ms(cold), "grammar_compile_ms_cached": ms(cached)}
+
+
+def auth_overhead_us(n: int = 20000) -> float:
+    """Authenticate a Bearer key, admit under a tenant's limits and derive its salt: the
+    mean over n requests against a 100-key table."""
+    from tierserve.deploy.openai.tenants import KeyTable
+    keys = {f"sk-{i:04d}-{'x' * 40}": f"tenant{i % 10}" for i in range(100)}
+    table = KeyTable.from_dict({"keys": keys, "tenants": {
+        f"tenant{t}": {"requests_per_second": 1e9, "tokens_per_minute": 1e12}
+        for t in range(10)}})
+    headers = [f"Bearer {k}" for k in keys]
+    t0 = time.perf_counter()
+    for i in range(n):
+        tenant = table.authenticate(headers[i % 100])
+        tenant.admit(1)
+        tenant.cache_salt("client")
+    return round((time.perf_counter() - t0) / n * 1e6, 2)
 
 
 async def run_rate(url: str, model: str, prompts: list[str], rate: float, output_len: int,
@@ -167,11 +256,14 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="an extra `tierserve api-server` argument (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--structured", action="store_true",
+                    help="also the structured-output line (JSON schema vs free, compile, auth)")
+    ap.add_argument("--batch", type=int, default=16, help="requests at once, --structured")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from tierserve.runtime.engine_core import load_model_tokenizer
-    from tierserve.workers.loader import default_model_path
+    from tierserve.workers.model.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     proc = None
     if args.base_url is None:
@@ -181,12 +273,17 @@ def main() -> None:
         base = args.base_url.rstrip("/").removesuffix("/v1")
         model = args.model or httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         label = args.label or base
-    rows = []
+    rows, structured = [], None
     try:
         url = base + "/v1/chat/completions"
         # One warm-up request: first-call costs (kernel loads, caches) are not the workload's.
         asyncio.run(run_rate(url, model, ["warm up"], float("inf"), 4, args.seed))
-        for i, text in enumerate(args.rates.split(",")):
+        if args.structured:
+            asyncio.run(_batch(url, model, ["warm up"], 4, {"guided_json": LIST_SCHEMA}))
+            structured = {"engine": label} | structured_line(
+                url, model, build_prompts(tokenizer, args.batch, args.input_len, args.seed),
+                args.output_len)
+        for i, text in enumerate(t for t in args.rates.split(",") if t):
             rate = float(text)
             prompts = build_prompts(tokenizer, args.num_prompts, args.input_len,
                                     args.seed * 1000 + i)
@@ -204,9 +301,12 @@ def main() -> None:
     if args.json:
         print(json.dumps({"workload": {k: getattr(args, k) for k in (
             "num_prompts", "input_len", "output_len", "slo_ttft_ms", "slo_tpot_ms",
-            "max_queued_requests")}, "rows": rows}, indent=2))
+            "max_queued_requests")}, "rows": rows, "structured": structured}, indent=2))
     else:
-        print_table(rows)
+        if rows:
+            print_table(rows)
+        if structured is not None:
+            print_table([structured])
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "name)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413")
+    keys = api.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1 (one tenant, 'default')")
+    keys.add_argument("--api-keys-file", default=None, metavar="FILE",
+                      help="TOML or JSON: [keys] key -> tenant, [tenants.NAME] limits "
+                           "(requests_per_second, tokens_per_minute), secret (README)")
     _engine_flags(api)
     chat = sub.add_parser("chat", help="chat with the model (one message, or a REPL)")
     chat.add_argument("message", nargs="?", default=None,
@@ -217,8 +223,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_api_server(args: argparse.Namespace) -> int:
-    from tierserve.deploy.http_server import ServerConfig, serve_http
+    from tierserve.deploy.openai import KeyTable, ServerConfig, serve_http
     from tierserve.runtime.client import AsyncLLM
+    keys = KeyTable.single(args.api_key) if args.api_key else \
+        KeyTable.from_file(args.api_keys_file) if args.api_keys_file else None
     options = engine_options(args)
     if args.name is not None:
         from tierserve.deploy.ray_engine import serve
@@ -230,7 +238,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or
                               model_name(info.get("model")),
                               max_queued_requests=info["max_queued_requests"],
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, keys=keys)
         print(f"tierserve: serving {config.served_model_name!r} on "
               f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         serve_http(engine, config, args.host, args.port)

@@ -1,8 +1,10 @@
-"""Fair eviction between tenants (cache salts) of one block pool.
+"""Fair eviction between tenants of one block pool.
 
-A tenant is a cache salt (None: unsalted requests, one tenant). Salts never share a block (the
-salt is in the first block's hash and the chain carries it on), so each cached block belongs to
-one tenant: the one whose request cached it.
+A tenant is a cache salt up to its first "|" (`tenant_of`; None: unsalted requests, one
+tenant): the HTTP server salts a tenant's requests `<tenant salt>|<client salt>`, so the salts a
+client picks share its tenant's side of the rule. Salts never share a block (the salt is in the
+first block's hash and the chain carries it on), so each cached block belongs to one tenant: the
+one whose request cached it.
 
 A tenant occupies the blocks its requests hold and its cached free blocks. The rule
 (BlockPool.get_new_blocks): a new block is the free queue's LRU head, unless the head is a
@@ -29,9 +31,16 @@ from typing import Iterable
 
 from tierserve.kvcache.block import KVCacheBlock
 
-__all__ = ["TenantLedger", "MaxCounter"]
+__all__ = ["TenantLedger", "MaxCounter", "tenant_of"]
 
 Tenant = str | None
+
+
+def tenant_of(cache_salt: str | None) -> Tenant:
+    """The tenant a cache salt belongs to: the salt up to its first "|"."""
+    if cache_salt is None:
+        return None
+    return cache_salt.partition("|")[0]
 
 
 class MaxCounter:

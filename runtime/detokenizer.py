@@ -27,8 +27,10 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None) -> None:
+                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
+                 include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop
         self._skip_special = skip_special_tokens
         self._stop = [s for s in (stop or ()) if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -94,7 +96,7 @@ class IncrementalDetokenizer:
 
     def _cut_at_stop(self) -> bool:
         """On a match of any stop string in the pending text, keep only the text before the
-        earliest one and mark the detokenizer stopped."""
+        earliest one (through it, with include_stop) and mark the detokenizer stopped."""
         best = -1
         for stop in self._stop:
             pos = self._pending.find(stop)
@@ -102,7 +104,7 @@ class IncrementalDetokenizer:
                 best, self.stop_reason = pos, stop
         if best == -1:
             return False
-        self._pending = self._pending[:best]
+        self._pending = self._pending[:best + (len(self.stop_reason) if self._include_stop else 0)]
         self._stopped = True
         return True
 

@@ -4,7 +4,8 @@ A log file is a sequence of frames, each a 4-byte little-endian length and a msg
 a LogHeader (the engine's block size, hash width, capacities and costs), then RequestRecords in
 the order requests finished. A record carries no text and no token ids (unless the engine runs
 with request_log_tokens): the prompt's and the output's full blocks appear as their block-hash
-chain, each hash cut to its first HASH_BYTES bytes, and the cache salt as a one-way tenant id.
+chain (the cache salt is in it), each hash cut to its first HASH_BYTES bytes, and the salt's
+tenant as a one-way id.
 
 Writing happens off the engine's step loop: the scheduler hands each finished Request to
 `RequestLog.add` (a deque append), and a writer thread encodes and appends them in batches,
@@ -26,6 +27,8 @@ import time
 from typing import Iterator
 
 import msgspec
+
+from tierserve.kvcache.tenants import tenant_of
 
 __all__ = ["LogHeader", "RequestRecord", "RequestLog", "read_log", "write_log", "LogError",
            "LOG_VERSION", "HASH_BYTES", "tenant_id", "chain_ints", "MAGIC", "is_request_log"]
@@ -93,10 +96,12 @@ class LogError(ValueError):
 
 
 def tenant_id(cache_salt: str | None) -> int:
-    """A stable 63-bit id of a cache salt that does not reveal it; 0 for none."""
-    if cache_salt is None:
+    """A stable 63-bit id, that does not reveal it, of the tenant a cache salt belongs to (the
+    salt up to its first "|": kvcache.tenants.tenant_of); 0 for none."""
+    tenant = tenant_of(cache_salt)
+    if tenant is None:
         return 0
-    digest = hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=8,
+    digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=8,
                              person=b"ts-tenant").digest()
     return (int.from_bytes(digest, "little") >> 1) or 1
 

@@ -11,6 +11,7 @@ import operator
 
 from tierserve.scheduler.messages import EngineCoreRequest
 from tierserve.scheduler.params import SamplingParams
+from tierserve.workers.structured import check_structured
 
 __all__ = ["check_request", "token_ids", "MAX_INT64"]
 
@@ -38,6 +39,8 @@ def check_request(request: EngineCoreRequest) -> None:
                          f"{type(request.sampling_params).__name__}")
     # Checked when built, and again here: fields can be set past the constructor.
     request.sampling_params.__post_init__()
+    if request.sampling_params.structured_outputs is not None:
+        check_structured(request.sampling_params.structured_outputs)
     if type(request.priority) is not int or abs(request.priority) > MAX_INT64:
         raise ValueError(f"priority must be an int, got {request.priority!r}")
     if request.cache_salt is not None:

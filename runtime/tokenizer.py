@@ -2,9 +2,9 @@
 
 A GGUF file carries its tokenizer in metadata (tokenizer.ggml.*: model type, tokens, merges,
 special ids, chat template). transformers' converter turns that into a fast tokenizer; it is fed
-the metadata parsed by workers.gguf_file (shared with the weight loader, so a process parses the
-file once) rather than letting AutoTokenizer re-parse the file through gguf.GGUFReader, which
-takes seconds. Building still costs a few hundred milliseconds, so the converted tokenizer is
+the metadata parsed by workers.model.gguf_file (shared with the weight loader, so a process
+parses the file once) rather than letting AutoTokenizer re-parse the file through
+gguf.GGUFReader, which takes seconds. Building still costs a few hundred milliseconds, so the converted tokenizer is
 saved under `cache_dir` keyed by the file's absolute path, size and mtime (plus the transformers
 version, whose conversion may change) and later loads read the saved tokenizer.json instead.
 """
@@ -24,7 +24,7 @@ import transformers
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from tierserve.workers.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
 __all__ = ["Tokenizer", "load_tokenizer", "gguf_cache_folder"]
 
@@ -115,6 +115,21 @@ def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
     if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer at {path!r}")
     raise ValueError(f"{path!r} is neither a model folder nor a .gguf file")
+
+
+def tokenizer_json_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None
+                        ) -> str | None:
+    """The tokenizer.json a loaded tokenizer came from (a model folder's, or a GGUF file's
+    cached conversion); None when there is none."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        folder = path
+    elif path.endswith(".gguf") and cache_dir is not None and os.path.isfile(path):
+        folder = gguf_cache_folder(path, cache_dir)
+    else:
+        return None
+    found = os.path.join(folder, "tokenizer.json")
+    return os.path.abspath(found) if os.path.isfile(found) else None
 
 
 def gguf_cache_folder(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike) -> str:

@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-__all__ = ["SamplingParams", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
+__all__ = ["SamplingParams", "StructuredOutputs", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
            "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
@@ -71,6 +71,38 @@ def finish_reason_of(status: RequestStatus) -> FinishReason | None:
     return _STATUS_TO_REASON.get(status)
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True,
+                        gc=False):
+    """One constraint on a request's output (vLLM's names): `json` a JSON schema (its JSON
+    text), `json_object` any JSON object, `regex`, `choice` one of the strings, `grammar` a
+    Lark (or GBNF) grammar. workers/structured.py compiles it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs takes exactly one of json, "
+                             f"json_object, regex, choice, grammar; got {kinds or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a "
+                                 f"non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c
+                                               for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be non-empty strings")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+                ] + (["json_object"] if self.json_object is True else [])
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, gc=False):
     """vLLM's names and defaults. temperature 0 is greedy; top_k 0 or -1 disables top-k."""
 
@@ -89,6 +121,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logprobs: int | None = None
     # Samples per prompt: the prompt's KV is computed once and each sample forks from it.
     n: int = 1
+    # A grammar the output must follow; its matcher lives on the rank that samples.
+    structured_outputs: StructuredOutputs | None = None
+    # EOS and stop_token_ids cannot end the output before it has this many tokens.
+    min_tokens: int = 0
+    # Token id -> a bias in [-100, 100] added to its logit (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Token sequences the output never ends with (vLLM's bad_words, tokenized by the caller):
+    # a sequence's last token is banned wherever the output ends with the rest of it.
+    bad_words_token_ids: list[list[int]] | None = None
+    # A stop string that ends the output stays in its text.
+    include_stop_str_in_output: bool = False
+    # Logprobs of each prompt token given the ones before (and the top-n there); the prompt
+    # is then computed in full, without prefix cache hits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +160,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+        if self.prompt_logprobs is not None:
+            _check_int(self.prompt_logprobs, "prompt_logprobs", lambda v: 0 <= v <= 20,
+                       "must be in [0, 20]")
         _check_int(self.n, "n", lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
@@ -128,9 +179,57 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 type(t) is not int or not 0 <= t < 2**63 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, 2**63), got "
                              f"{self.stop_token_ids!r}")
+        self._check_token_fields()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("SamplingParams.structured_outputs must be StructuredOutputs or "
+                             "a dict of its fields")
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got "
                              f"{self.ignore_eos!r}")
+
+
+    def _check_token_fields(self) -> None:
+        _check_int(self.min_tokens, "min_tokens", lambda v: 0 <= v < 2**63, "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens, got "
+                             f"{self.min_tokens} > {self.max_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("SamplingParams.logit_bias must be a dict of token id -> bias")
+            for t, b in self.logit_bias.items():
+                _check_token(t, "logit_bias")
+                _check(b, "logit_bias", lambda v: -100.0 <= v <= 100.0, "must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids must be a non-empty list")
+            for t in self.allowed_token_ids:
+                _check_token(t, "allowed_token_ids")
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, list) or any(
+                    not isinstance(w, list) or not w for w in self.bad_words_token_ids):
+                raise ValueError("SamplingParams.bad_words_token_ids must be non-empty lists")
+            for w in self.bad_words_token_ids:
+                for t in w:
+                    _check_token(t, "bad_words_token_ids")
+        if type(self.include_stop_str_in_output) is not bool:
+            raise ValueError("SamplingParams.include_stop_str_in_output must be True or False")
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the parameters name (the engine checks them against the vocab)."""
+        ids = list(self.stop_token_ids)
+        ids += list(self.logit_bias or ())
+        ids += self.allowed_token_ids or []
+        for w in self.bad_words_token_ids or ():
+            ids += w
+        return ids
+
+
+def _check_token(value, name: str) -> None:
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise ValueError(f"SamplingParams.{name} token ids must be ints >= 0, got {value!r}")
 
 
 def _check_int(value, name: str, ok, requirement: str) -> None:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
 from tierserve import AsyncLLM
-from tierserve.deploy.http_server import ServerConfig, build_app
+from tierserve.deploy.openai import KeyTable, ServerConfig, build_app
 
 MODEL = "tiny"
 
@@ -48,10 +48,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama")
-    add_tiny_tokenizer(path)
-    llm = AsyncLLM(str(path), block_size=4, max_model_len=256)
+def checkpoint(tmp_path_factory):
+    return add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=256)
     yield llm
     llm.shutdown()
 
@@ -237,6 +240,9 @@ def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, 
     _idle(engine)
 
 
+NO_TENANT = (("tenant", ""),)
+
+
 def _metrics(base) -> dict:
     text = httpx.get(base + "/metrics", timeout=10).text
     out = {}
@@ -259,12 +265,14 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     def moved(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0)
 
-    assert moved("tierserve:generation_tokens_total") == 10
-    assert moved("tierserve:prompt_tokens_total") > 0
+    assert moved("tierserve:generation_tokens_total", NO_TENANT) == 10
+    assert moved("tierserve:prompt_tokens_total", NO_TENANT) > 0
     assert moved("tierserve:time_to_first_token_seconds_count") == 2
     assert moved("tierserve:e2e_request_latency_seconds_count") == 2
     assert moved("tierserve:inter_token_latency_seconds_count") == 8
-    assert moved("tierserve:request_success_total", (("finished_reason", "length"),)) == 2
+    assert moved("tierserve:request_success_total",
+                 (("finished_reason", "length"), ("tenant", ""))) == 2
+    assert moved("tierserve:prompt_cached_tokens_total", NO_TENANT) > 0
     assert moved("tierserve:prefix_cache_queries_total") > 0
     assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
     assert ("tierserve:num_preemptions_total", ()) in after
@@ -298,7 +306,8 @@ def test_a_full_queue_answers_503_at_once(engine):
         hold.set()
         assert [f.result().status_code for f in admitted] == [200, 200]
         metrics = _metrics(srv.base)
-        assert metrics[("tierserve:requests_refused_total", (("status", "503"),))] == 3
+        assert metrics[("tierserve:requests_refused_total",
+                        (("status", "503"), ("tenant", "")))] == 3
     finally:
         hold.set()
         srv.stop()
@@ -320,3 +329,294 @@ def test_health_is_503_once_the_engine_is_dead(tmp_path):
     finally:
         srv.stop()
         llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- keys and tenants
+
+KEYS = {"secret": "tests", "keys": {"sk-alpha": "alpha", "sk-beta": "beta", "sk-slow": "slow",
+                                    "sk-thrifty": "thrifty"},
+        "tenants": {"slow": {"requests_per_second": 0.05},
+                    "thrifty": {"tokens_per_minute": 4}}}
+
+
+@pytest.fixture(scope="module")
+def keyed(engine):
+    srv = Server(engine, keys=KeyTable.from_dict(KEYS))
+    yield srv
+    srv.stop()
+
+
+def _as(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key=key, max_retries=0)
+
+
+def test_without_a_valid_key_it_is_401(keyed):
+    for key in ("sk-wrong", "sk-alph", "sk-alpha2"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            _as(keyed, key).completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["code"] == 401
+        assert key not in e.value.body["message"]
+    # no key at all, even with a bad body: 401 before the body is read
+    r = httpx.post(keyed.base + "/v1/completions", json={"prompt": 5}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(keyed.base + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(keyed.base + "/health", timeout=10).status_code == 200
+    out = _as(keyed, "sk-alpha").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert out.usage.completion_tokens == 1
+
+
+def test_two_tenants_never_share_a_prefix_whatever_salt_they_send(keyed):
+    prompt = "Tenants keep their caches apart, even for one and the same long prompt"
+    alpha, beta = _as(keyed, "sk-alpha"), _as(keyed, "sk-beta")
+
+    def cached(client, salt):
+        body = {"cache_salt": salt} if salt else {}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        extra_body=body)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    for salt in (None, "shared"):
+        cached(alpha, salt)
+        assert cached(alpha, salt) > 0  # a tenant hits its own prefix
+        assert cached(beta, salt) == 0  # the other one, with the same salt, does not
+    # a client's own salt is a cache of its own inside its tenant's
+    assert cached(alpha, "elsewhere") == 0
+    tenants = KeyTable.from_dict(KEYS).tenants
+    assert tenants["alpha"].salt != tenants["beta"].salt
+    assert tenants["alpha"].salt == KeyTable.from_dict(KEYS).tenants["alpha"].salt
+
+
+def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(keyed):
+    slow, thrifty = _as(keyed, "sk-slow"), _as(keyed, "sk-thrifty")
+    slow.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        slow.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert e.value.status_code == 429 and "requests per second" in e.value.body["message"]
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    # tokens per minute: the first request spends past the budget, the next waits
+    thrifty.completions.create(model=MODEL, prompt="a few words", max_tokens=4)
+    with pytest.raises(openai.RateLimitError) as e:
+        thrifty.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert "tokens per minute" in e.value.body["message"]
+    out = _as(keyed, "sk-beta").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert out.usage.completion_tokens == 1
+    metrics = _metrics(keyed.base)
+    assert metrics[("tierserve:requests_refused_total",
+                    (("status", "429"), ("tenant", "slow")))] == 1
+    assert metrics[("tierserve:generation_tokens_total", (("tenant", "beta"),))] >= 1
+
+
+def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix(checkpoint):
+    """On a 32-block pool, tenant beta floods unique prompts, each under a salt of its own
+    (as if it were many tenants); alpha's warm prefix stays: beta's salts are all beta's."""
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33)
+    srv = Server(llm, keys=KeyTable.from_dict(KEYS))
+    try:
+        alpha, beta = _as(srv, "sk-alpha"), _as(srv, "sk-beta")
+        warm = list(range(10, 30))  # 5 blocks
+        alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
+        for i in range(12):  # 12 x 5 blocks: the pool over and over
+            beta.completions.create(model=MODEL, prompt=[100 + i] + list(range(40, 59)),
+                                    max_tokens=1, extra_body={"cache_salt": f"s{i}"})
+        again = alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    finally:
+        srv.stop()
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- structured outputs
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                  "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+WORDS = ["alpha", "the cat", "a list of", "Give me JSON", "hello world", "x", "numbers 1 2 3",
+         "quick brown fox", "tests read them back", "!?"]
+
+
+def test_json_schema_outputs_parse_and_validate(client):
+    import jsonschema
+    prompts = [f"{WORDS[i % 10]} {WORDS[(i * 3) % 10]} {i}" for i in range(50)]
+    for temperature in (0.0, 1.0):
+        out = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=160, temperature=temperature, seed=5,
+            extra_body={"structured_outputs": {"json": PERSON}})
+        assert len(out.choices) == 50
+        for choice in out.choices:
+            assert choice.finish_reason == "stop", choice.text
+            jsonschema.validate(json.loads(choice.text), PERSON)
+    for rf in ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+               {"type": "json_object"}):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "who?"}], max_tokens=160,
+            temperature=1.0, seed=2, response_format=rf)
+        value = json.loads(chat.choices[0].message.content)
+        assert isinstance(value, dict)
+        if rf["type"] == "json_schema":
+            jsonschema.validate(value, PERSON)
+
+
+def test_regex_and_choice_outputs_match(client):
+    import re
+    out = client.completions.create(model=MODEL, prompt="a code:", n=4, max_tokens=20,
+                                    temperature=1.0, seed=9,
+                                    extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2,4}"})
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", c.text) for c in out.choices), out.choices
+    options = ["yes", "no", "maybe so"]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "well?"}], n=6, max_tokens=10,
+        temperature=1.0, seed=3, extra_body={"guided_choice": options})
+    assert all(c.message.content in options for c in chat.choices)
+
+
+def test_a_mixed_batch_gives_free_requests_the_tokens_they_get_alone(client):
+    free = dict(model=MODEL, prompt=["free one", "free two"], max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    alone = [c.text for c in client.completions.create(**free).choices]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = pool.submit(client.completions.create, model=MODEL, prompt=WORDS, max_tokens=120,
+                           temperature=1.0, extra_body={"guided_json": PERSON})
+        mixed = [c.text for c in client.completions.create(**free).choices]
+        assert all(json.loads(c.text) for c in held.result().choices)
+    assert mixed == alone
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_grammar": "start: (("}, "guided_grammar"),
+])
+def test_a_schema_that_cannot_compile_is_400_naming_it(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+# ---------------------------------------------------------------------------- tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _check_call(call) -> None:
+    import jsonschema
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_parse_match_and_stream_the_same(client, tool_choice):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}],
+                  tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=120,
+                  temperature=0)
+    for seed in range(3):
+        out = client.chat.completions.create(seed=seed, **dict(kwargs, temperature=1.0))
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _check_call(call)
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    full = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert reasons[-1] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in full]
+
+
+# ---------------------------------------------------------------------------- tokens, sampling
+
+def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, engine):
+    tok = engine.tokenizer
+    r = httpx.post(server.base + "/tokenize", json={"model": MODEL, "prompt": "hello world"},
+                   timeout=10).json()
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    messages = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": messages}, timeout=10).json()
+    assert r["tokens"] == tok.apply_chat_template(messages)
+    ids = tok.encode("round trip", add_special_tokens=False)
+    r = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=10).json()
+    assert r == {"prompt": "round trip"}
+    r = httpx.post(server.base + "/detokenize", json={"tokens": [10 ** 6]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_logit_bias_allowed_tokens_and_min_tokens(client, engine):
+    tok = engine.tokenizer
+    x, y = (tok.encode(c, add_special_tokens=False)[0] for c in "xy")
+    base = dict(model=MODEL, prompt="choose", max_tokens=8, temperature=0)
+    free = client.completions.create(**base, extra_body={"allowed_token_ids": [x, y],
+                                                         "ignore_eos": True})
+    assert set(free.choices[0].text) <= {"x", "y"}
+    first = free.choices[0].text[0]
+    banned = client.completions.create(**base, logit_bias={str(tok.encode(
+        first, add_special_tokens=False)[0]): -100}, extra_body={"allowed_token_ids": [x, y],
+                                                                 "ignore_eos": True})
+    assert first not in banned.choices[0].text and len(banned.choices[0].text) == 8
+    eos = {str(tok.eos_token_id): 100}
+    assert client.completions.create(**base, logit_bias=eos).usage.completion_tokens == 1
+    held = client.completions.create(**base, logit_bias=eos, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**base, logit_bias={"1000000": 1})
+    assert "out of range" in e.value.body["message"]
+
+
+def test_echo_and_a_stop_string_kept_in_the_output(client):
+    base = dict(model=MODEL, prompt="The capital of Italy", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    text = client.completions.create(**base).choices[0].text
+    echoed = client.completions.create(**base, echo=True).choices[0].text
+    assert echoed == "The capital of Italy" + text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **base, echo=True, stream=True))
+    assert streamed == echoed
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip())
+    kept = client.completions.create(**dict(base, extra_body={
+        "ignore_eos": True, "include_stop_str_in_output": True}), stop=[stop]).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == text[:text.index(stop) + len(stop)]
+
+
+def test_prompt_logprobs_equal_the_full_forwards_log_softmax(client, checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = list(range(5, 31))
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for _ in range(2):  # the second one would hit the first's prefix: it is computed again
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        temperature=0, extra_body={"prompt_logprobs": 2})
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+        got = out.choices[0].prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for i in range(1, len(prompt)):
+            entry = got[i][str(prompt[i])]
+            assert abs(entry["logprob"] - ref[i - 1, prompt[i]].item()) < 1e-4
+            assert entry["rank"] == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+            best = min(got[i].items(), key=lambda e: e[1]["rank"])
+            assert int(best[0]) == int(ref[i - 1].argmax())

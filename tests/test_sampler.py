@@ -447,3 +447,42 @@ def test_greedy_breaks_ties_like_argmax():
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[3] == 100 and got[5] == 7
     assert all(got[r] == 0 or x[r, : got[r]].max() < 4 for r in range(64) if r not in (3, 5))
+
+
+def test_a_bitmask_keeps_only_its_tokens_and_leaves_free_rows_alone():
+    from tierserve.workers.sampler import make_generator
+    from tierserve.workers.structured import apply_bitmask_
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    allowed = [5, 33, 64, 69]
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    for t in allowed:
+        bitmask[0, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0)]
+    batch = SamplingBatch.build(params, [None, make_generator(1, "cpu"), None], None, vocab,
+                                "cpu", masks=([1], bitmask))
+    for _ in range(20):
+        out = Sampler()(logits, batch).token_ids.tolist()
+        assert out[1] in allowed
+        assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    x = logits[:1].clone()
+    apply_bitmask_(x, bitmask)
+    assert torch.isfinite(x[0]).nonzero().flatten().tolist() == allowed
+
+
+def test_token_rules_ban_bad_words_where_they_would_end_and_eos_before_min_tokens():
+    from tierserve.workers.token_rules import TokenRules
+    params = SamplingParams(bad_words_token_ids=[[5, 6], [7]], min_tokens=2,
+                            stop_token_ids=[9], logit_bias={3: 1.5})
+    rules = TokenRules(params, 12, eos_token_ids=[2], device=torch.device("cpu"))
+
+    def banned():
+        row = rules.row()
+        return sorted(torch.isinf(row).nonzero().flatten().tolist()), float(row[3])
+
+    assert banned() == ([2, 7, 9], 1.5)  # EOS and stop tokens too, before min_tokens
+    rules.push(5)
+    assert banned() == ([2, 6, 7, 9], 1.5)  # 5 was written: 6 would end [5, 6]
+    rules.push(4)
+    assert banned() == ([7], 1.5)

@@ -211,3 +211,10 @@ def test_engine_tenant_b_prefix_survives_a_flood_by_another_salt(tiny):
 def test_engine_one_tenant_keeps_plain_lru_under_the_same_flood(tiny, salts):
     first, again, _ = _engine_flood(tiny, *salts)
     assert (first, again) == (0, 0)
+
+
+def test_a_salts_tenant_is_its_part_before_the_first_bar():
+    from tierserve.kvcache.tenants import tenant_of
+    assert tenant_of(None) is None
+    assert tenant_of("acme") == "acme"
+    assert tenant_of("t-1f|client|x") == "t-1f"

@@ -2,7 +2,8 @@
 
 Order of operations for each row (one row per request that receives a token this step):
 
-  penalties (repetition over prompt + output tokens, as HF / vLLM; presence and frequency over
+  grammar mask (constrained rows: tokens their matcher disallows become -inf; structured.py)
+  -> penalties (repetition over prompt + output tokens, as HF / vLLM; presence and frequency over
   output tokens only, OpenAI semantics)
   -> greedy rows: argmax of the penalised logits
   -> random rows: temperature -> top-k -> top-p -> min-p -> exponential race with the row's
@@ -31,7 +32,9 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.structured import GrammarMatchers, apply_bitmask_
+from tierserve.workers.token_rules import TokenRules
 
 __all__ = [
     "SAMPLING_EPS",
@@ -128,17 +131,25 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # random-row index -> seeded generator
     penalties: PenaltyInputs | None
     max_num_logprobs: int | None         # largest `logprobs` asked for; None when nobody asks
+    # Constrained rows (long[c]) and the tokens each may take (a bitmask int32[c, words]).
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows with token rules (long[k]) and what each adds to its logits (float32[k, vocab]).
+    adjust: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row is greedy without penalties or logprobs: a bare argmax suffices."""
+        """Every row is greedy without penalties, logprobs, masks or token rules: a bare
+        argmax suffices."""
         return (self.random_rows is None and self.penalties is None
-                and self.max_num_logprobs is None)
+                and self.max_num_logprobs is None and self.masks is None
+                and self.adjust is None)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams],
               generators: Sequence[torch.Generator | None], penalties: PenaltyInputs | None,
-              vocab_size: int, device: torch.device | str) -> "SamplingBatch":
+              vocab_size: int, device: torch.device | str,
+              masks: tuple[list[int], torch.Tensor] | None = None,
+              adjust: tuple[list[int], torch.Tensor] | None = None) -> "SamplingBatch":
         if len(generators) != len(params):
             raise ValueError("need one generator slot (or None) per row")
         greedy = [i for i, p in enumerate(params) if is_greedy(p)]
@@ -168,6 +179,9 @@ class SamplingBatch:
                         if generators[i] is not None},
             penalties=penalties,
             max_num_logprobs=max(asked) if asked else None,
+            masks=None if masks is None else (tensor(masks[0], torch.long),
+                                              masks[1].to(device)),
+            adjust=None if adjust is None else (tensor(adjust[0], torch.long), adjust[1]),
         )
 
     @classmethod
@@ -204,6 +218,7 @@ class _TableEntry:
     params: SamplingParams
     generator: torch.Generator | None
     slot: int  # row in the penalty tables, -1 when the request has no penalties
+    rules: TokenRules | None = None
 
 
 class SamplingStateTable:
@@ -214,8 +229,13 @@ class SamplingStateTable:
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
-                 initial_capacity: int = 8) -> None:
+                 initial_capacity: int = 8, grammars: GrammarMatchers | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._ruled = 0  # entries with token rules
+        # Matchers of constrained requests (structured outputs); None off the sampling rank.
+        self.grammars = grammars
         self.device = torch.device(device)
         self._entries: dict[str, _TableEntry] = {}
         self._counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
@@ -243,12 +263,27 @@ class SamplingStateTable:
             slot = self._take_slot()
             _fill_penalty_row(self._counts[slot], self._prompt_mask[slot], prompt_token_ids,
                               output_token_ids)
-        self._entries[req_id] = _TableEntry(params, generator, slot)
+        # Only the rank that samples (the one with matchers) follows the grammar.
+        if params.structured_outputs is not None and self.grammars is not None:
+            self.grammars.add(req_id, params.structured_outputs)
+            if len(output_token_ids):
+                self.grammars.advance([req_id] * len(output_token_ids), list(output_token_ids))
+        rules = None
+        if TokenRules.needed(params):
+            rules = TokenRules(params, self.vocab_size, self.eos_token_ids, self.device)
+            for token in output_token_ids:
+                rules.push(int(token))
+            self._ruled += 1
+        self._entries[req_id] = _TableEntry(params, generator, slot, rules)
 
     def remove_request(self, req_id: str) -> torch.Generator | None:
         """Drop a request's state; returns its seeded generator so a preempted request can resume
         its random stream."""
         entry = self._entries.pop(req_id)
+        if entry.rules is not None:
+            self._ruled -= 1
+        if self.grammars is not None:
+            self.grammars.remove(req_id)
         if entry.slot >= 0:
             self._free_slots.append(entry.slot)
         return entry.generator
@@ -256,9 +291,12 @@ class SamplingStateTable:
     def append_tokens(self, req_ids: Sequence[str], token_ids: torch.Tensor | Sequence[int]) -> None:
         """Count tokens the requests accepted this step: token_ids[i] belongs to req_ids[i].
 
-        token_ids may be the sampler's device tensor (no host sync). A request may appear more than
-        once (several tokens in a step); counts accumulate.
+        token_ids may be the sampler's device tensor (no host sync unless a request is
+        constrained). A request may appear more than once (several tokens in a step); counts
+        accumulate.
         """
+        if self._ruled or (self.grammars is not None and len(self.grammars)):
+            self._follow(req_ids, token_ids)
         positions, slots = [], []
         for i, req_id in enumerate(req_ids):
             slot = self._entries[req_id].slot
@@ -274,6 +312,26 @@ class SamplingStateTable:
         self._counts.index_put_((slot_t, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                 accumulate=True)
 
+    def _follow(self, req_ids: Sequence[str], token_ids) -> None:
+        """Constrained and ruled requests see their accepted tokens (a host sync, for them)."""
+        listed = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if self.grammars is not None and len(self.grammars):
+            self.grammars.advance(req_ids, listed)
+        if self._ruled:
+            for rid, token in zip(req_ids, listed):
+                rules = self._entries[rid].rules
+                if rules is not None:
+                    rules.push(int(token))
+
+    def _adjust(self, entries: list[_TableEntry]) -> tuple[list[int], torch.Tensor] | None:
+        rows, dense = [], []
+        for i, e in enumerate(entries):
+            row = e.rules.row() if e.rules is not None else None
+            if row is not None:
+                rows.append(i)
+                dense.append(row)
+        return (rows, torch.stack(dense)) if rows else None
+
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""
         entries = [self._entries[r] for r in req_ids]
@@ -285,8 +343,11 @@ class SamplingStateTable:
                                  device=self.device)
             penalties = PenaltyInputs.create(rows, [params[i] for i in rows],
                                              self._counts[slots], self._prompt_mask[slots])
+        masks = self.grammars.masks(req_ids) if self.grammars is not None \
+            and len(self.grammars) else None
+        adjust = self._adjust(entries) if self._ruled else None
         return SamplingBatch.build(params, [e.generator for e in entries], penalties,
-                                   self.vocab_size, self.device)
+                                   self.vocab_size, self.device, masks, adjust)
 
     def _take_slot(self) -> int:
         if not self._free_slots:
@@ -353,14 +414,21 @@ class Sampler:
                              f"{batch.num_rows} batch rows")
         if batch.plain_greedy:
             return SamplerOutput(greedy(logits, self.backend))
-        logits = logits.float()
+        logits = raw = logits.float()
+        owned = False
+        if batch.masks is not None:
+            logits, owned = masked(logits, *batch.masks), True
+        if batch.adjust is not None:
+            rows, add = batch.adjust
+            logits = logits.index_copy(0, rows, logits.index_select(0, rows) + add)
+            owned = True
         if batch.penalties is None:
-            token_ids = self._choose(logits, batch, owned=False)
+            token_ids = self._choose(logits, batch, owned=owned)
         else:
             token_ids = self._choose(apply_penalties(logits, batch.penalties), batch, owned=True)
         logprobs = None
         if batch.max_num_logprobs is not None:
-            logprobs = compute_logprobs(logits, token_ids, batch.max_num_logprobs)
+            logprobs = compute_logprobs(raw, token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
@@ -403,6 +471,14 @@ class Sampler:
         for row, generator in batch.generators.items():
             noise[row].uniform_(generator=generator)
         return noise.log_().neg_()
+
+
+def masked(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits float32[n, vocab] where each constrained row keeps only the tokens its
+    bitmask allows (the others are -inf)."""
+    x = logits.index_select(0, rows)
+    apply_bitmask_(x, bitmask)
+    return logits.index_copy(0, rows, x)
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyInputs) -> torch.Tensor:

@@ -14,8 +14,8 @@ def kv_block_bytes(model: str, dtype: str, tensor_parallel_size: int, block_size
         dtype = "float32"  # the CPU engine's default; pass --dtype for a GPU deployment
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    from tierserve.workers.layers import partition_heads
-    from tierserve.workers.loader import load_model_config
+    from tierserve.workers.model.layers import partition_heads
+    from tierserve.workers.model.loader import load_model_config
     try:
         config = load_model_config(model)
     except (OSError, KeyError, ValueError) as e:

@@ -52,9 +52,8 @@ def profile_costs(model: str | None, *, dtype: str = "auto", block_size: int = 1
                      SamplingParams(temperature=0, max_tokens=decode_n, ignore_eos=True),
                      use_tqdm=False)
         decode_s = max(time.perf_counter() - t0 - short, 1e-9) / (decode_n - 1)
-        tiering = core.scheduler.tiering
-        block_bytes = tiering.costs.block_bytes if tiering is not None else 0
-        copy_bw = tiering.costs.copy_bytes_per_s if tiering is not None else 0.0
+        costs = core.scheduler.tiers.costs
+        block_bytes, copy_bw = costs.block_bytes, costs.copy_bytes_per_s
     costs = Costs(prefill_tokens_per_s=1.0 / slope, decode_tokens_per_s=1.0 / decode_s,
                   ttft_base_s=max(short - _SHORT * slope, 0.0),
                   source="measured on this machine (--profile)")
@@ -62,27 +61,25 @@ def profile_costs(model: str | None, *, dtype: str = "auto", block_size: int = 1
 
 
 def _ssd_bytes_per_s(block_bytes: int, folder: str | None) -> float:
-    """Block-sized entries read back (checked) through the workers' SSD store, from disk."""
+    """Block-sized entries read back (checked) through the workers' SSD folder, from disk."""
     if not block_bytes:
         return 0.0
-    import torch
-
-    from tierserve.workers.tiers import SsdStore
+    from tierserve.workers.tier_ssd import SsdFolder
     with tempfile.TemporaryDirectory(dir=folder, prefix="tierserve-profile-") as root:
-        store = SsdStore(root, "profile", "profile", 0, _SSD_ENTRIES, [block_bytes],
-                         torch.uint8)
+        ssd = SsdFolder(root, "profile", 1, 1 << 40)
         payload = memoryview(os.urandom(block_bytes))
-        for entry in range(_SSD_ENTRIES):
-            store.write(entry, b"h%d" % entry, b"", payload)
-            fd = os.open(store.path(entry), os.O_RDONLY)
+        hashes = [b"%016d" % i for i in range(_SSD_ENTRIES)]
+        for h in hashes:
+            ssd.write(h, (0, 1), b"", [block_bytes], "uint8", payload)
+            fd = os.open(ssd.path(h, (0, 1)), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
         out = memoryview(bytearray(block_bytes))
         t0 = time.perf_counter()
-        for entry in range(_SSD_ENTRIES):
-            why = store.read(entry, b"h%d" % entry, b"", out)
+        for h in hashes:
+            why = ssd.read(ssd.path(h, (0, 1)), h, (0, 1), None, [block_bytes], "uint8", out)
             if why is not None:
                 raise RuntimeError(f"--profile: an SSD entry read back wrong: {why}")
         seconds = time.perf_counter() - t0

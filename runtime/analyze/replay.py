@@ -70,7 +70,8 @@ class _Request:
     def __init__(self, request_id: int, trace: Trace, chain: list[int]) -> None:
         self.request_id = request_id
         self.num_computed_tokens = 0
-        self.cache_salt = trace.tenant or None
+        # The pool groups blocks by tenant for fair eviction; the salt itself is in the chain.
+        self.cache_salt = str(trace.tenant) if trace.tenant else None
         self.block_hashes = chain
         self.block_keys = None
         self.num_tokens = trace.prompt_len

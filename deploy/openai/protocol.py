@@ -1,5 +1,5 @@
 """OpenAI's request bodies (completions, chat completions) and what they become: engine
-prompts and SamplingParams, then response and stream-chunk JSON.
+prompts and SamplingParams (responses.py shapes what comes back).
 
 Bodies are validated by pydantic with unknown fields refused, so a typo is a 400 naming it,
 never silently dropped. Ranges are checked once, by SamplingParams; its ValueError names the
@@ -7,23 +7,15 @@ field, which the server turns into the error's `param`.
 """
 from __future__ import annotations
 
-import re
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierserve.runtime.outputs import CompletionOutput, Logprob
+from tierserve.deploy.openai.errors import BadField, param_of
+from tierserve.deploy.openai.structured import ToolPlan, structured_of
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "BadField", "sampling_params",
-           "completion_prompts", "chat_messages", "param_of", "chat_logprobs",
-           "completion_logprobs"]
-
-
-class BadField(ValueError):
-    """A request field with a value the server cannot serve (the message names it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
+           "TokenizeChatRequest", "DetokenizeRequest", "BadField", "sampling_params",
+           "completion_prompts", "chat_messages", "param_of"]
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +48,18 @@ class _Common(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    # Constrained output (deploy/openai/structured.py): at most one of these.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -80,13 +84,37 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve."""
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest,
+                    tools: ToolPlan | None = None, encode=None) -> SamplingParams:
+    """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve.
+    `encode` (text -> token ids, no special tokens) tokenizes bad_words."""
     _refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -107,7 +135,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs, n=req.n)
+        logprobs=logprobs, n=req.n, structured_outputs=structured_of(req, tools),
+        min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words_token_ids=_bad_words(req.bad_words, encode),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=req.prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
@@ -119,31 +152,38 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         raise BadField(name, str(e).replace("SamplingParams.", "")) from None
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise BadField("logit_bias", "logit_bias keys are token ids") from None
+
+
+def _bad_words(words: list[str] | None, encode) -> list[list[int]] | None:
+    """Each bad word as the model writes it alone and after a space (vLLM's two spellings)."""
+    if not words:
+        return None
+    if encode is None:
+        raise BadField("bad_words", "bad_words need the model's tokenizer")
+    out = []
+    for word in words:
+        if not word.strip():
+            raise BadField("bad_words", "a bad word is a non-blank string")
+        for spelling in (word, " " + word.lstrip()):
+            ids = encode(spelling)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 def _refuse_unsupported(req) -> None:
-    if req.logit_bias:
-        raise BadField("logit_bias", "logit_bias is not supported")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise BadField("echo", "echo is not supported")
         if req.suffix:
             raise BadField("suffix", "suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise BadField("best_of", "best_of must equal n (beam-style best_of is not supported)")
-    else:
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise BadField("tools", "tool calling is not supported")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise BadField("response_format", "only response_format {\"type\": \"text\"} is "
-                           "supported")
-
-
-_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?\b")
-
-
-def param_of(message: str) -> str | None:
-    """The field a ValueError from SamplingParams or the engine's checks names first."""
-    m = _PARAM.match(message)
-    return m.group(1) if m else None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -178,41 +218,3 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             msg["name"] = m.name
         out.append(msg)
     return out
-
-
-# ---------------------------------------------------------------------------- logprobs JSON
-
-def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    # The sampled token keeps its true rank; the top-k are ranks 1..k.
-    return sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
-                   and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
-
-
-def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
-    if completion.logprobs is None:
-        return None
-    content = []
-    for tid, entries in zip(completion.token_ids, completion.logprobs):
-        token = decode(tid)
-        content.append({
-            "token": token, "logprob": entries[tid].logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
-                              "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
-    return {"content": content}
-
-
-def completion_logprobs(completion: CompletionOutput, decode, k: int,
-                        offset: int = 0) -> dict | None:
-    if completion.logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entries in zip(completion.token_ids, completion.logprobs):
-        token = decode(tid)
-        tokens.append(token)
-        token_lps.append(entries[tid].logprob)
-        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k)})
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-

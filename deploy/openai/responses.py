@@ -1,0 +1,233 @@
+"""What goes back: the one fold of a body's output deltas into choices and usage, and the JSON
+of full responses, stream chunks and logprobs, for both endpoints.
+
+A body runs one engine request per prompt (completions take several), each with `n` samples;
+choice `i * n + j` is sample j of prompt i. Full responses and streams read the same fold:
+a full response once every delta is in, a stream piece by piece as `Fold.add` returns them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
+from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["Fold", "Piece", "Responder", "sse", "usage_json", "chat_logprobs",
+           "completion_logprobs"]
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(slots=True)
+class Piece:
+    """One sample's new output in one delta, as its choice sends it."""
+
+    index: int            # the choice index, i * n + j
+    output: CompletionOutput
+    text_offset: int      # the choice's text length before this piece
+
+
+class Fold:
+    """A body's choices (text, tokens, logprobs, finish reason so far) and usage."""
+
+    def __init__(self, num_prompts: int, n: int, want_logprobs: bool,
+                 echo: list[str] | None = None) -> None:
+        self.n = n
+        # With echo, each choice's text begins with its prompt's.
+        self.echo = echo
+        self.choices = [CompletionOutput(k % n, echo[k // n] if echo else "", [], None,
+                                         [] if want_logprobs else None)
+                        for k in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+        self.prompt_logprobs: list[list | None] = [None] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+        self.completion_tokens = 0
+
+    def add(self, i: int, delta: RequestOutput) -> list[Piece]:
+        """Folds prompt i's delta in; returns its pieces with something to send."""
+        if delta.prompt_token_ids:
+            self.prompt_tokens[i] = len(delta.prompt_token_ids)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = delta.prompt_logprobs
+        self.cached_tokens[i] = max(self.cached_tokens[i], delta.num_cached_tokens)
+        pieces = []
+        for c in delta.outputs:
+            self.completion_tokens += len(c.token_ids)
+            if not (c.text or c.token_ids or c.finish_reason):
+                continue
+            index = i * self.n + c.index
+            choice = self.choices[index]
+            pieces.append(Piece(index, c, len(choice.text)))
+            choice.text += c.text
+            choice.token_ids += c.token_ids
+            if c.logprobs is not None and choice.logprobs is not None:
+                choice.logprobs += c.logprobs
+            if c.finish_reason is not None:
+                choice.finish_reason = c.finish_reason
+        return pieces
+
+    def usage(self) -> dict:
+        return usage_json(sum(self.prompt_tokens), self.completion_tokens,
+                          sum(self.cached_tokens))
+
+
+class Responder:
+    """The JSON of one body's response and stream chunks: `kind` is "completion" or "chat"."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
+                 include_usage: bool, tools: ToolPlan | None = None) -> None:
+        self.kind, self.decode, self.k = kind, decode, num_logprobs
+        self.include_usage = include_usage
+        # Chat with tools the model may call (not "none"): its text may be tool calls.
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        obj = "text_completion" if kind == "completion" else "chat.completion"
+        self.head = {"id": rid, "object": obj, "created": created, "model": model}
+        self.chunk_head = self.head if kind == "completion" else \
+            dict(self.head, object="chat.completion.chunk")
+        self._announced: set[int] = set()  # choices whose prompt logprobs were streamed
+
+    def full(self, fold: Fold) -> dict:
+        choices = [self._choice(k, c) for k, c in enumerate(fold.choices)]
+        for k, choice in enumerate(choices):
+            self._prompt_logprobs(choice, fold, k)
+        return dict(self.head, choices=choices, usage=fold.usage())
+
+    def _prompt_logprobs(self, choice: dict, fold: Fold, index: int) -> dict:
+        """vLLM's prompt_logprobs of the choice's prompt, when it was asked for."""
+        lps = fold.prompt_logprobs[index // fold.n]
+        if lps is not None:
+            choice["prompt_logprobs"] = [None if e is None else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                         "decoded_token": self.decode(t)} for t, lp in e.items()} for e in lps]
+        return choice
+
+    def _choice(self, index: int, c: CompletionOutput) -> dict:
+        if self.kind == "completion":
+            return {"index": index, "text": c.text,
+                    "logprobs": completion_logprobs(c, self.decode, self.k),
+                    "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        if self.tools is not None:
+            calls, content = parse_tool_calls(self.tools, c.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message,
+                "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
+
+    def opening(self, fold: Fold) -> list[bytes]:
+        """Chunks before any output: chat announces each choice's role; an echoing completion
+        sends each choice's prompt."""
+        if self.kind == "completion":
+            return [self._chunk({"index": k, "text": c.text, "logprobs": None,
+                                 "finish_reason": None})
+                    for k, c in enumerate(fold.choices) if c.text]
+        return [self._chunk({"index": k, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for k in range(len(fold.choices))]
+
+    def piece(self, p: Piece, fold: Fold) -> list[bytes]:
+        c = p.output
+        if self.kind == "completion":
+            choice = {"index": p.index, "text": c.text,
+                      "logprobs": completion_logprobs(c, self.decode, self.k, p.text_offset),
+                      "finish_reason": c.finish_reason}
+            if p.index not in self._announced:
+                self._announced.add(p.index)
+                self._prompt_logprobs(choice, fold, p.index)
+            return [self._chunk(choice)]
+        if self.tools is not None and self.tools.mode in ("named", "required"):
+            return self._tool_piece(p, fold)
+        return [self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},
+                             "logprobs": chat_logprobs(c, self.decode, self.k),
+                             "finish_reason": c.finish_reason})]
+
+    def _tool_piece(self, p: Piece, fold: Fold) -> list[bytes]:
+        """A forced call streams as OpenAI streams calls: a named function's arguments as they
+        come (the first chunk names the call); `required` calls whole, once the list closes."""
+        c, plan, chunks = p.output, self.tools, []
+        lp = chat_logprobs(c, self.decode, self.k)
+        if plan.mode == "named":
+            if p.text_offset == 0:
+                call = parse_tool_calls(plan, "")[0][0]
+                call["function"]["arguments"] = ""
+                chunks.append(self._chunk({"index": p.index, "delta": {"tool_calls": [
+                    dict(call, index=0)]}, "logprobs": None, "finish_reason": None}))
+            if c.text:
+                chunks.append(self._chunk({"index": p.index, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": c.text}}]}, "logprobs": lp,
+                    "finish_reason": None}))
+        if c.finish_reason is None:
+            return chunks
+        delta = {}
+        if plan.mode == "required":
+            calls, content = parse_tool_calls(plan, fold.choices[p.index].text)
+            delta = {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]} \
+                if calls else {"content": content}
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        chunks.append(self._chunk({"index": p.index, "delta": delta, "logprobs": None,
+                                   "finish_reason": reason}))
+        return chunks
+
+    def _chunk(self, choice: dict) -> bytes:
+        chunk = dict(self.chunk_head, choices=[choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def closing(self, fold: Fold) -> list[bytes]:
+        """The usage chunk (when asked for), then the end of the stream."""
+        tail = [sse(dict(self.chunk_head, choices=[], usage=fold.usage()))] \
+            if self.include_usage else []
+        return tail + [b"data: [DONE]\n\n"]
+
+
+def usage_json(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; cached: prompt tokens served from the prefix cache (any tier)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+# ---------------------------------------------------------------------------- logprobs JSON
+
+def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    # The sampled token keeps its true rank; the top-k are ranks 1..k.
+    return sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
+                   and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
+
+
+def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    content = []
+    for tid, entries in zip(completion.token_ids, completion.logprobs):
+        token = decode(tid)
+        content.append({
+            "token": token, "logprob": entries[tid].logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
+                              "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(completion: CompletionOutput, decode, k: int,
+                        offset: int = 0) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entries in zip(completion.token_ids, completion.logprobs):
+        token = decode(tid)
+        tokens.append(token)
+        token_lps.append(entries[tid].logprob)
+        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k)})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -1,0 +1,269 @@
+"""The server's routes: completions and chat (full or streamed), models, health, metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tierserve.deploy.openai.admission import Admission, BodyLimit
+from tierserve.deploy.openai.errors import ApiError, error_of, error_response, param_path
+from tierserve.deploy.openai.metrics import Metrics
+from tierserve.deploy.openai.protocol import (
+    BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    TokenizeChatRequest, TokenizeCompletionRequest, chat_messages, completion_prompts,
+    sampling_params,
+)
+from tierserve.deploy.openai.responses import Fold, Responder, sse
+from tierserve.deploy.openai.structured import ToolPlan, tool_plan
+from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
+from tierserve.deploy.openai.tenants import KeyTable, Tenant
+from tierserve.runtime import envs
+from tierserve.runtime.client import AsyncLLM
+
+__all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
+
+log = logging.getLogger("tierserve.http")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_queued_requests: int = 256
+    max_body_bytes: int = 1 << 20
+    # API keys and their tenants; None: no authentication, the client's cache_salt as sent.
+    keys: KeyTable | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.max_queued_requests < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_queued_requests and max_body_bytes must be >= 1")
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        self.admission = Admission(config.max_queued_requests)
+        self.created = int(time.time())
+        info = engine.info()
+        self.max_model_len, self.vocab_size = info.get("max_model_len"), info.get("vocab_size")
+        tok = self.tokenizer = engine.tokenizer
+        self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
+            if tok is not None else str
+        self._encode = (lambda text: tok.encode(text, add_special_tokens=False)) \
+            if tok is not None else None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.config.served_model_name!r}", "model")
+
+    def authenticate(self, request: Request) -> Tenant | None:
+        """The request's tenant (None without keys); 401 without a valid key."""
+        keys = self.config.keys
+        if keys is None:
+            return None
+        tenant = keys.authenticate(request.headers.get("authorization"))
+        request.state.tenant = tenant.name
+        return tenant
+
+    async def generate(self, kind: str, prompts: list, body, request: Request,
+                       tenant: Tenant | None, tools: ToolPlan | None = None,
+                       echo: list[str] | None = None):
+        """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
+        text, which its choices begin with."""
+        params = sampling_params(body, tools, self._encode)
+        if tenant is not None:
+            tenant.admit(len(prompts))
+        base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
+                                     f"{uuid.uuid4().hex}"
+        salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
+        stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
+                              self.admission, self.metrics, tenant)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
+                              self._decode_one, params.logprobs or 0, include_usage, tools)
+        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
+        first = await stream.first()
+        if first is not None and first.error:
+            await stream.aclose()
+            raise error_of(first)
+        if body.stream:
+            return StreamingResponse(self._chunks(stream, fold, responder),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, self._full(stream, fold, responder), stream)
+
+    async def _full(self, stream: EngineStream, fold: Fold, responder: Responder):
+        async for i, delta in stream:
+            if delta.error:
+                raise error_of(delta)
+            fold.add(i, delta)
+        return JSONResponse(responder.full(fold))
+
+    async def _chunks(self, stream: EngineStream, fold: Fold, responder: Responder):
+        try:
+            for chunk in responder.opening(fold):
+                yield chunk
+            async for i, delta in stream:
+                if delta.error:
+                    yield sse({"error": {"message": delta.error,
+                                         "code": error_of(delta).status}})
+                    break
+                for piece in fold.add(i, delta):
+                    for chunk in responder.piece(piece, fold):
+                        yield chunk
+            for chunk in responder.closing(fold):
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    async def completions(self, body: CompletionRequest, request: Request,
+                          tenant: Tenant | None):
+        self.check_model(body.model)
+        prompts = completion_prompts(body)
+        echo = None
+        if body.echo:
+            if body.logprobs is not None:
+                raise BadField("echo", "echo with logprobs needs prompt logprobs, which this "
+                                       "server does not compute")
+            echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
+        return await self.generate("completion", prompts, body, request, tenant, echo=echo)
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send and read token ids")
+        return self.tokenizer
+
+    def _text(self, ids: list[int]) -> str:
+        return self._tok().decode(ids, skip_special_tokens=False)
+
+    async def tokenize(self, body) -> dict:
+        self.check_model(body.model)
+        tok = self._tok()
+        if isinstance(body, TokenizeChatRequest):
+            text = tok.render_chat(chat_messages(body), body.add_generation_prompt)
+        else:
+            text = body.prompt
+        ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs
+                else None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        vocab = self.vocab_size
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise BadField("tokens", f"token id {bad[0]} is out of range [0, {vocab})")
+        return {"prompt": await asyncio.to_thread(self._text, body.tokens)}
+
+    async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
+        self.check_model(body.model)
+        tools = tool_plan(body.tools, body.tool_choice)
+        return await self.generate("chat", [chat_messages(body)], body, request, tenant, tools)
+
+    async def metrics_text(self) -> bytes:
+        self.metrics.engine.stats = await self._stats()
+        return generate_latest(self.metrics.registry)
+
+    async def _stats(self) -> dict:
+        try:
+            return await asyncio.to_thread(self.engine.stats)
+        except Exception as e:
+            return {"dead": f"the engine cannot be reached: {e}"}
+
+    async def health(self) -> Response:
+        stats = await self._stats()
+        if stats.get("dead"):
+            return error_response(503, f"the engine is dead: {stats['dead']}")
+        return Response(status_code=200)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": self.created,
+            "owned_by": "tierserve", "root": self.config.served_model_name,
+            "max_model_len": self.max_model_len}]}
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig):
+    """The ASGI app: FastAPI routes behind the body-size limit."""
+    server = OpenAIServer(engine, config)
+    app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
+    app.state.server = server
+    _error_handlers(app, server)
+
+    # The key is checked (a dependency) before the body is parsed: no key, no 400 either.
+    auth = Depends(server.authenticate)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.completions(body, request, tenant)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.chat(body, request, tenant)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest,
+                       tenant: Tenant | None = auth):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, tenant: Tenant | None = auth):
+        return await server.detokenize(body)
+
+    @app.get("/v1/models")
+    async def models(tenant: Tenant | None = auth):
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return await server.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return BodyLimit(app, config.max_body_bytes)
+
+
+def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
+    def refused(request: Request, status: int) -> None:
+        tenant = getattr(request.state, "tenant", "")
+        server.metrics.refused.labels(str(status), tenant).inc()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        refused(request, e.status)
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(BadField)
+    async def _bad_field(request: Request, e: BadField):
+        refused(request, 400)
+        return error_response(400, str(e), e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        refused(request, 400)
+        first = e.errors()[0] if e.errors() else {}
+        param = param_path([str(p) for p in first.get("loc", ()) if p != "body"])
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                              param)
+
+
+def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
+    """Runs the server in the foreground until interrupted."""
+    app = build_app(engine, config)
+    log.info("serving %s on http://%s:%d/v1", config.served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=envs.log_level().lower(),
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,168 @@
+"""Structured outputs through llguidance: grammar text of a StructuredOutputs, and the matchers
+of a rank's constrained requests with the token masks they allow.
+
+Where it lives: the rank that samples (the driver). The grammar travels once, inside the
+request's SamplingParams; each step the matchers advance by the tokens the requests accepted and
+fill one bitmask row per constrained request, so masks never cross the per-step wire (invariant
+5) and, with one sampler, TP ranks cannot disagree. n > 1 samples are requests of their own,
+each with its own matcher.
+
+Compiling: a grammar is compiled once per rank (`LLMatcher` over the model's tokenizer), on a
+worker thread as soon as its request arrives, while that step's forward runs; later requests
+with the same grammar take a copy of the compiled template (microseconds). The tokenizer view
+llguidance needs is built on the first constrained request (about a second, once).
+
+Why llguidance: it installs as one small wheel with no dependency (xgrammar pulls triton, and
+with it GPU tooling), its grammars need no per-vocabulary precompute, and it computes masks
+for a batch on its own threads, off the GIL.
+"""
+from __future__ import annotations
+
+import json as jsonlib
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from tierserve.scheduler.params import StructuredOutputs
+
+__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "apply_bitmask_"]
+
+_BITS = torch.arange(32, dtype=torch.int32)
+# Compact JSON (no whitespace between tokens, as json.dumps(separators=(",", ":")) writes):
+# a model cannot spend its tokens on blanks. A schema's "x-guidance" overrides it.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llguidance():
+    try:
+        import llguidance
+        return llguidance
+    except ImportError:  # pragma: no cover - a dependency; a clear error if it went missing
+        raise ValueError("structured outputs need the llguidance package "
+                         "(pip install llguidance)") from None
+
+
+def grammar_of(spec: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint; ValueError naming the field it cannot parse."""
+    matcher = _llguidance().LLMatcher
+    if spec.json is not None:
+        try:
+            schema = jsonlib.loads(spec.json)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        return matcher.grammar_from_json_schema(schema, _JSON_OPTIONS)
+    if spec.json_object:
+        return matcher.grammar_from_json_schema({"type": "object"}, _JSON_OPTIONS)
+    if spec.regex is not None:
+        return matcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
+    grammar = spec.grammar
+    if "::=" in grammar:  # GBNF (llama.cpp's), as vLLM's guided_grammar takes it
+        grammar = _llguidance().gbnf_to_lark(grammar)
+    return matcher.grammar_from_lark(grammar)
+
+
+def check_structured(spec: StructuredOutputs) -> str:
+    """The grammar of a constraint, validated without a tokenizer; ValueError naming the field
+    and what the library could not compile."""
+    grammar = grammar_of(spec)
+    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    if error:
+        kind = spec.kinds()[0]
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {error.strip()}")
+    return grammar
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits float32[r, vocab], bitmask int32[r, ceil(vocab / 32)] (bit b of word w allows
+    token 32 w + b): disallowed tokens become -inf, in place."""
+    vocab = logits.shape[1]
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, -float("inf"))
+
+
+class GrammarMatchers:
+    """Constrained requests' matchers on one rank, by request id."""
+
+    def __init__(self, tokenizer_file: str | None, vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._tokenizer: Future | None = None
+        self._templates: dict[str, Future] = {}  # grammar -> compiled template matcher
+        self._pending: dict[str, Future] = {}    # request id -> its template, compiling
+        self._matchers: dict = {}                # request id -> its own matcher
+        self._executor = None
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._matchers or req_id in self._pending
+
+    def __len__(self) -> int:
+        return len(self._matchers) + len(self._pending)
+
+    def add(self, req_id: str, spec: StructuredOutputs) -> None:
+        """Starts compiling the request's grammar (or reuses the compiled one)."""
+        grammar = grammar_of(spec)
+        template = self._templates.get(grammar)
+        if template is None:
+            template = self._templates[grammar] = self._pool.submit(self._compile, grammar)
+        self._pending[req_id] = template
+
+    def _load_tokenizer(self):
+        llg = _llguidance()
+        if self.tokenizer_file is None:
+            raise ValueError("structured outputs need the model's tokenizer.json on the rank "
+                             "that samples")
+        with open(self.tokenizer_file, encoding="utf-8") as f:
+            text = f.read()
+        return llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+
+    def _compile(self, grammar: str):
+        if self._tokenizer is None:
+            self._tokenizer = Future()
+            try:
+                self._tokenizer.set_result(self._load_tokenizer())
+            except BaseException as e:
+                self._tokenizer.set_exception(e)
+        matcher = _llguidance().LLMatcher(self._tokenizer.result(), grammar)
+        if matcher.is_error():
+            raise ValueError(f"the grammar cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def _matcher(self, req_id: str):
+        m = self._matchers.get(req_id)
+        if m is None:
+            m = self._matchers[req_id] = self._pending.pop(req_id).result().deep_copy()
+        return m
+
+    def remove(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+        self._matchers.pop(req_id, None)
+
+    def advance(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """The tokens the requests accepted (token_ids[i] is req_ids[i]'s); others ignored."""
+        for rid, token in zip(req_ids, token_ids):
+            if rid in self._matchers or rid in self._pending:
+                self._matcher(rid).consume_token(int(token))
+
+    def masks(self, req_ids: Sequence[str]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows of req_ids that are constrained, bitmask int32[len(rows), words]) for this
+        step, or None when no row is."""
+        rows = [i for i, rid in enumerate(req_ids) if rid in self]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        matchers = [(self._matcher(req_ids[i]), j) for j, i in enumerate(rows)]
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor()
+        # llguidance's own threads fill the rows, without the GIL.
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4,
+                                               len(rows))
+        return rows, bitmask
