@@ -146,10 +146,13 @@ def _analyze_parser(sub) -> None:
     a.add_argument("--device-blocks", type=_int_list, default=None, metavar="N[,N...]",
                    help="device pool sizes in blocks, null block included (num_kv_blocks); "
                         "default: the engine's own, from its log")
-    a.add_argument("--cpu-bytes", type=_size_list, default=[0], metavar="SIZE[,SIZE...]",
-                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB (default: 0)")
-    a.add_argument("--ssd-bytes", type=_size_list, default=[0], metavar="SIZE[,SIZE...]",
-                   help="SSD tier sizes per rank (default: 0)")
+    a.add_argument("--cpu-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
+                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB, as "
+                        "kv_offload_cpu_bytes counts them (default: the engine's own from its "
+                        "log, else 0)")
+    a.add_argument("--ssd-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
+                   help="SSD tier sizes, as kv_offload_ssd_bytes counts them (default: the "
+                        "engine's own from its log, else 0)")
     a.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default: a log's own, else 16)")
     a.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),

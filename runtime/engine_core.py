@@ -229,6 +229,7 @@ class EngineCore:
             tensor_parallel_size=config.tensor_parallel_size,
             kv_block_bytes=info.kv_block_bytes, num_blocks=info.num_blocks,
             cpu_slots=index.cpu.num_slots, ssd_entries=index.ssd.capacity,
+            kv_head_ranges=len(set(info.kv_head_ranges)) or 1,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             copy_bytes_per_s=info.copy_bytes_per_s)

@@ -60,10 +60,11 @@ class LogHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     model: str = ""
     dtype: str = ""
     tensor_parallel_size: int = 1
-    kv_block_bytes: int = 0
+    kv_block_bytes: int = 0  # one block on one rank
     num_blocks: int = 0  # the device pool, null block included (num_kv_blocks)
     cpu_slots: int = 0
-    ssd_entries: int = 0
+    ssd_entries: int = 0  # blocks (each of kv_head_ranges entries of kv_block_bytes)
+    kv_head_ranges: int = 1  # distinct KV-head ranges over the ranks
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     copy_bytes_per_s: float = 0.0
@@ -86,6 +87,7 @@ class RequestRecord(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     cached_ssd: int = 0
     ttft: float = -1.0  # -1: no token was produced
     e2e: float = 0.0
+    queued: float = 0.0  # arrival to first scheduled (the step that admitted it)
     finish: int = 0  # FinishReason
     index: int = 0  # which sample of its request
     tokens: bytes = b""  # prompt + output token ids as little-endian uint32, with tokens on
@@ -218,6 +220,7 @@ class RequestLog:
             cached_device=device, cached_cpu=cpu, cached_ssd=ssd,
             ttft=first - req.arrival_time if first is not None else -1.0,
             e2e=finished_at - req.arrival_time, finish=_finish_code(req.status),
+            queued=req.admitted_at - req.arrival_time if req.admitted_at is not None else 0.0,
             index=req.index,
             tokens=array.array("I", req.all_token_ids).tobytes() if self.with_tokens else b"")
 

@@ -24,7 +24,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens",
         "family_id", "index", "num_output_placeholders",
-        "first_token_time", "cached_by_tier", "ssd_loaded_blocks",
+        "first_token_time", "cached_by_tier", "ssd_loaded_blocks", "admitted_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -53,7 +53,9 @@ class Request:
         self.cached_by_tier = (0, 0, 0)
         # Blocks loaded from SSD for it while it waited (CPU hits by the time it is admitted).
         self.ssd_loaded_blocks = 0
-        # time.monotonic() when its first output token was appended (None: none yet).
+        # time.monotonic() when it was first scheduled, and when its first output token was
+        # appended (None: not yet).
+        self.admitted_at: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -349,6 +350,7 @@ class Scheduler:
             return None
         if req.num_cached_tokens < 0:
             req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
+            req.admitted_at = time.monotonic()
         self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         self._start_running(req, num_hit, n, plan)
         return True

@@ -26,6 +26,8 @@ REPLY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # 48 conversations, 8 at a time: a turn of the 8 fits the pool, the histories of all 48 do not.
 CHATS, TURNS, BATCH = 48, 5, 8
 ENGINE = dict(block_size=BS, num_kv_blocks=401, max_model_len=256, cpus_per_worker=1)
+BLOCK_BYTES = 2 * 3 * BS * 2 * 16 * 4  # tiny llama: 3 layers, 2 KV heads of 16, fp32
+CPU_TIER = dict(kv_offload_cpu_bytes=300 * BLOCK_BYTES)  # below the pool: 300 blocks
 
 
 @pytest.fixture(scope="module")
@@ -74,23 +76,57 @@ def _served(path: str) -> list[int]:
     return served
 
 
-@pytest.mark.parametrize("concurrent", [False, True], ids=["serial", "concurrent"])
-def test_replay_predicts_the_hits_the_engine_served(tiny, tmp_path, concurrent):
-    log = str(tmp_path / "requests.tslog")
-    with LLM(tiny, request_log_path=log, **ENGINE) as llm:
+def _engine_log(tiny: str, folder, concurrent: bool) -> str:
+    log = str(folder / "requests.tslog")
+    with LLM(tiny, request_log_path=log, **CPU_TIER, **ENGINE) as llm:
         _run(llm, concurrent)
-        engine_hits = llm.stats()["prefix_cache_hit_tokens"]
+        hits = llm.stats()["prefix_cache_hit_tokens"]
+    assert sum(_served(log)) == hits  # the log is whole once the engine has shut down
+    return log
+
+
+@pytest.fixture(scope="module")
+def serial_log(tiny, tmp_path_factory):
+    return _engine_log(tiny, tmp_path_factory.mktemp("serial"), concurrent=False)
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["serial", "concurrent"])
+def test_replay_predicts_the_hits_the_engine_served(tiny, serial_log, tmp_path, concurrent):
+    """At the engine's own capacities (from the log's header), the replay's hit tokens per
+    tier are the engine's: exactly for one request at a time; within 2% for 8 at a time,
+    where the replay places the engine's steps from the log's times."""
+    log = _engine_log(tiny, tmp_path, concurrent=True) if concurrent else serial_log
     served = _served(log)
-    assert sum(served) == engine_hits > 0
-    out = analyze(log)  # at the engine's own capacities, from the log's header
-    replay = out["replays"][0]
+    assert all(served[:2])  # device and CPU hits both
+    replay = analyze(log)["replays"][0]
+    assert (replay["device_blocks"], replay["cpu_blocks"]) == (401, 300)
     assert replay["requests"] == CHATS * TURNS and replay["evictions"] > 0
-    predicted = [replay["hit_tokens"][t] for t in ("device", "cpu", "ssd")]
     assert replay["served_tokens"] == dict(zip(("device", "cpu", "ssd"), served))
+    predicted = [replay["hit_tokens"][t] for t in ("device", "cpu", "ssd")]
     if concurrent:
         assert predicted == pytest.approx(served, rel=0.02, abs=BS)
     else:
         assert predicted == served
+
+
+def test_a_grid_of_tier_sizes_and_the_recommendation(serial_log):
+    """The engine's log replayed at other sizes: hit rates grow with each tier, an SSD tier
+    serves what the CPU tier drops, and the recommendation is the smallest size within 2% of
+    the unbounded cache."""
+    out = analyze(serial_log, cpu_bytes=[0, 100 * BLOCK_BYTES, 2000 * BLOCK_BYTES],
+                  ssd_bytes=[0, 4000 * BLOCK_BYTES])
+    rate = {(r["cpu_blocks"], r["ssd_blocks"]): r for r in out["replays"]}
+    assert (0, 4000) not in rate  # no SSD tier without a CPU tier
+    assert rate[0, 0]["hit_rate"] < rate[100, 0]["hit_rate"] < rate[2000, 0]["hit_rate"]
+    assert rate[100, 4000]["hit_tokens"]["ssd"] > 0
+    assert rate[100, 4000]["hit_rate"] > rate[100, 0]["hit_rate"]
+    unbounded = out["statistics"]["unbounded_hit_rate"]
+    assert all(r["hit_rate"] <= unbounded + 1e-9 for r in out["replays"])
+    best = out["recommendation"]["by_device_blocks"][401]
+    assert best["found"] and best["hit_rate"] >= 0.98 * unbounded
+    smaller = [r for r in out["replays"] if (r["cpu_bytes"], r["ssd_bytes"]) <
+               (best["cpu_bytes"], best["ssd_bytes"])]
+    assert all(r["hit_rate"] < 0.98 * unbounded for r in smaller)
 
 
 def test_the_log_keeps_no_text_and_no_salt(tiny, tmp_path):

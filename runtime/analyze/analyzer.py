@@ -34,7 +34,11 @@ def analyze_source(source: TraceSource, capacities: list[Capacity], *, costs: Co
     bs = source.block_size
     header = source.header
     run_costs = costs or _header_costs(source) or ASSUMED
-    replays = [Replay(c, bs, run_costs) for c in capacities]
+    # Decode steps take their blocks in time wherever a tier is replayed, at every capacity
+    # alike (the curves compare like with like).
+    progressive = any(c.cpu_blocks for c in capacities)
+    replays = [Replay(c, bs, run_costs, block_bytes=block_bytes, progressive=progressive)
+               for c in capacities]
     stats = PrefixStats(bs) if statistics else None
     fit = TtftFit()
     t0 = time.perf_counter()
@@ -56,7 +60,7 @@ def analyze_source(source: TraceSource, capacities: list[Capacity], *, costs: Co
                   "seconds": elapsed, "kv_block_bytes": block_bytes},
         "costs": _costs_dict(final_costs),
         "statistics": stats.figures() if stats is not None else None,
-        "replays": [_result_dict(r, final_costs, bs, block_bytes) for r in results],
+        "replays": [_result_dict(r, final_costs, bs) for r in results],
     }
     if header is not None:
         out["engine"] = {"num_blocks": header.num_blocks, "cpu_slots": header.cpu_slots,
@@ -92,13 +96,11 @@ def _costs_dict(c: Costs) -> dict:
             "cpu_block_s": c.cpu_block_s, "ssd_block_s": c.ssd_block_s}
 
 
-def _result_dict(r: ReplayResult, costs: Costs, bs: int, block_bytes: int) -> dict:
+def _result_dict(r: ReplayResult, costs: Costs, bs: int) -> dict:
     cap = r.capacity
     out = {
         "device_blocks": cap.device_blocks, "cpu_bytes": cap.cpu_bytes,
-        "ssd_bytes": cap.ssd_bytes,
-        "cpu_blocks": cap.cpu_bytes // block_bytes if block_bytes else 0,
-        "ssd_blocks": cap.ssd_bytes // block_bytes if block_bytes else 0,
+        "ssd_bytes": cap.ssd_bytes, "cpu_blocks": cap.cpu_blocks, "ssd_blocks": cap.ssd_blocks,
         "requests": r.requests, "prompt_tokens": r.prompt_tokens,
         "hit_rate": r.hit_rate(),
         "hit_tokens": dict(zip(TIERS, r.hit_tokens)),
@@ -108,6 +110,7 @@ def _result_dict(r: ReplayResult, costs: Costs, bs: int, block_bytes: int) -> di
         "ttft_saved_ms_per_request": 1e3 * costs.ttft_saved(r.hit_tokens, bs) / max(
             r.requests, 1),
         "queued": r.queued, "skipped": r.skipped, "evictions": r.evictions,
+        "tier_counters": r.tier_counters,
         "tenants": {tid: {"requests": n, "prompt_tokens": p, "hit_tokens": h}
                     for tid, (n, p, h) in r.tenants.items()},
     }

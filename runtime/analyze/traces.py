@@ -79,10 +79,15 @@ def log_traces(paths: list[str]) -> TraceSource:
 
 
 def _log_records(width: int, files: Iterator) -> Iterator[Trace]:
+    """A record's request as the engine admitted it: it arrives when it was first scheduled
+    (the step that admitted it; requests admitted together arrive together), its times from
+    then on."""
     for records in files:
         for r in records:
-            yield Trace(r.arrival, r.tenant, r.prompt_len, r.output_len,
-                        chain_ints(r.hashes, width), r.e2e, r.ttft if r.ttft >= 0 else None,
+            q = r.queued
+            yield Trace(r.arrival + q, r.tenant, r.prompt_len, r.output_len,
+                        chain_ints(r.hashes, width), r.e2e - q,
+                        r.ttft - q if r.ttft >= 0 else None,
                         (r.cached_device, r.cached_cpu, r.cached_ssd))
 
 
