@@ -278,6 +278,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  prefix hit rate    {stats['prefix_cache_hit_rate']:.1%} "
           f"({stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} tokens)")
     print(f"  preemptions        {stats['num_preemptions']}")
+    if stats.get("restarts"):
+        print(f"  worker restarts    {stats['restarts']} (last: {stats['restart_reason']}; "
+              f"rebuilt in {stats['restart_s']:.1f} s)")
     backend = stats.get("backend")
     if backend:
         paths = ", ".join(backend["paths"]) or "plain torch ops"

@@ -49,6 +49,12 @@ class EngineActor:
         return await asyncio.wrap_future(self.engine.run_on_loop(
             lambda core: core.reset_prefix_cache()))
 
+    async def check_integrity(self) -> None:
+        """Asserts the scheduler's, the pool's and the tiers' invariants (no block leaked in
+        any tier) between steps; for tests and operators."""
+        await asyncio.wrap_future(self.engine.run_on_loop(
+            lambda core: core.scheduler.check_integrity()))
+
     async def stats(self) -> dict:
         return self.engine.stats()
 
@@ -58,7 +64,7 @@ class EngineActor:
         return dict(self.engine.info(), node_ip=ray.util.get_node_ip_address(), pid=os.getpid(),
                     namespace=ray.get_runtime_context().namespace,
                     worker_names=[executor.worker_name(r) for r in range(tp)],
-                    worker_nodes=executor.worker_nodes)
+                    worker_nodes=executor.worker_nodes, worker_pids=executor.worker_pids)
 
     async def dataplane(self) -> dict:
         """The data plane's endpoints (XPUB broadcast and reply PULL, TCP and IPC), the last

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, KVCacheBlock
-from tierserve.kvcache.tenants import TenantLedger
+from tierserve.kvcache.tenants import TenantLedger, share_of
 
 __all__ = ["BlockPool", "EvictCallback"]
 
@@ -43,6 +43,7 @@ class BlockPool:
         # Value: one block, or {block_id: block} when duplicated.
         self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.tenants = TenantLedger()
+        self._caps: dict[str | None, int | None] = {}  # tenant -> its share in blocks
         # The one tenant allocated to so far, while the ledger sleeps (_NOBODY: none yet).
         self._sole_tenant: object = _NOBODY
         self.num_evictions = 0
@@ -121,7 +122,8 @@ class BlockPool:
                 self._sole_tenant = tenant
             elif tenant != self._sole_tenant:
                 tenants.activate(self.blocks[:-1], self._queue())
-        if not tenants.active or tenants.lru_only(tenant):
+        cap = self._cap(tenant)
+        if not tenants.active or (cap is None and tenants.lru_only(tenant)):
             blocks = self.free_queue.popleft_n(n)
             if tenants.active:
                 for block in blocks:
@@ -144,11 +146,23 @@ class BlockPool:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
         blocks = []
         for _ in range(n):
-            block = self._next_to_take()
+            own = tenants.capped_choice(tenant, cap, self.free_queue.head()) \
+                if cap is not None else None
+            block = own if own is not None else self._next_to_take()
             self.free_queue.remove(block)
             self._claim(block, tenant)
             blocks.append(block)
         return blocks
+
+    def _cap(self, tenant: str | None) -> int | None:
+        """Blocks a tenant with a share may occupy before it evicts its own (None: no share)."""
+        if tenant is None or "@" not in tenant:
+            return None
+        caps = self._caps
+        if tenant not in caps:
+            share = share_of(tenant)
+            caps[tenant] = None if share is None else max(1, int(share * (self.num_blocks - 1)))
+        return caps[tenant]
 
     def _queue(self) -> list[KVCacheBlock]:
         return [self.blocks[i] for i in self.free_queue.peek_ids()]

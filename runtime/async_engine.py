@@ -67,6 +67,8 @@ InboxMessage = AddRequests | AbortRequests | RenewLeases | RunOnLoop
 
 # How often the step loop looks for leases that ran out.
 _LEASE_CHECK_S = 0.5
+# How often an idle step loop checks that its workers are alive.
+_WORKER_CHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -94,6 +96,7 @@ class AsyncEngine:
         # Step-loop state: lease length and deadline (monotonic) of each leased request.
         self._leases: dict[str, tuple[float, float]] = {}
         self._next_lease_check = 0.0
+        self._next_worker_check = 0.0
         self._stats = self.core.stats()
         self._dead: str | None = None
         self._stopping = False
@@ -159,8 +162,23 @@ class AsyncEngine:
                     if o.finish_reason is not None and not core.has_request(o.req_id):
                         self._leases.pop(o.req_id, None)
         else:
+            if self._dead is None:
+                self._check_workers()
             self._wake.wait(_IDLE_WAIT_S)
             self._wake.clear()
+
+    def _check_workers(self) -> None:
+        """While idle, now and then: a worker that died meanwhile is replaced at once."""
+        now = time.monotonic()
+        if now < self._next_worker_check:
+            return
+        self._next_worker_check = now + _WORKER_CHECK_S
+        restarts = self.core.restarts
+        outputs = self.core.check_workers()
+        if self.core.restarts != restarts or self.core.dead_reason is not None:
+            self._dead = self.core.dead_reason
+            self._stats = self.core.stats()
+        self._publish(outputs)
 
     def _fail_all(self, reason: str) -> None:
         if self._dead is None:

@@ -92,8 +92,14 @@ class EngineConfig:
                                    choices=PLACEMENT_STRATEGIES)
     cpus_per_worker: int | None = _opt(None, "CPUs (and torch threads) per rank; default: "
                                        "cores / tensor_parallel_size", low=1)
-    step_timeout_s: float = _opt(60.0, "a step slower than this fails every request and "
-                                 "marks the engine dead", low=0.0, low_open=True)
+    step_timeout_s: float = _opt(60.0, "a step slower than this is a worker failure: the "
+                                 "engine rebuilds its workers (see max_restarts)", low=0.0,
+                                 low_open=True)
+    max_restarts: int = _opt(
+        3, "worker failures (a rank dies, or a step exceeds step_timeout_s) the engine heals "
+        "within 10 minutes by rebuilding its workers and re-admitting the in-flight requests, "
+        "whose streams continue; the next failure in the window kills the engine (every "
+        "request fails); 0: the first one does", low=0)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(

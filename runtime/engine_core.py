@@ -48,6 +48,8 @@ _DEFAULT_MAX_MODEL_LEN = 8192
 _POLL_S = 0.002
 # How long a clean shutdown may spend writing the KV cache to SSD.
 FLUSH_DEADLINE_S = 30.0
+# Worker failures within this window count against max_restarts.
+RESTART_WINDOW_S = 600.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -67,7 +69,8 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
-        debug_stall=envs.debug_stall(), debug_late_copies=envs.debug_late_copies(),
+        debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
+        debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
@@ -150,11 +153,13 @@ class EngineCore:
             spec = dataclasses.replace(spec, tokenizer_file=tokenizer_json_file(
                 self.tokenizer_path, envs.cache_dir()))
         self.executor = executor_factory(spec)
+        t0 = time.perf_counter()
         try:
             info = self.executor.start()
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             raise
+        self.worker_start_s = time.perf_counter() - t0
         self.config = config
         self.scheduler = self._make_scheduler(config, info, model, spec)
         self.request_log = self._make_request_log(config, spec, info)
@@ -174,6 +179,12 @@ class EngineCore:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_collect = 0.0
+        # Self-healing: when each worker failure of the window was healed (monotonic), and
+        # what the restarts did.
+        self._failures: deque[float] = deque()
+        self.restarts = 0
+        self.restart_reason: str | None = None
+        self.restart_s = 0.0
 
     @staticmethod
     def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
@@ -343,10 +354,82 @@ class EngineCore:
             return self._failed(e)
 
     def _failed(self, error: Exception) -> list[EngineCoreOutput]:
-        if isinstance(error, EngineDeadError):
-            return self._die(str(error))
+        if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
+            try:
+                return self._heal(str(error))
+            except Exception as e:
+                error = e
         log.exception("engine step failed")
         return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
+
+    def check_workers(self) -> list[EngineCoreOutput]:
+        """Between steps: a worker known to be gone (it died while the engine was idle) is
+        replaced now rather than when the next request finds it."""
+        self._check_alive()
+        try:
+            self.executor.check_workers()
+        except Exception as e:
+            return self._failed(e)
+        return []
+
+    # ------------------------------------------------------------------ self-healing
+
+    def _heal(self, reason: str) -> list[EngineCoreOutput]:
+        """The workers are lost (a rank died, or a step hung). While max_restarts failures in
+        RESTART_WINDOW_S are not spent, new workers replace them and every unfinished request
+        is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
+        loss found in flight again fails alone (a poison pill). Past the budget, or where the
+        transport cannot restart, the engine dies."""
+        outputs = []
+        while True:
+            if not self._may_restart():
+                return outputs + self._die(self._death_message(reason))
+            self._failures.append(time.monotonic())
+            self._in_flight.clear()
+            outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
+            log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
+                      "minutes)", reason, len(self._failures), self.config.max_restarts,
+                      RESTART_WINDOW_S / 60)
+            t0 = time.perf_counter()
+            try:
+                info = self.executor.restart()
+            except Exception as e:  # another failure, from the budget
+                log.exception("restarting the workers failed")
+                reason = f"restarting the workers failed: {type(e).__name__}: {e}"
+                continue
+            assert info.num_blocks == self.scheduler.kv.pool.num_blocks
+            self.restarts += 1
+            self.restart_reason, self.restart_s = reason, time.perf_counter() - t0
+            log.warning("the workers were restarted in %.2f s; %d requests re-admitted",
+                        self.restart_s, len(self.scheduler.requests))
+            return outputs
+
+    def _may_restart(self) -> bool:
+        if not self.executor.restartable or self.config.max_restarts == 0:
+            return False
+        now = time.monotonic()
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
+            self._failures.popleft()
+        return len(self._failures) < self.config.max_restarts
+
+    def _death_message(self, reason: str) -> str:
+        if not self.executor.restartable or self.config.max_restarts == 0:
+            return reason
+        return (f"{reason} (worker failure {len(self._failures) + 1} within "
+                f"{RESTART_WINDOW_S / 60:.0f} minutes; max_restarts={self.config.max_restarts})")
+
+    def _fail_poisoned(self, seqs: list[str], reason: str) -> list[EngineCoreOutput]:
+        done = self.scheduler.finish_seqs(seqs, RequestStatus.FINISHED_ERROR)
+        self._forget(done)
+        for rid, index in done:
+            log.error("request %r (sample %d) was in flight at two consecutive worker "
+                      "failures: failing it alone", rid, index)
+        return [EngineCoreOutput(
+                    rid, finish_reason=FinishReason.ERROR, index=index,
+                    error_kind=ErrorKind.INTERNAL,
+                    error=f"request {rid!r} was in flight at two consecutive worker failures, "
+                          f"so it is taken for their cause and fails alone (last: {reason})")
+                for rid, index in done]
 
     def _step(self) -> list[EngineCoreOutput]:
         """Schedules and submits a step, then collects the oldest one in flight. Without async
@@ -376,8 +459,11 @@ class EngineCore:
         out, submitted_at = self._in_flight[0]
         reply = self.executor.collect(out)
         self._in_flight.popleft()
-        if isinstance(reply, WorkerError):
-            return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
+        if isinstance(reply, WorkerError):  # the transport kept its worker (in-process)
+            message = f"worker rank {reply.rank} failed step {out.step_id}: {reply.message}"
+            if self._may_restart():
+                return self._heal(message)
+            return self._fail_step(out, message)
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
         now = time.perf_counter()
         # Queued behind the step before, it started running when that one was collected.
@@ -479,6 +565,10 @@ class EngineCore:
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
+        stats.update(restarts=self.restarts, restart_reason=self.restart_reason,
+                     restart_s=round(self.restart_s, 3),
+                     worker_start_s=round(self.worker_start_s, 3),
+                     worker_phases=dict(self.executor.phases))
         stats.update(self.executor.stats())
         return stats
 

@@ -76,6 +76,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int,
+               device: torch.device | str) -> None:
+    """Advances a seeded generator past the draws of num_tokens sampled tokens: the same calls
+    the sampler made (one row of vocab_size uniforms per token), so the state is the same on
+    every device. O(num_tokens x vocab) once, when a request moves to new workers."""
+    row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+    for _ in range(num_tokens):
+        row.uniform_(generator=generator)
+
+
 @dataclass
 class PenaltyInputs:
     """Penalty state for the m rows of a batch that have any penalty (m <= n)."""
@@ -253,11 +263,15 @@ class SamplingStateTable:
                     output_token_ids: Sequence[int] = (),
                     generator: torch.Generator | None = None) -> None:
         """Register a request (O(context) once). `generator` resumes a saved seeded generator
-        (e.g. one returned by remove_request at preemption); otherwise one is made from the seed."""
+        (e.g. one returned by remove_request at preemption); otherwise one is made from the
+        seed, past the draws that sampled output_token_ids (a request that other workers
+        started), so that its random stream continues where theirs stopped."""
         if req_id in self._entries:
             raise ValueError(f"request {req_id!r} already has sampling state")
         if generator is None:
             generator = make_generator(params.seed, self.device)
+            if generator is not None and len(output_token_ids):
+                skip_draws(generator, len(output_token_ids), self.vocab_size, self.device)
         slot = -1
         if has_penalties(params):
             slot = self._take_slot()
@@ -331,6 +345,12 @@ class SamplingStateTable:
                 rows.append(i)
                 dense.append(row)
         return (rows, torch.stack(dense)) if rows else None
+
+    def prefetch(self, req_ids: Sequence[str]) -> None:
+        """The rows that will sample this step, before its forward: constrained ones start
+        filling their masks."""
+        if self.grammars is not None and len(self.grammars):
+            self.grammars.prefetch(req_ids)
 
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""

@@ -43,6 +43,8 @@ class EngineCollector:
         for name in ("promotions", "demotions", "loads", "spills"):
             if f"tier_{name}" in s:
                 yield _counter(f"kv_tier_{name}", f"KV tier block {name}", s[f"tier_{name}"])
+        yield _counter("worker_restarts", "times the engine rebuilt lost workers (a rank died "
+                       "or a step hung) and re-admitted their requests", s.get("restarts", 0))
         yield _gauge("engine_dead", "1 once the engine cannot serve", int(bool(s.get("dead"))))
 
 
@@ -71,7 +73,9 @@ class Metrics:
         self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens", ["tenant"],
                                      registry=r)
         self.cached_tokens = Counter("tierserve:prompt_cached_tokens", "prompt tokens served "
-                                     "from the prefix cache, any tier", ["tenant"], registry=r)
+                                     "from the prefix cache, by the tier that held them (cpu: "
+                                     "the CPU tier, loaded there from SSD or demoted there)",
+                                     ["tenant", "tier"], registry=r)
         self.generation_tokens = Counter("tierserve:generation_tokens", "generated tokens",
                                          ["tenant"], registry=r)
         self.finished = Counter("tierserve:request_success", "finished requests",
@@ -93,8 +97,11 @@ class Tracker:
     def prompt(self, delta) -> None:
         m = self.metrics
         m.prompt_tokens.labels(self.tenant).inc(len(delta.prompt_token_ids))
-        if delta.num_cached_tokens > 0:
-            m.cached_tokens.labels(self.tenant).inc(delta.num_cached_tokens)
+        lower = min(delta.num_tier_cached_tokens, delta.num_cached_tokens)
+        if delta.num_cached_tokens > lower:
+            m.cached_tokens.labels(self.tenant, "device").inc(delta.num_cached_tokens - lower)
+        if lower > 0:
+            m.cached_tokens.labels(self.tenant, "cpu").inc(lower)
         if self.charge is not None:
             self.charge(len(delta.prompt_token_ids))
 
