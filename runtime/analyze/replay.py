@@ -148,6 +148,10 @@ class Replay:
         if len(chain) < need:
             chain = chain + [next(self._unshared) for _ in range(need - len(chain))]
         req = _Request(next(self._ids), trace, chain, total)
+        if trace.duration is not None and trace.ttft is not None:
+            req.interval = max(trace.duration - trace.ttft, 0.0) / max(trace.output_len - 1, 1)
+        else:
+            req.interval = 1.0 / self.costs.decode_tokens_per_s
         if self._waiting or not self._admit(req):
             self._waiting.append(req)
             self.result.queued += 1
@@ -231,9 +235,6 @@ class Replay:
             ttft = trace.ttft if trace.ttft is not None else min(
                 self.costs.duration(uncached, 1), duration)
             req.start = self.now + ttft
-            req.interval = max(duration - ttft, 0.0) / max(trace.output_len - 1, 1)
-            if self.clock is not None:
-                self.clock.observe(req.interval)
             self._schedule_block(req)
         return True
 
@@ -254,7 +255,7 @@ class Replay:
         kv, tiers, bs = self.kv, self.tiers, self.block_size
         prompt_len = req.num_tokens = req.trace.prompt_len
         if self.clock is not None:
-            self.clock.begin(self.now, req.request_id)
+            self.clock.begin(self.now, req.request_id, req.interval)
         hits, num_hit = kv.get_computed_blocks(req)
         below = 0
         admission = None
@@ -293,7 +294,7 @@ class Replay:
         if req.done:
             return
         if self.clock is not None:
-            self.clock.begin(self.now, req.request_id)
+            self.clock.begin(self.now, req.request_id, req.interval)
         position = -(-req.num_computed_tokens // self.block_size) * self.block_size
         if not self._take(req, position + 1):
             req.done = True

@@ -7,7 +7,7 @@ after. SSD loads and spills complete when the workers report them, each kind a q
 own, in issue order.
 
 The replay's events happen at times of their own, so the clock groups them: an event within
-`window` of the step's first event (half a decode interval, as the replay observes them) is in
+half a decode interval (the shortest of the step's requests') of the step's first event is in
 that step; a later one, or a second event of a request in it, ends it (end_step, then complete)
 and begins the next, and so does a request's end (the engine finishes a request as its last
 step ends). Between the two
@@ -39,32 +39,26 @@ class TierClock:
         self._ends = {kind: collections.deque() for kind in ASYNC_KINDS}  # (seq, end time)
         self._began: float | None = None  # the open step's first event
         self._members: set = set()  # the requests with an event in it
-        self._interval = 0.0  # a moving average of decode intervals
-        self.window = 0.0
+        self._step_s = 0.0  # the open step's length: its requests' shortest decode interval
         self.ready: list = []
 
-    def observe(self, interval: float) -> None:
-        """A request's decode interval: the engine's steps last about that long."""
-        if interval > 0:
-            self._interval = interval if not self._interval else (
-                0.9 * self._interval + 0.1 * interval)
-            self.window = 0.5 * self._interval
-
-    def begin(self, now: float, request_id) -> None:
-        """An event of a request at `now` takes part in a step: the open step, or a new one
-        (the open step ended) past its window or where the request already took part in it
-        (a request is in a step once)."""
+    def begin(self, now: float, request_id, interval: float) -> None:
+        """An event of a request (decoding a token every `interval` seconds) at `now` takes
+        part in a step: the open step, or a new one (the open step ended) past its window or
+        where the request already took part in it (a request is in a step once)."""
         if request_id in self._members:
             self.end_open_step(now)
         else:
             self.settle(now)
         if self._began is None:
-            self._began = now
+            self._began, self._step_s = now, interval
+        elif interval < self._step_s:
+            self._step_s = interval
         self._members.add(request_id)
 
     def settle(self, now: float) -> None:
         """Ends the open step if `now` is past its window."""
-        if self._began is not None and now > self._began + self.window:
+        if self._began is not None and now > self._began + 0.5 * self._step_s:
             self._end_step(now)
 
     def end_open_step(self, now: float) -> None:
@@ -79,7 +73,7 @@ class TierClock:
         self._issue(self.policy.end_step(step_id), began)
         self.policy.complete(step_id)
         idle = next(self._ids)  # the decode step after it: write-back of the slots it filled
-        self._issue(self.policy.end_step(idle), min(began + self._interval, now))
+        self._issue(self.policy.end_step(idle), min(began + self._step_s, now))
         self.policy.complete(idle)
         self._apply(now)
 
