@@ -6,18 +6,20 @@
    (prompts average about 1,000 tokens);
    Poisson arrivals at --rate per second, each request lasting as a small engine would serve
    it. Block hashes given (our log format, no tokens). Replayed at one capacity
-   (--device-blocks, no tiers, no statistics) in a fresh process:
-     log_requests_per_s, log_tokens_per_s, log_seconds, log_peak_rss_mib
+   (--device-blocks, no tiers, no statistics) in a fresh process, after a warm-up run:
+     log_requests_per_s, log_tokens_per_s, log_seconds, log_cpu_seconds, log_peak_rss_mib
    and once more with the statistics (the seed's figures and the unbounded cache):
-     log_stats_seconds, log_stats_peak_rss_mib
+     log_stats_seconds, log_stats_cpu_seconds, log_stats_peak_rss_mib
 2. An OpenAI JSONL text log of --text-requests (default 100k) chat requests of the same shape
    (words the tokenizer reads as one token each), tokenized on the way with --model's
    tokenizer (default: SmolLM2-135M-Instruct):
-     text_requests_per_s, text_seconds, text_peak_rss_mib
+     text_requests_per_s, text_seconds, text_cpu_seconds, text_peak_rss_mib
 Logs are made once under --dir and reused. Each replay runs in its own process, so its peak
-RSS is its own. Prints the CPU model.
+RSS is its own; *_cpu_seconds is the process's CPU time (the replay is one thread; the
+tokenizer uses more), the figure to read on a loaded machine. Prints the CPU model.
 
 Usage: python bench/analyze.py [--json] [--requests N] [--text-requests N] [--skip-text]
+       [--skip-stats] [--skip-warmup]
 """
 from __future__ import annotations
 
@@ -128,9 +130,10 @@ def replay(args) -> None:
                   statistics=args.stats)
     seconds = time.perf_counter() - t0
     r = out["replays"][0]
-    print(json.dumps({"seconds": seconds, "requests": r["requests"],
-                      "prompt_tokens": r["prompt_tokens"], "hit_rate": r["hit_rate"],
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+                      "requests": r["requests"], "prompt_tokens": r["prompt_tokens"],
+                      "hit_rate": r["hit_rate"], "peak_rss_mib": usage.ru_maxrss / 1024}))
 
 
 def child(path: str, args, *extra: str) -> dict:
@@ -154,6 +157,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1_000_000)
     p.add_argument("--text-requests", type=int, default=100_000)
     p.add_argument("--skip-text", action="store_true")
+    p.add_argument("--skip-stats", action="store_true")
+    p.add_argument("--skip-warmup", action="store_true")
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--active", type=int, default=256)
     p.add_argument("--device-blocks", type=int, default=16384)
@@ -170,13 +175,17 @@ def main() -> None:
     if not os.path.exists(log):
         make_hash_log(log + ".tmp", args.requests, args.rate, args.active)
         os.replace(log + ".tmp", log)
-    child(log, args)  # warm-up: imports and the page cache
+    if not args.skip_warmup:
+        child(log, args)  # warm-up: imports and the page cache
     r = child(log, args)
     result.update(log_requests=r["requests"], log_requests_per_s=r["requests"] / r["seconds"],
                   log_tokens_per_s=r["prompt_tokens"] / r["seconds"], log_seconds=r["seconds"],
-                  log_peak_rss_mib=r["peak_rss_mib"], log_hit_rate=r["hit_rate"])
-    s = child(log, args, "--stats")
-    result.update(log_stats_seconds=s["seconds"], log_stats_peak_rss_mib=s["peak_rss_mib"])
+                  log_cpu_seconds=r["cpu_seconds"], log_peak_rss_mib=r["peak_rss_mib"],
+                  log_hit_rate=r["hit_rate"])
+    if not args.skip_stats:
+        s = child(log, args, "--stats")
+        result.update(log_stats_seconds=s["seconds"], log_stats_cpu_seconds=s["cpu_seconds"],
+                      log_stats_peak_rss_mib=s["peak_rss_mib"])
     if not args.skip_text:
         from tierserve.workers.model.loader import default_model_path
         model = args.model or default_model_path()
@@ -188,7 +197,8 @@ def main() -> None:
         t = child(text, args, "--model", model)
         result.update(text_requests=t["requests"],
                       text_requests_per_s=t["requests"] / t["seconds"],
-                      text_seconds=t["seconds"], text_peak_rss_mib=t["peak_rss_mib"])
+                      text_seconds=t["seconds"], text_cpu_seconds=t["cpu_seconds"],
+                      text_peak_rss_mib=t["peak_rss_mib"])
     emit(result, args.json)
 
 

@@ -194,7 +194,9 @@ def _size_list(text: str) -> list[int]:
 def cmd_analyze(args: argparse.Namespace) -> int:
     import json
     from tierserve.runtime.analyze import analyze
-    from tierserve.runtime.analyze.report import format_report, plot_curves
+    from tierserve.runtime.analyze.report import check_plotting, format_report, plot_curves
+    if args.plot:
+        check_plotting()  # before the analysis, not after it
     costs = None
     if args.profile:
         from tierserve.runtime.analyze.profile import profile_costs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from tierserve.kvcache import BlockHasher
@@ -81,19 +82,26 @@ def _header_costs(source: TraceSource) -> Costs | None:
 
 
 def _fitted(fit: TtftFit, source: TraceSource) -> Costs | None:
+    """Prefill and decode rates fitted to the log; copy costs measured by the engine (its
+    header), else assumed."""
     fitted = fit.costs()
     if fitted is None:
         return None
     h = source.header
-    if h is not None and h.copy_bytes_per_s:
-        fitted = fitted.with_copies(h.kv_block_bytes, h.copy_bytes_per_s, 0.0)
-    return fitted
+    copies = _header_costs(source)
+    measured = copies is not None
+    copies = copies or ASSUMED
+    return replace(fitted, cpu_block_s=copies.cpu_block_s, ssd_block_s=copies.ssd_block_s,
+                   ssd_write_block_s=copies.ssd_write_block_s,
+                   source=fitted.source + ("; copies measured by the engine" if measured and h
+                                           else "; copies assumed"))
 
 
 def _costs_dict(c: Costs) -> dict:
     return {"source": c.source, "prefill_tokens_per_s": c.prefill_tokens_per_s,
             "decode_tokens_per_s": c.decode_tokens_per_s, "ttft_base_s": c.ttft_base_s,
-            "cpu_block_s": c.cpu_block_s, "ssd_block_s": c.ssd_block_s}
+            "cpu_block_s": c.cpu_block_s, "ssd_block_s": c.ssd_block_s,
+            "ssd_write_block_s": c.ssd_write_block_s}
 
 
 def _result_dict(r: ReplayResult, costs: Costs, bs: int) -> dict:

@@ -19,6 +19,7 @@ class Costs:
     decode_tokens_per_s: float  # one sequence's output tokens per second
     cpu_block_s: float = 0.0  # one block, CPU tier -> device pool
     ssd_block_s: float = 0.0  # one block, SSD -> CPU tier (then cpu_block_s more)
+    ssd_write_block_s: float = 0.0  # one block written back to SSD (0: as ssd_block_s)
     ttft_base_s: float = 0.0  # the TTFT of a request with nothing to prefill
     source: str = "assumed"
 
@@ -34,20 +35,20 @@ class Costs:
         return ((device + cpu + ssd) * per_token - cpu / block_size * self.cpu_block_s
                 - ssd / block_size * (self.ssd_block_s + self.cpu_block_s))
 
-    def with_copies(self, block_bytes: int, copy_bytes_per_s: float,
-                    ssd_bytes_per_s: float) -> "Costs":
+    def with_copies(self, block_bytes: int, copy_bytes_per_s: float, ssd_bytes_per_s: float,
+                    ssd_write_bytes_per_s: float = 0.0) -> "Costs":
         """The copy costs of a block of `block_bytes` at these bandwidths (0: keep)."""
         changes = {}
-        if block_bytes and copy_bytes_per_s:
-            changes["cpu_block_s"] = block_bytes / copy_bytes_per_s
-        if block_bytes and ssd_bytes_per_s:
-            changes["ssd_block_s"] = block_bytes / ssd_bytes_per_s
+        for name, rate in (("cpu_block_s", copy_bytes_per_s), ("ssd_block_s", ssd_bytes_per_s),
+                           ("ssd_write_block_s", ssd_write_bytes_per_s)):
+            if block_bytes and rate:
+                changes[name] = block_bytes / rate
         return replace(self, **changes)
 
 
 # A small model on a few CPU cores; said as "assumed" wherever it is used.
 ASSUMED = Costs(prefill_tokens_per_s=2000.0, decode_tokens_per_s=20.0, cpu_block_s=20e-6,
-                ssd_block_s=200e-6)
+                ssd_block_s=200e-6, ssd_write_block_s=1e-3)
 
 
 class TtftFit:

@@ -57,20 +57,24 @@ def profile_costs(model: str | None, *, dtype: str = "auto", block_size: int = 1
     costs = Costs(prefill_tokens_per_s=1.0 / slope, decode_tokens_per_s=1.0 / decode_s,
                   ttft_base_s=max(short - _SHORT * slope, 0.0),
                   source="measured on this machine (--profile)")
-    return costs.with_copies(block_bytes, copy_bw, _ssd_bytes_per_s(block_bytes, ssd_path))
+    return costs.with_copies(block_bytes, copy_bw, *_ssd_bytes_per_s(block_bytes, ssd_path))
 
 
-def _ssd_bytes_per_s(block_bytes: int, folder: str | None) -> float:
-    """Block-sized entries read back (checked) through the workers' SSD folder, from disk."""
+def _ssd_bytes_per_s(block_bytes: int, folder: str | None) -> tuple[float, float]:
+    """(read, write) bandwidth of block-sized entries through the workers' SSD folder: written
+    (fsynced) as the tier's write-back writes them, read back checked, from disk."""
     if not block_bytes:
-        return 0.0
+        return 0.0, 0.0
     from tierserve.workers.tier_ssd import SsdFolder
     with tempfile.TemporaryDirectory(dir=folder, prefix="tierserve-profile-") as root:
         ssd = SsdFolder(root, "profile", 1, 1 << 40)
         payload = memoryview(os.urandom(block_bytes))
         hashes = [b"%016d" % i for i in range(_SSD_ENTRIES)]
+        t0 = time.perf_counter()
         for h in hashes:
             ssd.write(h, (0, 1), b"", [block_bytes], "uint8", payload)
+        write_s = time.perf_counter() - t0
+        for h in hashes:
             fd = os.open(ssd.path(h, (0, 1)), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -83,4 +87,5 @@ def _ssd_bytes_per_s(block_bytes: int, folder: str | None) -> float:
             if why is not None:
                 raise RuntimeError(f"--profile: an SSD entry read back wrong: {why}")
         seconds = time.perf_counter() - t0
-    return _SSD_ENTRIES * block_bytes / max(seconds, 1e-9)
+    total = _SSD_ENTRIES * block_bytes
+    return total / max(seconds, 1e-9), total / max(write_s, 1e-9)

@@ -113,7 +113,8 @@ class Replay:
             self.tiers = TierPolicy(TierIndex(capacity.cpu_blocks, capacity.ssd_blocks,
                                               verify_hits=False),
                                     block_size=block_size, block_bytes=block_bytes)
-            self.clock = TierClock(self.tiers, costs.ssd_block_s, costs.ssd_block_s,
+            self.clock = TierClock(self.tiers, costs.ssd_block_s,
+                                   costs.ssd_write_block_s or costs.ssd_block_s,
                                    self._schedule_completion)
         self.progressive = self.tiers is not None if progressive is None else progressive
         self.kv = KVCacheManager(capacity.device_blocks, block_size, enable_caching=True,

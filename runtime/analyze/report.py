@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_report", "plot_curves", "parse_size", "human_bytes"]
+__all__ = ["format_report", "plot_curves", "check_plotting", "parse_size", "human_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40,
@@ -50,7 +50,8 @@ def format_report(out: dict, max_tenants: int = 10) -> str:
     lines += ["", f"Replay (costs {costs['source']}: prefill "
               f"{costs['prefill_tokens_per_s']:.0f} tok/s, CPU->device "
               f"{1e6 * costs['cpu_block_s']:.0f} us/block, SSD->CPU "
-              f"{1e6 * costs['ssd_block_s']:.0f} us/block)"]
+              f"{1e6 * costs['ssd_block_s']:.0f} us/block, CPU->SSD "
+              f"{1e6 * (costs['ssd_write_block_s'] or costs['ssd_block_s']):.0f} us/block)"]
     rows = [["device blocks", "CPU tier", "SSD tier", "hit rate", "device", "CPU", "SSD",
              "tokens saved", "TTFT saved/req", "queued"]]
     for r in out["replays"]:
@@ -113,34 +114,38 @@ def _stats_lines(stats: dict, max_tenants: int) -> list[str]:
 
 
 def _served_lines(out: dict) -> list[str]:
+    """Predicted against served, at the engine's own capacity (its log's header)."""
+    engine = out.get("engine")
+    if not engine:
+        return []
     lines = []
     for r in out["replays"]:
         served = r.get("served_tokens")
-        if served is None:
+        own = (r["device_blocks"], r["cpu_blocks"], r["ssd_blocks"]) == (
+            engine["num_blocks"], engine["cpu_slots"], engine["ssd_entries"])
+        if served is None or not own:
             continue
-        engine = out.get("engine", {})
-        mark = ""
-        if engine and r["device_blocks"] == engine.get("num_blocks") and \
-                r["cpu_blocks"] == engine.get("cpu_slots") and \
-                r["ssd_blocks"] == engine.get("ssd_entries"):
-            mark = " (the engine's own capacity)"
         pred = r["hit_tokens"]
-        lines.append(f"At {r['device_blocks']} / {human_bytes(r['cpu_bytes'])} / "
-                     f"{human_bytes(r['ssd_bytes'])}{mark}: predicted device {pred['device']}, "
+        lines.append(f"At the engine's own capacity, the replay predicts device {pred['device']}, "
                      f"CPU {pred['cpu']}, SSD {pred['ssd']} hit tokens; the engine served "
                      f"{served['device']}, {served['cpu']}, {served['ssd']}.")
     return [""] + lines if lines else []
 
 
+def check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'tierserve[analyze]'") from None
+
+
 def plot_curves(out: dict, path: str) -> None:
     """Hit rate against CPU tier size (a line per device size and SSD size), or against the
     device pool where no tier varies; the unbounded cache's as a dashed line."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'tierserve[analyze]'") from None
+    check_plotting()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     replays = out["replays"]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     cpu_sizes = sorted({r["cpu_bytes"] for r in replays})

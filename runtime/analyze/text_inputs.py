@@ -22,7 +22,8 @@ from tierserve.kvcache import BlockHasher, encode_extra_keys
 from tierserve.runtime.analyze.traces import Trace
 from tierserve.runtime.request_log import tenant_id
 
-__all__ = ["TextHasher", "hash_chain", "openai_traces", "sharegpt_traces", "is_sharegpt", "is_openai"]
+__all__ = ["TextHasher", "hash_chain", "openai_traces", "sharegpt_traces", "is_sharegpt",
+           "is_openai"]
 
 # Requests tokenized together (the Rust tokenizer spreads a batch over the cores).
 _BATCH = 256
