@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 
 import ray
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tierserve.deploy import ray_cluster
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
-from tierserve.deploy.engine_actor import EngineActor
-from tierserve.deploy.placement import make_placement_group, rank_bundles, worker_bundle
 from tierserve.runtime import envs
 from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import check_model, load_model_tokenizer
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
-from tierserve.workers.worker import resolve_device
 
 __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
            "ensure_ray", "actor_name"]
@@ -42,16 +39,37 @@ def actor_name(name: str) -> str:
 
 
 def ensure_ray(namespace: str | None = None) -> None:
-    """Joins the cluster RAY_ADDRESS names (or this job's), else starts a local instance."""
+    """For an engine this process owns: joins the cluster RAY_ADDRESS names (or this job's),
+    else starts a private local instance that ends with this process."""
     if not ray.is_initialized():
         ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
-                 log_to_driver=False)
+                 log_to_driver=False, logging_level=logging.WARNING)
 
 
-def _cpus_per_worker(config: EngineConfig) -> int:
-    if config.cpus_per_worker is not None:
-        return config.cpus_per_worker
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+# Ray accounts resources in steps of 1e-4.
+_RAY_CPU_STEP = 1e-4
+_RAY_CPU_STEPS = 10_000
+
+
+def default_cpus_per_worker(tp_size: int, cores: int | None = None) -> float:
+    """Each rank's share of this machine's cores: whole cores where there are enough, else a
+    fraction (rounded down to Ray's resolution, so that the ranks fit the cores)."""
+    cores = cores or os.cpu_count() or 1
+    if cores >= tp_size:
+        return cores // tp_size
+    return cores * _RAY_CPU_STEPS // tp_size / _RAY_CPU_STEPS
+
+
+def _cpus_per_worker(config: EngineConfig) -> float:
+    cpus = config.cpus_per_worker
+    if cpus is None:
+        cpus = default_cpus_per_worker(config.tensor_parallel_size)
+    if cpus < 1:
+        log.warning("cpus_per_worker=%g: the %d ranks share cores (each runs %d torch "
+                    "thread%s); a step takes longer than it would with a core per rank",
+                    cpus, config.tensor_parallel_size, math.ceil(cpus),
+                    "" if math.ceil(cpus) == 1 else "s")
+    return cpus
 
 
 def start_deployment(config: EngineConfig, name: str | None = None,
@@ -60,6 +78,13 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     The actor's constructor starts the workers, so this returns once the model is loaded. A
     model, TP size or placement that cannot work fails here at once, before anything waits;
     a start that fails later leaves no actor, placement group or folder behind."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from tierserve.deploy.engine_actor import EngineActor
+    from tierserve.deploy.placement import make_placement_group, rank_bundles
+    from tierserve.runtime.engine_core import check_model
+    from tierserve.workers.worker import resolve_device
+
     check_model(config)
     device = resolve_device(config.device)
     cpus = _cpus_per_worker(config)
@@ -95,8 +120,11 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     return actor, pg
 
 
+_HOLDER_PREFIX = "tierserve-pg-"
+
+
 def _holder_name(name: str) -> str:
-    return f"tierserve-pg-{name}"
+    return _HOLDER_PREFIX + name
 
 
 def _remember(pg, tp_size: int, uid: str, name: str, namespace: str | None):
@@ -123,8 +151,25 @@ class _DeploymentHolder:
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
     """Starts the named deployment, or connects to the running one. A deployment that died
-    (its engine, or a worker) is torn down and started afresh."""
-    ensure_ray(namespace)
+    (its engine, or a worker) is torn down and started afresh. With no Ray cluster to join, a
+    local head is started for it (deploy/ray_cluster.py); a start that fails stops that head
+    again, so nothing is left running for a deployment that is not there."""
+    config = EngineConfig.from_kwargs(**options)
+    head = ray_cluster.join(namespace, start=True)
+    try:
+        llm = _serve_on_cluster(config, name, namespace)
+    except BaseException:
+        if head is not None and not deployments_left():
+            ray_cluster.stop_head(head)
+        raise
+    if head is not None:
+        log.warning("started a local Ray head for %r at %s (%d CPUs, folder %s); it stops with "
+                    "its last deployment: tierserve stop %s", name, head.address, head.num_cpus,
+                    head.temp_dir, name)
+    return llm
+
+
+def _serve_on_cluster(config: EngineConfig, name: str, namespace: str | None) -> AsyncLLM:
     try:
         llm = connect(name, namespace)
         llm.engine.health()
@@ -133,8 +178,7 @@ def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
         pass
     except EngineDeadError as e:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
-    stop(name, namespace)  # whatever a dead or half-started one left behind
-    config = EngineConfig.from_kwargs(**options)
+    _stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
     actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
 
@@ -150,10 +194,39 @@ def _lookup(name: str, namespace: str):
         return None
 
 
+def deployments_left() -> list[str]:
+    """The named deployments (namespace/name) on the cluster this process joined."""
+    found = set()
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        for prefix in (_ACTOR_PREFIX, _HOLDER_PREFIX):
+            if actor["name"].startswith(prefix):
+                found.add(f"{actor['namespace']}/{actor['name'][len(prefix):]}")
+    return sorted(found)
+
+
 def stop(name: str, namespace: str | None = None) -> bool:
     """Shuts the named deployment down: engine actor, workers, placement group, IPC folders,
-    whatever state it is in. False if there was nothing of it."""
-    ensure_ray(namespace)
+    whatever state it is in; then the local head `serve` started for it, if no deployment is
+    left on it. False if there was nothing of it."""
+    try:
+        ray_cluster.join(namespace)
+    except ray_cluster.NoClusterError:
+        return False
+    found = _stop_deployment(name, namespace)
+    head = ray_cluster.local_head()
+    if head is not None and _joined(head) and not deployments_left():
+        ray_cluster.stop_head(head)
+        log.info("stopped the local Ray head at %s", head.address)
+    return found
+
+
+def _joined(head: ray_cluster.LocalHead) -> bool:
+    """Whether this process is connected to `head` (its GCS port, on this machine)."""
+    address = ray.get_runtime_context().gcs_address or ""
+    return address.rpartition(":")[2] == head.address.rpartition(":")[2]
+
+
+def _stop_deployment(name: str, namespace: str | None) -> bool:
     ns = namespace or envs.default_namespace()
     actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
     if actor is not None:
@@ -180,26 +253,50 @@ def stop(name: str, namespace: str | None = None) -> bool:
     return actor is not None or holder is not None
 
 
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int) -> None:
-    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles."""
-    bundle = worker_bundle(device, cpus_per_worker)
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float) -> None:
+    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles; it names
+    a cpus_per_worker that fits where there is one."""
+    from tierserve.deploy.placement import worker_bundle
 
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    room, where = _room(nodes, worker_bundle(device, cpus_per_worker), strategy)
+    if room >= tp_size:
+        return
+    bundle = worker_bundle(device, cpus_per_worker)
+    total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
+    fix = _fitting_cpus(nodes, device, strategy, tp_size, cpus_per_worker)
+    hint = (f"set cpus_per_worker={fix:g} (--cpus-per-worker {fix:g}; ranks then share "
+            f"cores), lower tensor_parallel_size, or add nodes" if fix is not None else
+            "lower tensor_parallel_size or add nodes")
+    raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
+                     f"({strategy}); {where} can hold {room} (cluster: {total}). To fit, {hint}")
+
+
+def _room(nodes: list[dict], bundle: dict, strategy: str) -> tuple[int, str]:
+    """How many bundles the nodes hold under the strategy, and where."""
     def fits(resources: dict) -> int:
-        return min(int(resources.get(k, 0) // v) for k, v in bundle.items())
+        # Ray accounts in steps of 1e-4: compare in those steps, not in binary fractions.
+        return min(int(round(resources.get(k, 0) / _RAY_CPU_STEP) // round(v / _RAY_CPU_STEP))
+                   for k, v in bundle.items())
 
     if strategy == "STRICT_PACK":
-        room, where = max((fits(r) for r in nodes), default=0), "one node"
-    elif strategy == "STRICT_SPREAD":
-        room, where = sum(min(fits(r), 1) for r in nodes), "distinct nodes"
-    else:
-        room, where = sum(fits(r) for r in nodes), "the cluster"
-    if room < tp_size:
-        total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
-            f"({strategy}); {where} can hold {room} (cluster: {total}). Lower "
-            f"tensor_parallel_size or cpus_per_worker, or add nodes")
+        return max((fits(r) for r in nodes), default=0), "one node"
+    if strategy == "STRICT_SPREAD":
+        return sum(min(fits(r), 1) for r in nodes), "distinct nodes"
+    return sum(fits(r) for r in nodes), "the cluster"
+
+
+def _fitting_cpus(nodes: list[dict], device: str, strategy: str, tp_size: int,
+                  cpus: float) -> float | None:
+    """The largest cpus_per_worker below `cpus` with which the ranks fit, or None."""
+    from tierserve.deploy.placement import worker_bundle
+
+    candidates = {default_cpus_per_worker(k, int(r.get("CPU", 0)) or 1)
+                  for r in nodes for k in range(1, tp_size + 1)}
+    for value in sorted((c for c in candidates if 0 < c < cpus), reverse=True):
+        if _room(nodes, worker_bundle(device, value), strategy)[0] >= tp_size:
+            return value
+    return None
 
 
 class RayEngineClient:
@@ -228,8 +325,12 @@ class RayEngineClient:
 
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
-        ensure_ray(namespace)
         ns = namespace or envs.default_namespace()
+        try:
+            ray_cluster.join(namespace)
+        except ray_cluster.NoClusterError as e:
+            raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
+                             f"--name {name}` starts one") from None
         actor = _lookup(actor_name(name), ns)
         if actor is None:
             if _lookup(_holder_name(name), ns) is not None:
@@ -246,6 +347,7 @@ class RayEngineClient:
     def tokenizer(self):
         """The engine's tokenizer, loaded here on first use (None for a model without one)."""
         if self._tokenizer is None:
+            from tierserve.runtime.engine_core import load_model_tokenizer
             self._tokenizer = load_model_tokenizer(self._tokenizer_path)
         return self._tokenizer
 

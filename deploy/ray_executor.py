@@ -128,6 +128,9 @@ class WorkerActor:
     def initialize_cache(self, num_blocks: int) -> TierReport:
         return self.worker.initialize_cache(num_blocks)
 
+    def startup(self) -> dict:
+        return dict(self.worker.startup)
+
     def run_loop(self) -> None:
         # OpenMP's thread count is per calling thread and Ray starts workers with
         # OMP_NUM_THREADS=1: set it again in the thread that runs every forward.
@@ -155,8 +158,9 @@ class RayExecutor:
     def _spawn_workers(self) -> None:
         cls = ray.remote(WorkerActor)
         num_gpus = 1 if self.spec.device == "cuda" else 0
-        cpus = self.spec.cpu_threads or 1
         for rank, bundle in enumerate(self.bundles):
+            # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores).
+            cpus = self.pg.bundle_specs[bundle].get("CPU", 0)
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
             # A single-threaded actor: the forward then runs on the process's main thread.
             # From a second thread glibc serves torch's temporaries from a per-thread arena that
@@ -187,9 +191,10 @@ class RayExecutor:
         self._vocab_size = infos[0].vocab_size
         num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
         tiers = ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
+        startup = ray.get(self.workers[0].startup.remote())
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
-        return WorkerInfo.from_ranks(num_blocks, infos, tiers)
+        return WorkerInfo.from_ranks(num_blocks, infos, tiers, startup)
 
     def _await_subscribers(self) -> None:
         try:

