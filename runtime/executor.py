@@ -10,21 +10,17 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierserve.scheduler.messages import (
     EngineChannelCodec, FromWorker, SchedulerOutput, ShutdownWorker, ToWorker,
     WorkerChannelCodec,
 )
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
 __all__ = ["WorkerInfo", "Executor", "InProcessExecutor", "EngineDeadError"]
-
-
-class EngineDeadError(RuntimeError):
-    """The workers are gone or stuck: every in-flight request fails with this, and so does every
-    later call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +36,12 @@ class WorkerInfo:
     # SSD entries from an earlier run found whole on every rank: (entry, block hash, key).
     ssd_found: tuple[tuple[int, bytes, bytes], ...] = ()
     copy_bytes_per_s: float = 0.0
+    # Seconds rank 0 spent in each part of its start (Worker.startup).
+    startup: dict = field(default_factory=dict)
 
     @classmethod
     def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo],
-                   tiers: list[TierReport]) -> "WorkerInfo":
+                   tiers: list[TierReport], startup: dict | None = None) -> "WorkerInfo":
         """The engine's view of its ranks: the pool size they agreed on, the model as rank 0
         reports it, every rank's backend, and the tiers every rank has (an SSD entry counts
         only where every rank holds the same block)."""
@@ -54,7 +52,8 @@ class WorkerInfo:
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
                    min(t.cpu_slots for t in tiers), min(t.ssd_entries for t in tiers),
-                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers))
+                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers),
+                   dict(startup or {}))
 
 
 class Executor(Protocol):
@@ -100,7 +99,7 @@ class InProcessExecutor:
         info = self.worker.load_model(use_kernels=self.worker.kernels_ready())
         num_blocks = self.worker.determine_num_blocks()
         tiers = self.worker.initialize_cache(num_blocks)
-        return WorkerInfo.from_ranks(num_blocks, [info], [tiers])
+        return WorkerInfo.from_ranks(num_blocks, [info], [tiers], self.worker.startup)
 
     def submit(self, msg: SchedulerOutput) -> None:
         frame = self._to_worker.encode(msg)
