@@ -29,8 +29,8 @@ import torch
 from report import emit
 from tierserve.runtime import envs
 from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.backend import CpuBackend, kernel_backend, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
+from tierserve.workers.backends.cpu import CpuBackend, kernel_backend, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
 
@@ -90,7 +90,7 @@ def model_step_ms(dtype: torch.dtype, steps: int, backend: CpuBackend) -> dict:
     """Median ms of one SmolLM2-135M decode step (forward + logits), torch backend and the
     kernel backend."""
     from tierserve.workers.attention import allocate_kv_cache
-    from tierserve.workers.loader import default_model_path, load_model
+    from tierserve.workers.model.loader import default_model_path, load_model
 
     lens, tables, slots, num_blocks = make_batch(num_blocks_factor=1)
     tokens = torch.randint(100, 1000, (NUM_SEQS,))

@@ -35,7 +35,7 @@ def cached_folder(gguf_path: str) -> str:
 def export_hf(gguf_path: str | None = None, out: str | None = None) -> str:
     """The HF folder of gguf_path (default: the default model), exported and checked on the
     first call, then reused."""
-    from tierserve.workers.loader import default_model_path
+    from tierserve.workers.model.loader import default_model_path
     gguf_path = gguf_path or default_model_path()
     out = out or cached_folder(gguf_path)
     if os.path.isfile(os.path.join(out, "config.json")):
@@ -61,7 +61,7 @@ def _export(gguf_path: str, folder: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from tierserve.workers.loader import iter_weights
+    from tierserve.workers.model.loader import iter_weights
     src, name = os.path.split(gguf_path)
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     config.dtype = torch.float32

@@ -37,10 +37,10 @@ import torch.nn.functional as F
 
 from report import emit
 from tierserve.runtime import envs
-from tierserve.workers.backend import CpuBackend, kernel_backend, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
-from tierserve.workers.layers import GreedyHead, PackedWeight, PanelWeight
-from tierserve.workers.quant import QuantPanelWeight
+from tierserve.workers.backends.cpu import CpuBackend, kernel_backend, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.model.layers import GreedyHead, PackedWeight, PanelWeight
+from tierserve.workers.backends.quant import QuantPanelWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one decoder layer
 LAYERS = 30

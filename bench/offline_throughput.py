@@ -44,8 +44,8 @@ from report import Rows  # noqa: E402
 from tierserve import LLM, SamplingParams  # noqa: E402
 from tierserve.runtime import envs  # noqa: E402
 from tierserve.runtime.tokenizer import load_tokenizer  # noqa: E402
-from tierserve.workers.cpu_features import detect_cpu_features  # noqa: E402
-from tierserve.workers.loader import default_model_path  # noqa: E402
+from tierserve.workers.backends.cpu_features import detect_cpu_features  # noqa: E402
+from tierserve.workers.model.loader import default_model_path  # noqa: E402
 
 NUM_PROMPTS, NEW_TOKENS = 64, 128
 WORDS = ("the model serves requests with a paged cache of keys and values so that many "

@@ -133,7 +133,7 @@ def grammar_compile_ms() -> dict:
     from tierserve.runtime.tokenizer import tokenizer_json_file
     from tierserve.runtime import envs
     from tierserve.scheduler.params import StructuredOutputs
-    from tierserve.workers.loader import default_model_path
+    from tierserve.workers.model.loader import default_model_path
     from tierserve.workers.structured import GrammarMatchers
     from tierserve.runtime.engine_core import load_model_tokenizer
     path = default_model_path()
@@ -263,7 +263,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tierserve.runtime.engine_core import load_model_tokenizer
-    from tierserve.workers.loader import default_model_path
+    from tierserve.workers.model.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     proc = None
     if args.base_url is None:

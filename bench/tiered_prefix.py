@@ -87,8 +87,8 @@ def bench_ttft(pool_blocks: int, repeats: int, ssd_dir: str) -> dict:
     t0 = time.perf_counter()
     with LLM(**tiers) as llm:
         result["restart_start_s"] = time.perf_counter() - t0
-        result["restart_restored_blocks"] = llm.stats()["ssd_restored_blocks"]
         result["ttft_restart_ms"], result["cached_tokens_restart"] = _ttft(llm, fresh())
+        result["restart_found_blocks"] = llm.stats()["tier_ssd_found_blocks"]
     result["recompute_over_cpu"] = result["ttft_recompute_ms"] / result["ttft_cpu_ms"]
     result["recompute_over_ssd"] = result["ttft_recompute_ms"] / result["ttft_ssd_ms"]
     result["recompute_over_restart"] = result["ttft_recompute_ms"] / result["ttft_restart_ms"]

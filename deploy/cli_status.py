@@ -53,9 +53,9 @@ def _tiers(s: dict) -> list[str]:
     lines = [f"CPU: {s['cpu_tier_usage']:.1%} of {s.get('cpu_tier_slots', '?')} slots, "
              f"{s.get('tier_cpu_hit_blocks', 0)} blocks hit"]
     if "ssd_tier_usage" in s:
-        lines.append(f"SSD: {s['ssd_tier_usage']:.1%} of {s.get('ssd_tier_slots', '?')} "
-                     f"entries, {s.get('tier_ssd_hit_blocks', 0)} blocks hit, "
-                     f"{s.get('ssd_restored_blocks', 0)} restored at start, "
+        lines.append(f"SSD: {s['ssd_tier_usage']:.1%} of {s.get('ssd_tier_blocks', '?')} "
+                     f"blocks, {s.get('tier_ssd_hit_blocks', 0)} blocks hit, "
+                     f"{s.get('tier_ssd_found_blocks', 0)} found from earlier runs, "
                      f"{s.get('tier_checksum_failures', 0)} checksum failures")
     moves = [f"{s[f'tier_{k}']} {k}" for k in ("promotions", "demotions", "loads", "spills")
              if f"tier_{k}" in s]

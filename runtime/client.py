@@ -15,7 +15,9 @@ import os
 from typing import AsyncIterator, Iterator, Protocol
 
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.outputs import CompletionOutput, Outstanding, RequestOutput, logprob_dict
+from tierserve.runtime.outputs import (
+    CompletionOutput, Outstanding, RequestOutput, logprob_dict, prompt_logprobs_of,
+)
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason, SamplingParams
 
@@ -222,4 +224,6 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
                          error=o.error or None,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
-                         if o.error else None)
+                         if o.error else None,
+                         prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs)
+                         if o.prompt_logprobs else None)

@@ -13,11 +13,10 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
-from tierserve.kvcache import HASH_ALGORITHMS
+from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
 from tierserve.scheduler.queues import POLICIES
-from tierserve.scheduler.tiering import PREEMPTION_MODES
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 
@@ -79,10 +78,12 @@ class EngineConfig:
         0, "bytes per rank of the CPU tier below the KV pool: evicted cached blocks are kept "
         "there and copied back on a prefix hit; 0: no tiers", low=0)
     kv_offload_ssd_path: str | None = _opt(
-        None, "folder of the SSD tier below the CPU tier (needs kv_offload_cpu_bytes); it "
-        "survives restarts: an engine started on it again serves its blocks")
+        None, "folder of the SSD tier below the CPU tier (needs kv_offload_cpu_bytes), shared "
+        "by every engine on it (replicas, restarts, other TP sizes): an engine serves the "
+        "blocks any engine of the same model and KV settings wrote there")
     kv_offload_ssd_bytes: int = _opt(
-        16 << 30, "bytes per rank of the SSD tier, with kv_offload_ssd_path", low=1)
+        16 << 30, "capacity of the SSD folder in bytes, for every engine on it: past it the "
+        "coldest entries are deleted", low=1)
     preemption_mode: str = _opt(
         "auto", "what preemption does with a victim's KV: swap it to the CPU tier, recompute "
         "it later, or auto: whichever the measured costs say is cheaper",

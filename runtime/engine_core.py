@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
+from tierserve.kvcache import BlockHasher, KVCacheManager, TierIndex, TierPolicy
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
@@ -26,14 +26,16 @@ from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
-    EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+    EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
-from tierserve.workers.layers import partition_heads
-from tierserve.workers.loader import default_model_path, load_model_config
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.kv_fingerprint import kv_fingerprint
+from tierserve.workers.model.config import ModelConfig
+from tierserve.workers.model.layers import partition_heads
+from tierserve.workers.model.loader import default_model_path, load_model_config
+from tierserve.workers.tier_ssd import SsdFolder
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
 __all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",
@@ -56,8 +58,9 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    model = config.model or default_model_path()
     return WorkerSpec(
-        model=config.model or default_model_path(), dtype=dtype, device=device,
+        model=model, dtype=dtype, device=device,
         block_size=config.block_size, tensor_parallel_size=config.tensor_parallel_size,
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -67,14 +70,26 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
-        debug_stall=envs.debug_stall(),
+        debug_stall=envs.debug_stall(), debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
-        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
+        kv_fingerprint=_kv_fingerprint(config, model, dtype),
         # The input batch's first capacity (None: the model's length is not known yet; it grows).
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         async_scheduling=config.pipelined)
+
+
+def _kv_fingerprint(config: EngineConfig, model: str, dtype: str) -> str:
+    """The KV fingerprint naming SSD entries ("" without an SSD tier: nothing is hashed)."""
+    if not config.kv_offload_ssd_path or not config.kv_offload_cpu_bytes:
+        return ""
+    t0 = time.perf_counter()
+    fp = kv_fingerprint(model, load_model_config(model), dtype=dtype,
+                        block_size=config.block_size, cache_dir=envs.cache_dir(),
+                        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}")
+    log.info("KV fingerprint %s in %.3f s", fp[:16], time.perf_counter() - t0)
+    return fp
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
@@ -178,7 +193,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
         started = time.perf_counter()
-        check_model(config)
+        model = check_model(config)
         spec = make_worker_spec(config)
         self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
@@ -196,7 +211,7 @@ class EngineCore:
         try:
             info = self.executor.start()
             self.tokenizer = tokenizer.result()
-            self.scheduler = self._make_scheduler(config, info)
+            self.scheduler = self._make_scheduler(config, info, model, spec)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             tokenizer.wait()
@@ -207,9 +222,6 @@ class EngineCore:
         self.config = config
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
-        tiering = self.scheduler.tiering
-        self.ssd_restored = 0 if tiering is None or tiering.tiers.ssd is None else \
-            len(tiering.tiers.ssd.coldest_ids())
         self.backends = info.backends
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
@@ -217,6 +229,8 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prompt ids of requests that have produced no output yet (the first output carries them).
         self._unannounced: dict[str, list[int]] = {}
+        # Prompt logprobs of requests not yet announced, gathered chunk by chunk.
+        self._prompt_logprobs: dict[str, list] = {}
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
@@ -224,22 +238,34 @@ class EngineCore:
         self._last_collect = 0.0
 
     @staticmethod
-    def _make_tiers(config: EngineConfig, info: WorkerInfo) -> TierManager | None:
-        """The CPU and SSD tiers the ranks allocated, with the SSD blocks an earlier engine left
-        (every rank's entry holding the same block)."""
+    def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
+                    spec: WorkerSpec) -> TierPolicy:
+        """The tier policy over the CPU slots the ranks allocated and the SSD folder; a tier
+        layer of capacity 0 where the engine has no tiers."""
+        mode, bs = config.preemption_mode, config.block_size
         if not info.cpu_slots or not config.enable_prefix_caching:
-            return None
-        tiers = TierManager(info.cpu_slots, info.ssd_entries, block_bytes=info.kv_block_bytes,
-                            verify_hits=config.verify_prefix_hits)
-        if tiers.ssd is not None:
-            for entry, block_hash, key in info.ssd_found:
-                tiers.ssd.restore(entry, BlockHash(block_hash), key or None)
-        return tiers
+            return TierPolicy(block_size=bs, preemption_mode=mode)
+        ssd_blocks, probe = 0, None
+        if config.kv_offload_ssd_path:
+            folder = SsdFolder(config.kv_offload_ssd_path, spec.kv_fingerprint,
+                               model.num_key_value_heads, config.kv_offload_ssd_bytes)
+            ranges = sorted(set(info.kv_head_ranges))
+            # One block in the folder: every distinct head range's entry.
+            ssd_blocks = config.kv_offload_ssd_bytes // (info.kv_block_bytes * len(ranges))
+            probe = lambda block_hash: folder.has_block(block_hash, ranges)  # noqa: E731
+        index = TierIndex(info.cpu_slots, ssd_blocks, ssd_probe=probe,
+                          verify_hits=config.verify_prefix_hits)
+        policy = TierPolicy(index, block_size=bs, preemption_mode=mode,
+                            block_bytes=info.kv_block_bytes)
+        policy.costs.copy_bytes_per_s = info.copy_bytes_per_s
+        return policy
 
     @classmethod
-    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo) -> Scheduler:
+    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo, model: ModelConfig,
+                        spec: WorkerSpec) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.verify_prefix_hits, tiers=cls._make_tiers(config, info))
+                            config.verify_prefix_hits,
+                            tiers=cls._make_tiers(config, info, model, spec))
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
         if config.max_model_len is not None and config.max_model_len > usable_tokens:
             raise ValueError(_pool_too_small(config, info, usable_tokens))
@@ -251,12 +277,8 @@ class EngineCore:
                               max_model_len=max_model_len,
                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
-                              preemption_mode=config.preemption_mode,
                               max_queued_requests=config.max_queued_requests,
                               async_scheduling=config.pipelined)
-        if scheduler.tiering is not None:
-            costs = scheduler.tiering.costs
-            costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
         return scheduler
 
     # ------------------------------------------------------------------ requests
@@ -378,7 +400,7 @@ class EngineCore:
     def _submit_next(self) -> bool:
         out = self.scheduler.schedule()
         if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
-                or out.tier_ops or out.copy_src):
+                or out.tier_copies or out.copy_src):
             if self._in_flight or not self.scheduler.has_pending_worker_updates():
                 return False
             # Only asynchronous tier copies to hear about: an empty step asks, without spinning.
@@ -396,8 +418,12 @@ class EngineCore:
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
         now = time.perf_counter()
         # Queued behind the step before, it started running when that one was collected.
-        self._observe(out, now - max(submitted_at, self._last_collect))
+        self.scheduler.observe_step(out, now - max(submitted_at, self._last_collect))
         self._last_collect = now
+        if reply.prompt_logprobs:
+            for rid, lps in zip(out.scheduled_req_ids(), reply.prompt_logprobs):
+                if lps:
+                    self._prompt_logprobs.setdefault(rid, []).extend(lps)
         outputs = self.scheduler.update_from_output(out, reply)
         if self._detok:
             self._detokenize(outputs)
@@ -416,21 +442,12 @@ class EngineCore:
             return outputs + self._failed(e)
         return outputs
 
-    def _observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Prefill throughput, for the swap-vs-recompute choice (an average over steps)."""
-        tiering = self.scheduler.tiering
-        if tiering is None or seconds <= 0 or max(out.num_scheduled_tokens, default=1) <= 1:
-            return
-        rate = sum(out.num_scheduled_tokens) / seconds
-        costs = tiering.costs
-        costs.prefill_tokens_per_s = rate if not costs.prefill_tokens_per_s else (
-            0.8 * costs.prefill_tokens_per_s + 0.2 * rate)
-
     def _announce(self, outputs: list[EngineCoreOutput]) -> None:
         for o in outputs:
             prompt_ids = self._unannounced.pop(o.req_id, None)
             if prompt_ids is not None:
                 o.prompt_token_ids = prompt_ids
+                o.prompt_logprobs = self._prompt_logprobs.pop(o.req_id, [])
 
     def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
         stopped = []
@@ -480,6 +497,7 @@ class EngineCore:
         for rid, index in seqs:
             self._detok.pop(seq_id(rid, index), None)
             self._unannounced.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
 
     @property
     def dead_reason(self) -> str | None:
@@ -498,8 +516,6 @@ class EngineCore:
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
-        if self.scheduler.tiering is not None and self.scheduler.tiering.tiers.ssd is not None:
-            stats["ssd_restored_blocks"] = self.ssd_restored
         stats.update(self.executor.stats())
         return stats
 
@@ -537,41 +553,11 @@ class EngineCore:
             self.executor.shutdown()
 
     def _flush_tiers(self) -> None:
-        tiering = self.scheduler.tiering
-        if tiering is None or tiering.tiers.ssd is None:
-            return
-        tiers, pool = tiering.tiers, self.scheduler.kv.pool
-        msg, entries = FlushTiers(step_id=self.scheduler.next_step_id(),
-                                  deadline_s=FLUSH_DEADLINE_S), []
-        sources = [(b.block_id, b.block_hash, b.hash_key, False)
-                   for b in pool.iter_cached_blocks()]
-        sources += [(s.slot, s.block_hash, s.hash_key, True) for s in tiers.cpu.cached_slots()
-                    if not s.clean]
-        for source, block_hash, key, from_cpu in sources:
-            if tiers.ssd.contains(block_hash):
-                continue
-            entry, _ = tiers.ssd.allocate(block_hash, key)
-            if entry is None:
-                break
-            entries.append(entry)
-            ids, ents, hashes, keys = (
-                (msg.cpu_slots, msg.cpu_entries, msg.cpu_hashes, msg.cpu_keys) if from_cpu else
-                (msg.device_blocks, msg.device_entries, msg.device_hashes, msg.device_keys))
-            ids.append(source)
-            ents.append(entry.slot)
-            hashes.append(block_hash)
-            keys.append(key or b"")
-        if not entries:
+        msg = self.scheduler.flush_message(FLUSH_DEADLINE_S)
+        if msg is None:
             return
         t0 = time.monotonic()
         reply = self.executor.execute(msg)
-        written = set(reply.flushed_entries) if isinstance(reply, ModelRunnerOutput) else set()
-        for entry in entries:
-            if entry.slot in written:
-                tiers.ssd.commit(entry)
-            else:
-                entry.state = SlotState.READY
-                tiers.ssd.release(entry)
-        log.info("wrote %d of %d cached blocks to SSD in %.2f s", len(written), len(entries),
-                 time.monotonic() - t0)
-
+        written = reply.flushed_blocks if isinstance(reply, ModelRunnerOutput) else 0
+        log.info("wrote %d of %d cached blocks to SSD in %.2f s", written,
+                 sum(len(b) for b in msg.copies), time.monotonic() - t0)

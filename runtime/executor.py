@@ -31,10 +31,8 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     backends: tuple[dict, ...]  # each rank's CpuBackend.describe()
     kv_block_bytes: int = 0  # one block id on one rank
-    cpu_slots: int = 0  # KV tiers: CPU slots and SSD entries, the same ids on every rank
-    ssd_entries: int = 0
-    # SSD entries from an earlier run found whole on every rank: (entry, block hash, key).
-    ssd_found: tuple[tuple[int, bytes, bytes], ...] = ()
+    cpu_slots: int = 0  # the CPU tier: slot ids mean the same place on every rank
+    kv_head_ranges: tuple[tuple[int, int], ...] = ()  # per rank: the KV heads it holds
     copy_bytes_per_s: float = 0.0
     # Seconds rank 0 spent in each part of its start (Worker.startup).
     startup: dict = field(default_factory=dict)
@@ -43,17 +41,12 @@ class WorkerInfo:
     def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo],
                    tiers: list[TierReport], startup: dict | None = None) -> "WorkerInfo":
         """The engine's view of its ranks: the pool size they agreed on, the model as rank 0
-        reports it, every rank's backend, and the tiers every rank has (an SSD entry counts
-        only where every rank holds the same block)."""
+        reports it, every rank's backend, and the tiers every rank has."""
         first = ranks[0]
-        found = set(tiers[0].found)
-        for report in tiers[1:]:
-            found &= set(report.found)
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
-                   min(t.cpu_slots for t in tiers), min(t.ssd_entries for t in tiers),
-                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers),
-                   dict(startup or {}))
+                   min(t.cpu_slots for t in tiers), tuple(t.kv_heads for t in tiers),
+                   min(t.copy_bytes_per_s for t in tiers), dict(startup or {}))
 
 
 class Executor(Protocol):

@@ -73,7 +73,7 @@ def _read_hf(path: str) -> dict:
 
 
 def _default_model_record(path: str) -> dict:
-    from tierserve.workers.loader import DEFAULT_GENERATION_CONFIG, default_model_path
+    from tierserve.workers.model.loader import DEFAULT_GENERATION_CONFIG, default_model_path
     try:
         is_default = os.path.samefile(path, default_model_path())
     except OSError:
@@ -82,7 +82,7 @@ def _default_model_record(path: str) -> dict:
 
 
 def _read_gguf(path: str) -> dict:
-    from tierserve.workers.gguf_file import open_gguf
+    from tierserve.workers.model.gguf_file import open_gguf
     fields = open_gguf(path).fields
     return _typed({ours: fields[key] for key, ours in _GGUF_FIELDS.items() if key in fields})
 

@@ -2,9 +2,9 @@
 
 A GGUF file carries its tokenizer in metadata (tokenizer.ggml.*: model type, tokens, merges,
 special ids, chat template). transformers' converter turns that into a fast tokenizer; it is fed
-the metadata parsed by workers.gguf_file (shared with the weight loader, so a process parses the
-file once) rather than letting AutoTokenizer re-parse the file through gguf.GGUFReader, which
-takes seconds. Building still costs a few hundred milliseconds, so the converted tokenizer is
+the metadata parsed by workers.model.gguf_file (shared with the weight loader, so a process
+parses the file once) rather than letting AutoTokenizer re-parse the file through
+gguf.GGUFReader, which takes seconds. Building still costs a few hundred milliseconds, so the converted tokenizer is
 saved under `cache_dir` keyed by the file's absolute path, size and mtime (plus the transformers
 version, whose conversion may change) and later loads read the saved tokenizer.json instead.
 """
@@ -23,7 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from tierserve.workers.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
 __all__ = ["Tokenizer", "load_tokenizer", "gguf_cache_folder"]
 

@@ -22,8 +22,8 @@ class Request:
         "request_id", "sampling_params", "eos_token_id", "arrival_time", "priority", "cache_salt",
         "all_token_ids", "output_token_ids", "num_prompt_tokens", "status", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
-        "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
-        "num_swapped_tokens", "family_id", "index", "num_output_placeholders",
+        "_hasher", "_extra_first", "_extra", "max_output_tokens",
+        "family_id", "index", "num_output_placeholders",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -56,9 +56,6 @@ class Request:
         self.num_output_placeholders = 0
         # Unbounded until the scheduler clamps it to max_model_len.
         self.max_output_tokens = sampling_params.max_tokens
-        # Swap preemption: the CPU tier slots holding its first num_swapped_tokens tokens' KV.
-        self.swapped_slots: list[int] | None = None
-        self.num_swapped_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self.block_keys: list[bytes] | None = [] if keep_keys else None
         self._hasher = hasher

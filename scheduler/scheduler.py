@@ -18,19 +18,25 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager
+from tierserve.kvcache import (
+    BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager, TierAdmission,
+)
 from tierserve.scheduler.messages import (
-    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
-    TierOps,
+    CachedRequestData, EngineCoreOutput, FlushTiers, ModelRunnerOutput, NewRequestData,
+    SchedulerOutput, TierCopyBatch,
 )
 from tierserve.scheduler.params import (
     QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
 )
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
-from tierserve.scheduler.tiering import Tiering
 
 __all__ = ["Scheduler"]
+
+
+def _wire(batch: CopyBatch) -> TierCopyBatch:
+    return TierCopyBatch(batch.kind, batch.src, batch.dst, batch.first_seq, batch.hashes,
+                         batch.keys)
 
 
 @dataclass(slots=True)
@@ -74,8 +80,7 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
-                 vocab_size: int | None = None, preemption_mode: str = "recompute",
-                 max_queued_requests: int | None = None, async_scheduling: bool = False) -> None:
+                 vocab_size: int | None = None, max_queued_requests: int | None = None, async_scheduling: bool = False) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -112,9 +117,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
-        # The KV tiers' part of scheduling, where the cache has tiers (kvcache/tiers.py).
-        self.tiering = Tiering(kv_cache_manager.tiers, kv_cache_manager.block_size,
-                               preemption_mode) if kv_cache_manager.tiers is not None else None
+        # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
+        # the end of each step; capacity 0 where the engine has no tiers.
+        self.tiers = kv_cache_manager.tiers
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -194,7 +199,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif self.tiering is None or req.request_id not in self.tiering.loading:
+            elif not self.tiers.is_loading(req.request_id):
                 self.waiting.remove(req)
             done.extend(self._finish(req, status))
         return done
@@ -202,8 +207,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
         self.kv.free(req)
-        if self.tiering is not None:
-            self.tiering.forget(req)
+        self.tiers.forget(req.request_id)
         del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
@@ -293,8 +297,8 @@ class Scheduler:
         preemption, with its KV copied to the CPU tier and back on resume."""
         self.running.remove(req)
         plan.drop(req)
-        if self.tiering is not None:
-            self.tiering.try_swap_out(req, self.kv.get_block_ids(req.request_id))
+        self.tiers.try_swap_out(req.request_id, self.kv.get_block_ids(req.request_id),
+                                req.num_computed_tokens)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -305,7 +309,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
-        loading = len(self.tiering.loading) if self.tiering is not None else 0
+        loading = self.tiers.num_loading
         while self.waiting and plan.budget > 0 and len(self.running) + loading < self.max_num_seqs:
             admitted = self._admit(self.waiting.peek(), plan)
             if admitted is None:
@@ -316,36 +320,37 @@ class Scheduler:
         """True: running from this step. False: it left the queue to wait for SSD loads
         (the next may go). None: no room (nobody behind it goes either)."""
         assert not req.num_output_placeholders, "admitted before its step in flight returned"
-        if req.swapped_slots:
-            return self._resume_swapped(req, plan)
-        hits, num_hit = self.kv.get_computed_blocks(req)
-        admission = None
-        if self.tiering is not None:
-            admission = self.tiering.lookup(req, self.kv.find_tier_hits(req, len(hits)))
-            if admission.wait:
-                self.waiting.pop()
-                return False
-            if admission.defer:
-                return None
-            num_hit += len(admission.cpu_hits) * self.kv.block_size
+        swapped = self.tiers.swapped_tokens(req.request_id)
+        if swapped:
+            return self._resume_swapped(req, swapped, plan)
+        # Prompt logprobs want every prompt position's logits: no hit in any tier.
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            hits, num_hit, admission = [], 0, TierAdmission()
+        else:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            admission = self.tiers.admit(req, len(hits))
+        if admission.wait:
+            self.waiting.pop()
+            return False
+        if admission.defer:
+            return None
+        num_hit += len(admission.cpu_hits) * self.kv.block_size
         n = self._chunk(req.num_tokens - num_hit, plan.budget)
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
-            if admission is not None:
-                self.tiering.refused(admission)
+            self.tiers.refused(admission)
             return None
-        if admission is not None:
-            self.tiering.promoted(req, admission, blocks)
+        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         self._start_running(req, num_hit, n, plan)
         return True
 
-    def _resume_swapped(self, req: Request, plan: _StepPlan) -> bool | None:
-        n = self._chunk(req.num_tokens - req.num_swapped_tokens, plan.budget)
-        blocks = self.kv.allocate_slots(req, n, (), req.num_swapped_tokens, apply_watermark=True)
+    def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
+        n = self._chunk(req.num_tokens - num_swapped, plan.budget)
+        blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
         if blocks is None:
             return None
-        self.tiering.swap_in(req, blocks)
-        self._start_running(req, req.num_swapped_tokens, n, plan)
+        self.tiers.swap_in(req.request_id, [b.block_id for b in blocks])
+        self._start_running(req, num_swapped, n, plan)
         return True
 
     def _start_running(self, req: Request, num_computed: int, n: int, plan: _StepPlan) -> None:
@@ -380,22 +385,22 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         copies, self._copies = self._copies, []
         step_id = next(self._step_ids)
-        tier_ops = self.tiering.end_schedule(step_id) if self.tiering is not None else TierOps()
+        tier_copies = [_wire(b) for b in self.tiers.end_step(step_id)]
         return SchedulerOutput(
             step_id=step_id, scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
-            tier_ops=tier_ops, copy_src=[c[0] for c in copies], copy_dst=[c[1] for c in copies])
+            tier_copies=tier_copies, copy_src=[c[0] for c in copies], copy_dst=[c[1] for c in copies])
 
     # ---------------------------------------------------------------- after the forward
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes stopped requests and frees their blocks."""
-        if self.tiering is not None:
-            self._requeue(self.tiering.complete(scheduler_output, runner_output))
+        self._requeue(self.tiers.complete(scheduler_output.step_id, runner_output.tier_done,
+                                          runner_output.tier_failed))
         outputs = []
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
@@ -465,15 +470,24 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def next_step_id(self) -> int:
-        """A step id for a message outside schedule() (a shutdown flush)."""
-        return next(self._step_ids)
+    def flush_message(self, deadline_s: float) -> FlushTiers | None:
+        """A clean shutdown's write of every cached block the SSD folder lacks (no step in
+        flight); None when there is nothing to write or no SSD tier."""
+        batches = self.tiers.plan_flush(
+            (b.block_id, b.block_hash, b.hash_key) for b in self.kv.pool.iter_cached_blocks())
+        if not batches:
+            return None
+        return FlushTiers(next(self._step_ids), [_wire(b) for b in batches], deadline_s)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time: its prefill throughput feeds swap-vs-recompute."""
+        if seconds > 0 and max(out.num_scheduled_tokens, default=1) > 1:
+            self.tiers.costs.observe_prefill(sum(out.num_scheduled_tokens), seconds)
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
         self._in_flight.pop(scheduler_output.step_id, None)
-        if self.tiering is not None:
-            self._requeue(self.tiering.complete(scheduler_output, None))
+        self.tiers.step_failed(scheduler_output.step_id)
 
     def _requeue(self, ready: list[Request]) -> None:
         """Requests whose SSD loads completed go back to the head of the waiting queue."""
@@ -488,7 +502,7 @@ class Scheduler:
     def has_pending_worker_updates(self) -> bool:
         """Something only a step (even without tokens) tells the workers or learns from them:
         finished requests to drop, tier copies to start or in flight."""
-        return bool(self._finished_ids or self._copies) or (self.tiering is not None and self.tiering.has_work())
+        return bool(self._finished_ids or self._copies) or self.tiers.has_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -508,20 +522,18 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        } | (self.tiering.stats() if self.tiering is not None else {})
+        } | self.tiers.stats()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
-        loading_ids = set(self.tiering.loading) if self.tiering is not None else set()
+        loading_ids = self.tiers.loading_ids()
         assert len(running_ids) + len(loading_ids) <= self.max_num_seqs
         assert len(running_ids) == len(self.running)
         assert not running_ids & waiting_ids and not loading_ids & (running_ids | waiting_ids)
         assert running_ids | waiting_ids | loading_ids == set(self.requests), \
             "requests lost or leaked"
-        for rid in loading_ids:
-            assert self.tiering.tiers.is_loading(rid), f"{rid} waits for no load"
         assert set(self.kv.req_to_blocks) <= running_ids, "a non-running request holds blocks"
         bs = self.kv.block_size
         for req in self.running:

@@ -29,7 +29,7 @@ from tierserve.runtime import envs  # noqa: E402
 hypothesis_settings.register_profile("pinned", derandomize=True, database=None)
 hypothesis_settings.register_profile("explore")
 hypothesis_settings.load_profile("pinned")
-from tierserve.workers.cpu_features import detect_cpu_features, isa_rank  # noqa: E402
+from tierserve.workers.backends.cpu_features import detect_cpu_features, isa_rank  # noqa: E402
 
 
 def _kernel_isas() -> tuple[str, ...]:
@@ -69,7 +69,7 @@ def ray_session():
 def pinned_backend(name: str):
     """The CPU backend `name`, its kernels built (or loaded from the user cache); skips where
     this CPU lacks its ISA, TIERSERVE_CPU_ISA caps it away, or there is no compiler."""
-    from tierserve.workers.backend import kernel_backend, torch_backend
+    from tierserve.workers.backends.cpu import kernel_backend, torch_backend
 
     if name == "torch":
         return torch_backend()

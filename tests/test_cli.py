@@ -156,7 +156,7 @@ def test_status_shows_tiers_backend_and_hits_per_tier():
              "num_total_blocks": 40, "block_size": 16, "prefix_cache_hit_rate": 0.5,
              "prefix_cache_hit_tokens": 10, "prefix_cache_queried_tokens": 20,
              "num_preemptions": 3, "cpu_tier_usage": 0.5, "cpu_tier_slots": 8,
-             "tier_cpu_hit_blocks": 4, "ssd_tier_usage": 0.25, "ssd_tier_slots": 16,
+             "tier_cpu_hit_blocks": 4, "ssd_tier_usage": 0.25, "ssd_tier_blocks": 16,
              "tier_ssd_hit_blocks": 2, "tier_promotions": 5, "tier_demotions": 6,
              "tier_loads": 2, "tier_spills": 1, "tier_swap_outs": 1, "tier_swap_ins": 1,
              "backend": {"name": "avx2", "paths": ["attention"], "cpu": "EPYC"},
@@ -166,7 +166,7 @@ def test_status_shows_tiers_backend_and_hits_per_tier():
             "startup_s": {"tokenizer": 0.5, "weights": 1.0, "total": 2.0}}
     text = "\n".join(status_lines("smol", stats, info))
     for part in ("1 running, 2 waiting", "25.0% of 40 blocks", "hit rate 50.0%",
-                 "CPU: 50.0% of 8 slots, 4 blocks hit", "SSD: 25.0% of 16 entries, 2 blocks hit",
+                 "CPU: 50.0% of 8 slots, 4 blocks hit", "SSD: 25.0% of 16 blocks, 2 blocks hit",
                  "5 promotions, 6 demotions, 2 loads, 1 spills", "3 (1 swapped out",
                  "avx2 (attention) on EPYC", "temperature 0.2", "2.0 s (tokenizer 0.5"):
         assert part in text, (part, text)

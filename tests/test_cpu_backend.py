@@ -15,9 +15,9 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import make_worker_spec
 from tierserve.workers import worker as worker_module
-from tierserve.workers.backend import _half_linear, plan_for, torch_backend
-from tierserve.workers.cpu_features import CpuFeatures, detect_cpu_features, isa_rank
-from tierserve.workers.kernels import KernelLibrary
+from tierserve.workers.backends.cpu import _half_linear, plan_for, torch_backend
+from tierserve.workers.backends.cpu_features import CpuFeatures, detect_cpu_features, isa_rank
+from tierserve.workers.backends.kernels import KernelLibrary
 from tierserve.workers.worker import Worker
 
 V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tierserve.workers.attention import write_kv
-from tierserve.workers.backend import torch_backend
-from tierserve.workers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from tierserve.workers.backends.cpu import torch_backend
+from tierserve.workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 # fp32: the RMS sum's order and exp's last ulp differ from torch's; bf16 rounds them away here.

@@ -11,7 +11,7 @@ from tierserve import LLM, SamplingParams
 from tierserve.deploy.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.deploy.openai.protocol import sampling_params as http_sampling_params
 from tierserve.runtime.generation_config import generation_defaults
-from tierserve.workers.loader import default_model_path
+from tierserve.workers.model.loader import default_model_path
 
 HF_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
              "repetition_penalty": 1.1, "max_new_tokens": 5, "bos_token_id": 1,

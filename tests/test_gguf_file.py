@@ -1,4 +1,4 @@
-"""workers/gguf_file.py against gguf.GGUFReader, GGUF round trips and broken files, and the GGUF
+"""workers/model/gguf_file.py against gguf.GGUFReader, GGUF round trips and broken files, and the GGUF
 tokenizer built from the shared parse against transformers' own conversion."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 
 from tierserve.runtime import tokenizer as tokenizer_mod
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer
-from tierserve.workers import gguf_file as gguf_file_mod
-from tierserve.workers import loader
-from tierserve.workers.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.model import gguf_file as gguf_file_mod
+from tierserve.workers.model import loader
+from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
 DEFAULT = loader.default_model_path()
 

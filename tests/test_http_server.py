@@ -599,3 +599,24 @@ def test_echo_and_a_stop_string_kept_in_the_output(client):
     kept = client.completions.create(**dict(base, extra_body={
         "ignore_eos": True, "include_stop_str_in_output": True}), stop=[stop]).choices[0]
     assert kept.finish_reason == "stop" and kept.text == text[:text.index(stop) + len(stop)]
+
+
+def test_prompt_logprobs_equal_the_full_forwards_log_softmax(client, checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = list(range(5, 31))
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for _ in range(2):  # the second one would hit the first's prefix: it is computed again
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        temperature=0, extra_body={"prompt_logprobs": 2})
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+        got = out.choices[0].prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for i in range(1, len(prompt)):
+            entry = got[i][str(prompt[i])]
+            assert abs(entry["logprob"] - ref[i - 1, prompt[i]].item()) < 1e-4
+            assert entry["rank"] == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+            best = min(got[i].items(), key=lambda e: e[1]["rank"])
+            assert int(best[0]) == int(ref[i - 1].argmax())

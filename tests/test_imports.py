@@ -1,5 +1,6 @@
 """The package import table of ../shared/DESIGN.md, enforced: every import in every module
-(function-level ones included) against the arrows the table allows, and no package cycle."""
+(function-level ones included) against the arrows the table allows, and no package cycle; inside
+workers/, the sub-packages' own arrows (the model is built on the backends, never the reverse)."""
 from __future__ import annotations
 
 import ast
@@ -20,6 +21,14 @@ ALLOWED = {
     "workers": SCHEDULER_MESSAGES,
     "runtime": {"kvcache", "scheduler", "workers"},
     "deploy": {"runtime", "workers"} | SCHEDULER_MESSAGES,
+}
+# Inside workers/: what the sub-packages may import of workers/ (a unit is a sub-package or a
+# top-level module). A backend sees only backends; the model sees the backends, the attention
+# metadata and the TP group; step execution (the top-level modules) may use all of them.
+WORKERS_UNITS = {
+    "workers.backends": {"workers.backends"},
+    "workers.model": {"workers.model", "workers.backends", "workers.attention",
+                      "workers.parallel"},
 }
 # Third-party packages a package must never import: the bookkeeping core stays torch- and
 # Ray-free, and only deploy/ touches Ray and ZMQ.
@@ -43,25 +52,41 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             module = "." * node.level + (node.module or "")
             found.append((node.lineno, module))
-            # `from tierserve import deploy` names a package in the alias.
-            if module == "tierserve":
-                found += [(node.lineno, f"tierserve.{a.name}") for a in node.names]
+            # `from tierserve import deploy` (or `from tierserve.workers import parallel`)
+            # names a package or module in the alias.
+            if module in ("tierserve", "tierserve.workers"):
+                found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
     return found
+
+
+def _workers_unit(dotted: list[str]) -> str:
+    """workers.<sub-package> or workers.<module> of a dotted path under workers."""
+    return ".".join(dotted[:2])
 
 
 def violations(root: Path = REPO) -> list[str]:
     bad = []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root)
+            unit = _workers_unit(list(rel.with_suffix("").parts))
             for line, module in imports_of(path):
                 parts = module.split(".")
-                where = f"{path.relative_to(root)}:{line}"
+                where = f"{rel}:{line}"
                 if module.startswith("."):
                     bad.append(f"{where}: relative import {module}")
                     continue
                 if parts[0] in FORBIDDEN[package]:
                     bad.append(f"{where}: {package}/ imports {module}")
-                if parts[0] != "tierserve" or len(parts) < 2 or parts[1] == package:
+                if parts[0] != "tierserve" or len(parts) < 2:
+                    continue
+                if parts[1] == package:
+                    target_unit = _workers_unit(parts[1:])
+                    allowed_units = WORKERS_UNITS.get(unit)
+                    if package == "workers" and len(parts) > 2 and allowed_units is not None \
+                            and target_unit not in allowed_units:
+                        bad.append(f"{where}: {unit} -> {target_unit} is not in the workers/ "
+                                   f"sub-package table")
                     continue
                 target = parts[1]
                 if target not in PACKAGES:
@@ -101,11 +126,18 @@ def test_the_table_has_no_cycle():
     ("kvcache", "import torch", "kvcache/ imports torch"),
     ("workers", "from tierserve.scheduler.scheduler import Scheduler",
      "workers/ -> scheduler.scheduler"),
+    ("workers/backends", "from tierserve.workers.model.layers import linear",
+     "workers.backends -> workers.model "),
+    ("workers/backends", "from tierserve.workers import worker",
+     "workers.backends -> workers.worker "),
+    ("workers/model", "from tierserve.workers.model_runner import ModelRunner",
+     "workers.model -> workers.model_runner "),
 ])
 def test_an_import_against_the_table_fails(tmp_path, package, line, message):
     """The check sees a forbidden arrow added anywhere, a function's body included."""
     for p in PACKAGES:
         os.makedirs(tmp_path / p)
+    os.makedirs(tmp_path / package, exist_ok=True)
     (tmp_path / package / "added.py").write_text(f"def f():\n    pass\n{line}\n")
     found = violations(tmp_path)
     assert len(found) == 1 and message in found[0], found

@@ -18,8 +18,8 @@ from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
 from tierserve.workers import attention
 from tierserve.workers.attention import AttentionMetadata, _decode, paged_attention
-from tierserve.workers.backend import CpuBackend, torch_backend
-from tierserve.workers.kernels import KernelLibrary, build_dir_for
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.backends.kernels import KernelLibrary, build_dir_for
 
 COMPILER = os.environ.get("CXX", "c++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
@@ -286,7 +286,7 @@ def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
     build_dir = tmp_path / "kernels"
     build_dir.mkdir()
     (build_dir / "lock").touch()
-    cmd = [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir), kernels.name]
+    cmd = [sys.executable, "-m", "tierserve.workers.backends.kernels", str(build_dir), kernels.name]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -304,7 +304,7 @@ def test_build_dir_names_every_source_header_and_isa(tmp_path, monkeypatch):
     """An edit to any compiled file, shared header included, must lead to a fresh build folder:
     a stale cached library would otherwise keep serving the old code. Each ISA variant has a
     folder of its own, named after it."""
-    from tierserve.workers import kernels as kmod
+    from tierserve.workers.backends import kernels as kmod
 
     csrc = tmp_path / "csrc"
     shutil.copytree(kmod._CSRC, csrc)

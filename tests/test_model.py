@@ -25,14 +25,14 @@ from tierserve.workers.attention import (
     AttentionMetadata, _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block,
     prefault_in_background,
 )
-from tierserve.workers.loader import (
+from tierserve.workers.model.loader import (
     default_model_path,
     iter_weights,
     load_model,
     load_model_config,
 )
-from tierserve.workers.model import LlamaForCausalLM
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.llama import LlamaForCausalLM
+from tierserve.workers.model.config import ModelConfig
 
 ATOL = 1e-4
 

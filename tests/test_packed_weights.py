@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.checkpoints import make_tiny_llama
-from tierserve.workers.backend import CpuBackend, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
-from tierserve.workers.layers import (
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.model.layers import (
     ColumnParallelLinear, GreedyHead, PackedWeight, PanelWeight, ParallelLMHead,
     RowParallelLinear,
 )
-from tierserve.workers.loader import load_model
+from tierserve.workers.model.loader import load_model
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 

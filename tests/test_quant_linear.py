@@ -1,4 +1,4 @@
-"""Linears run from GGUF codes (workers/quant.py, csrc/quant.cpp): the encoder takes exactly the
+"""Linears run from GGUF codes (backends/quant.py, csrc/quant.cpp): the encoder takes exactly the
 weights that are dequantized Q4_1 / Q8_0 blocks and nothing else, the product equals the fp32
 panel kernel's bit for bit at every batch size, and a quantized GGUF model gives the same logits
 with the codes as without them."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.checkpoints import PagedRunner, Work, make_tiny_llama, write_llama_gguf
-from tierserve.workers.backend import kernel_backend
-from tierserve.workers.layers import ColumnParallelLinear, PanelWeight, ParallelLMHead, RowParallelLinear
-from tierserve.workers.loader import load_model
-from tierserve.workers.quant import QuantPanelWeight
+from tierserve.workers.backends.cpu import kernel_backend
+from tierserve.workers.model.layers import ColumnParallelLinear, PanelWeight, ParallelLMHead, RowParallelLinear
+from tierserve.workers.model.loader import load_model
+from tierserve.workers.backends.quant import QuantPanelWeight
 
 QT = gguf.GGMLQuantizationType
 
@@ -79,8 +79,8 @@ def test_weights_that_are_not_gguf_blocks_are_declined(kernels):
 
 def test_off_switch_and_other_backends(tmp_path):
     from tierserve.runtime import envs
-    from tierserve.workers.backend import plan_for, torch_backend
-    from tierserve.workers.cpu_features import detect_cpu_features
+    from tierserve.workers.backends.cpu import plan_for, torch_backend
+    from tierserve.workers.backends.cpu_features import detect_cpu_features
 
     weight = dequantized(32, 64, QT.Q4_1)
     assert QuantPanelWeight.encode(None, weight, torch_backend()) is None
@@ -101,8 +101,8 @@ def quantized_gguf(tmp_path_factory):
 
 
 def test_quantized_gguf_model_runs_from_codes_with_the_same_logits(kernels, quantized_gguf):
-    from tierserve.workers.backend import plan_for
-    from tierserve.workers.cpu_features import detect_cpu_features
+    from tierserve.workers.backends.cpu import plan_for
+    from tierserve.workers.backends.cpu_features import detect_cpu_features
 
     _, model = load_model(str(quantized_gguf), backend=kernels)
     formats = {name: m.packed.format for name, m in model.named_modules()

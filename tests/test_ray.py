@@ -3,6 +3,7 @@ named deployments and streaming from other processes, cancellation, worker death
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 import tierserve
-from tests.checkpoints import make_tiny_llama
+from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
 from tierserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -23,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-ckpt")
-    return {"llama": str(make_tiny_llama(root / "llama")),
+    return {"llama": str(add_tiny_tokenizer(make_tiny_llama(root / "llama"))),
             # 6 heads and 3 KV heads divide by TP=3 (and by 1).
             "llama6": str(make_tiny_llama(root / "llama6", hidden_size=96, num_heads=6,
                                           num_kv_heads=3, seed=5))}
@@ -41,7 +42,15 @@ def reference(tiny):
     for name, path in tiny.items():
         with LLM(path, block_size=4) as llm:
             ref[name] = tokens(llm, PROMPTS)
+            if name == "llama":
+                ref["prompt_logprobs"] = _prompt_logprobs(llm)
     return ref
+
+
+def _prompt_logprobs(llm) -> list[float]:
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
 
 
 @pytest.mark.parametrize("name,tp", [("llama", 1), ("llama", 2), ("llama6", 3)])
@@ -64,6 +73,13 @@ def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
                                 ignore_eos=True)
         alone = tokens(llm, PROMPTS[1:2], seeded)
         assert tokens(llm, PROMPTS, [GREEDY, seeded, GREEDY, GREEDY])[1] == alone[0]
+        # Only rank 0 samples: its grammar matchers and prompt logprobs need no other rank.
+        code = SamplingParams(temperature=1.0, seed=4, max_tokens=30, n=2,
+                              structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"})
+        out = llm.generate(["a code:"], code, use_tqdm=False)[0]
+        assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c.text) for c in out.outputs), out
+        got = _prompt_logprobs(llm)
+        assert max(abs(a - b) for a, b in zip(got, reference["prompt_logprobs"])) < 1e-4
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 

@@ -12,9 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.checkpoints import TINY_LLAMA3_ROPE, PagedRunner, Work, make_tiny_llama, make_tiny_qwen2
-from tierserve.workers.layers import partition_heads
-from tierserve.workers.loader import load_model, load_model_config
-from tierserve.workers.model import LlamaForCausalLM
+from tierserve.workers.model.layers import partition_heads
+from tierserve.workers.model.loader import load_model, load_model_config
+from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.parallel import destroy_distributed, get_tp_size, init_distributed
 
 # Sharding changes the order of float reductions (row-parallel all-reduce), nothing else.
@@ -57,7 +57,7 @@ def _cat(logits: list) -> torch.Tensor | None:
 def _backend(name: str):
     """The named CPU backend in a spawned rank (the test process built its kernels)."""
     from tierserve.runtime import envs
-    from tierserve.workers.backend import kernel_backend
+    from tierserve.workers.backends.cpu import kernel_backend
 
     return kernel_backend(name, envs.cache_dir())
 

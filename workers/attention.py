@@ -11,7 +11,7 @@ followed by prefill chunks whose positions continue after a possibly cached pref
 The same torch ops run on CPU and CUDA: decodes are one batched SDPA over K/V gathered block-wise
 through the block tables; prefill chunks are one SDPA each. Grouped-query attention needs no K/V
 expansion: for decodes the query heads sharing a KV head are laid out as that head's query rows.
-On CPU, with a backend that has the paged kernel (workers/backend.py), every token instead reads
+On CPU, with a backend that has the paged kernel (workers/backends/cpu.py), every token instead reads
 K/V in place through its block table, prefill tokens each over their causal context, in one call
 a layer, with no gather copy and no padding.
 """
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierserve.workers.backend import CpuBackend
-from tierserve.workers.layers import partition_heads
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.backends.cpu import CpuBackend
+from tierserve.workers.model.layers import partition_heads
+from tierserve.workers.model.config import ModelConfig
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.backend import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
 from tierserve.workers.structured import GrammarMatchers, apply_bitmask_
 from tierserve.workers.token_rules import TokenRules
 
@@ -263,9 +263,8 @@ class SamplingStateTable:
             slot = self._take_slot()
             _fill_penalty_row(self._counts[slot], self._prompt_mask[slot], prompt_token_ids,
                               output_token_ids)
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured outputs need the sampling rank's grammar matchers")
+        # Only the rank that samples (the one with matchers) follows the grammar.
+        if params.structured_outputs is not None and self.grammars is not None:
             self.grammars.add(req_id, params.structured_outputs)
             if len(output_token_ids):
                 self.grammars.advance([req_id] * len(output_token_ids), list(output_token_ids))

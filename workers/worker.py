@@ -20,12 +20,13 @@ from tierserve.workers import parallel
 from tierserve.workers.attention import (
     allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
 )
-from tierserve.workers.backend import CpuBackend, plan_for, torch_backend
-from tierserve.workers.cpu_features import detect_cpu_features
-from tierserve.workers.kernels import KernelLibrary, kernel_library
-from tierserve.workers.loader import load_model, resolve_dtype
+from tierserve.workers.backends.cpu import CpuBackend, plan_for, torch_backend
+from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
+from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
-from tierserve.workers.tiers import SsdStore, TierStore, model_fingerprint, tier_slots
+from tierserve.workers.tier_copier import TierCopier
+from tierserve.workers.tier_ssd import SsdFolder, kv_head_range
 
 __all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 
@@ -56,19 +57,20 @@ class WorkerSpec:
     num_kv_blocks: int | None
     cpu_threads: int | None
     collective_timeout_s: float
-    # Compiled CPU kernels: "background", "sync" or "off" (see workers/kernels.py), built into
-    # cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
+    # Compiled CPU kernels: "background", "sync" or "off" (see workers/backends/kernels.py),
+    # built into cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
     # ("auto": the CPU's best; "torch": none).
     cpu_kernels: str
     cpu_isa: str
     cache_dir: str | None
     quantized_linears: bool
-    # KV tiers below the pool (workers/tiers.py): bytes per rank; 0 / None: none. hash_id names
-    # the block hash (algorithm and seed): SSD entries of another hash are never reused.
+    # KV tiers below the pool (workers/tier_copier.py): CPU bytes per rank (0: none); the SSD
+    # folder shared by every engine on it, its capacity in bytes, and the KV fingerprint that
+    # names its entries (workers/kv_fingerprint.py; "" without an SSD folder).
     kv_offload_cpu_bytes: int
     kv_offload_ssd_path: str | None
     kv_offload_ssd_bytes: int
-    hash_id: str
+    kv_fingerprint: str = ""
     # Capacities of the persistent input batch (rows, tokens per row); None: grown on demand.
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -79,6 +81,9 @@ class WorkerSpec:
     tokenizer_file: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
+    # Test-only: tier copies complete late, destinations poisoned until then
+    # (workers/tier_streams.py LateCopies).
+    debug_late_copies: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +99,11 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class TierReport:
-    """A rank's KV tiers once allocated: their sizes, the SSD entries it found from an earlier
-    run (entry, block hash, hashed key) and its pool <-> CPU tier copy bandwidth."""
+    """A rank's KV tiers once allocated: its CPU slots, the KV heads [lo, hi) its SSD entries
+    hold, and its pool <-> CPU tier copy bandwidth."""
 
     cpu_slots: int
-    ssd_entries: int
-    found: tuple[tuple[int, bytes, bytes], ...]
+    kv_heads: tuple[int, int]
     copy_bytes_per_s: float
 
 
@@ -309,36 +313,31 @@ class Worker:
                            tokenizer_file=self.spec.tokenizer_file)
 
     def _make_tiers(self) -> TierReport:
-        spec = self.spec
-        block_bytes = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
-                                               spec.block_size, self.dtype)
-        ssd_bytes = spec.kv_offload_ssd_bytes if spec.kv_offload_ssd_path else 0
-        cpu_slots, ssd_entries = tier_slots(spec.kv_offload_cpu_bytes, ssd_bytes, block_bytes)
+        spec, cfg = self.spec, self.model.config
+        tp = spec.tensor_parallel_size
+        heads = kv_head_range(cfg.num_key_value_heads, tp, self.rank)
+        block_bytes = kv_cache_bytes_per_block(cfg, tp, spec.block_size, self.dtype)
+        cpu_slots = spec.kv_offload_cpu_bytes // block_bytes
         if cpu_slots == 0:
-            return TierReport(0, 0, (), 0.0)
-        kv = self.runner.kv_caches
+            return TierReport(0, heads, 0.0)
         ssd = None
-        if ssd_entries:
-            common = dict(dtype=str(self.dtype), tp=spec.tensor_parallel_size,
-                          block_size=spec.block_size, hash=spec.hash_id,
-                          layout=list(kv[0][0].shape[1:]), layers=len(kv))
-            ssd = SsdStore(spec.kv_offload_ssd_path, model_fingerprint(spec.model, **common),
-                           model_fingerprint(spec.model, rank=self.rank, **common), self.rank,
-                           ssd_entries, [len(kv), 2, *kv[0][0].shape[1:]], self.dtype)
-        store = TierStore(kv, cpu_slots, ssd, self.device)
-        self.runner.tiers = store
-        t0 = time.monotonic()
-        found = tuple(store.scan())
-        log.info("rank %d: KV tiers of %d CPU slots and %d SSD entries; %d entries found on "
-                 "SSD in %.2f s", self.rank, cpu_slots, ssd_entries, len(found),
-                 time.monotonic() - t0)
-        return TierReport(cpu_slots, ssd_entries, found, store.measure_copy_bandwidth())
+        if spec.kv_offload_ssd_path:
+            ssd = SsdFolder(spec.kv_offload_ssd_path, spec.kv_fingerprint,
+                            cfg.num_key_value_heads, spec.kv_offload_ssd_bytes)
+        # Ranks sharing a replicated KV head hold the same KV: the first of them writes it.
+        replicas = max(1, tp // cfg.num_key_value_heads)
+        copier = TierCopier(self.runner.kv_caches, cpu_slots, self.device, ssd=ssd, heads=heads,
+                            writer=self.rank % replicas == 0, late=spec.debug_late_copies)
+        self.runner.tiers = copier
+        log.info("rank %d: a CPU tier of %d slots%s", self.rank, cpu_slots,
+                 f", SSD folder {ssd.dir}" if ssd is not None else "")
+        return TierReport(cpu_slots, heads, copier.measure_copy_bandwidth())
 
     def shutdown(self) -> None:
         if self._prefault is not None:  # it writes to the pool's pages: end it first
             self._prefault.stop()
             self._prefault = None
-        if self.runner is not None and self.runner.tiers is not None:
+        if self.runner is not None:
             self.runner.tiers.close()
         self.runner = None
         self.model = None
@@ -367,9 +366,8 @@ class Worker:
             result.req_ids_digest = req_ids_digest(msg.scheduled_req_ids())
             return result
         if isinstance(msg, FlushTiers):
-            tiers = self.runner.tiers if self.runner is not None else None
-            written = tiers.flush(msg) if tiers is not None else []
-            return ModelRunnerOutput(msg.step_id, flushed_entries=written) \
+            written = self.runner.tiers.flush(msg) if self.runner is not None else 0
+            return ModelRunnerOutput(msg.step_id, flushed_blocks=written) \
                 if self.rank == 0 else None
         if isinstance(msg, ShutdownWorker):
             self.shutdown()

@@ -59,6 +59,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -145,7 +146,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words_token_ids=_bad_words(req.bad_words, encode),
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=req.prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as e:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from tierserve.workers.cpu_features import ISAS, CpuFeatures, detect_cpu_features, isa_rank
-from tierserve.workers.kernels import kernel_library
+from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cpu_features, isa_rank
+from tierserve.workers.backends.kernels import kernel_library
 
 __all__ = ["BACKEND_NAMES", "CpuBackend", "torch_backend", "kernel_backend", "plan_for"]
 
@@ -47,8 +47,8 @@ class CpuBackend:
     panel_max_rows: int = PANEL_MAX_ROWS
     amx_linear: bool = False  # fp32 linears above panel_max_rows rows on AMX (bf16x3)
     greedy_head: bool = False  # exact greedy tokens from a bf16 copy of the fp32 LM head
-    # fp32 weights that are GGUF blocks dequantized run from their codes (workers/quant.py) in
-    # products of up to quant_max_rows rows.
+    # fp32 weights that are GGUF blocks dequantized run from their codes (backends/quant.py)
+    # in products of up to quant_max_rows rows.
     quant_linear: bool = False
     quant_max_rows: int = QUANT_MAX_ROWS
     # How bf16 / fp16 linears run: "onednn" (weights packed once in oneDNN's layout, where

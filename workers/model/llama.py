@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.backend import CpuBackend, torch_backend
-from tierserve.workers.layers import (
+from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -25,7 +25,7 @@ from tierserve.workers.layers import (
     pack_weights,
     partition_heads,
 )
-from tierserve.workers.model_config import ModelConfig
+from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.parallel import get_tp_size
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.workers.backend import CpuBackend
+from tierserve.workers.backends.cpu import CpuBackend
 from tierserve.workers.parallel import get_tp_rank, get_tp_size, tp_all_reduce, tp_gather
-from tierserve.workers.quant import QuantPanelWeight
+from tierserve.workers.backends.quant import QuantPanelWeight
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

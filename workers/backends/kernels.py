@@ -4,10 +4,10 @@ Each variant (`avx2`, `avx512`, `amx`; see cpu_features.py) is built from the sa
 that ISA's compiler flags, so its vectors are the width, and its register blocking the depth,
 the ISA has; it registers its ops under its own namespace (`torch.ops.tierserve_avx2`, ...), so
 several variants can live in one process (tests and benches compare them). Which variant, if
-any, serves a model is the backend's decision (backend.py), made once per engine.
+any, serves a model is the backend's decision (cpu.py), made once per engine.
 
 Build protocol, safe for several processes (TP ranks) at once:
-  * The compile runs in a child process (`python -m tierserve.workers.kernels BUILD_DIR ISA`) in
+  * The compile runs in a child process (`python -m tierserve.workers.backends.kernels BUILD_DIR ISA`) in
     its own session. A background build therefore never blocks the caller, and a caller that
     exits early leaves the child to finish, so the next process finds the cache warm.
   * The child compiles under an exclusive flock on BUILD_DIR/build.lock. The kernel releases a
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tierserve.workers.cpu_features import ISAS
+from tierserve.workers.backends.cpu_features import ISAS
 
 __all__ = ["KernelLibrary", "kernel_library", "build_dir_for", "ISA_CFLAGS"]
 
@@ -197,7 +197,7 @@ class _Builder:
         self.log_path = build_dir / f"build-{os.getpid()}.log"
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierserve.workers.kernels", str(build_dir), isa,
+                [sys.executable, "-m", "tierserve.workers.backends.kernels", str(build_dir), isa,
                  str(self.log_path)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, env={**os.environ, "MAX_JOBS": "1"})
@@ -212,7 +212,7 @@ class _Builder:
 
 
 if __name__ == "__main__":
-    # python -m tierserve.workers.kernels BUILD_DIR ISA [LOG]: LOG (this run's output) is removed
+    # python -m tierserve.workers.backends.kernels BUILD_DIR ISA [LOG]: LOG (this run's output) is removed
     # on success, here rather than by the caller, which may have exited before the build ends.
     # Lowest priority: a first run serves through the torch path meanwhile, and a compiler at
     # normal priority on its cores tripled the cold start to the first token on 2 cores.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tierserve.workers.backend import CpuBackend
+from tierserve.workers.backends.cpu import CpuBackend
 
 __all__ = ["QuantPanelWeight", "QUANT_FORMATS"]
 
