@@ -69,7 +69,9 @@ class EngineConfig:
                           high=2**64 - 1)
     scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=POLICIES)
     kv_cache_memory_bytes: int | None = _opt(
-        None, "bytes of KV pool per rank; default: a share of free memory", low=1)
+        None, "bytes of KV pool per rank; default on CPU: 1 GiB or a fifth of available "
+        "memory, whichever is less, split between the ranks; on GPU: what "
+        "gpu_memory_utilization leaves", low=1)
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use", low=0.0,
                                          high=1.0, low_open=True)
     num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (one is the null "

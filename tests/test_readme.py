@@ -215,3 +215,15 @@ def _leave_nothing(flow: _Flow, cache: Path, head_pid: int | None) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_documents_link_inside_the_repository():
+    """Every relative link of the README and docs/ names a file of this repository."""
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        assert "../shared" not in text, doc
+        for target in re.findall(r"\]\(([^)#\s]+)\)", text):
+            if "://" in target:
+                continue
+            path = (doc.parent / target).resolve()
+            assert path.is_relative_to(REPO) and path.exists(), f"{doc.name}: {target}"

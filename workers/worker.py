@@ -34,8 +34,9 @@ log = logging.getLogger("tierserve.worker")
 # One line per part of a start (kernels, weights, KV pool), which the CLI shows on a terminal.
 progress = logging.getLogger("tierserve.progress")
 
-# CPU pools default to this much (or a fifth of available memory, if less), and to at most
-# this many blocks: a tiny model would otherwise get millions of blocks of bookkeeping.
+# CPU pools default to this much for the whole engine (or a fifth of available memory, if
+# less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
+# of bookkeeping.
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 _CPU_DEFAULT_MAX_BLOCKS = 32768
 
@@ -257,8 +258,10 @@ class Worker:
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
             return self._profile_cuda_budget()
+        # The engine's whole pool, split between its ranks (each holds its heads' share of a
+        # block): the same tokens at any TP size, where ranks share a node's memory.
         available = _available_memory_bytes()
-        return min(_CPU_DEFAULT_KV_BYTES, available // 5)
+        return min(_CPU_DEFAULT_KV_BYTES, available // 5) // self.spec.tensor_parallel_size
 
     def _profile_cuda_budget(self) -> int:
         """Free memory times utilisation, less the peak a max-size forward needs."""
