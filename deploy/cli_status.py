@@ -16,7 +16,8 @@ def status_lines(name: str, stats: dict, info: dict) -> list[str]:
              f"engine on {info.get('node_ip')})"]
     rows = [("requests", _requests(stats)), ("KV pool", _pool(stats, info)),
             ("prefix cache", _prefix(stats)), ("KV tiers", _tiers(stats)),
-            ("preemptions", _preemptions(stats)), ("backend", _backend(stats)),
+            ("preemptions", _preemptions(stats)), ("worker restarts", _restarts(stats)),
+            ("backend", _backend(stats)),
             ("data plane", _dataplane(stats)), ("sampling defaults", _sampling(info)),
             ("start", _startup(info))]
     for label, text in rows:
@@ -69,6 +70,13 @@ def _preemptions(s: dict) -> str:
     if "tier_swap_outs" in s:
         text += f" ({s['tier_swap_outs']} swapped out, {s.get('tier_swap_ins', 0)} back in)"
     return text
+
+
+def _restarts(s: dict) -> str:
+    if not s.get("restarts"):
+        return "0" if "restarts" in s else ""
+    return (f"{s['restarts']} (last: {s.get('restart_reason')}; rebuilt in "
+            f"{s.get('restart_s', 0.0):.1f} s)")
 
 
 def _backend(s: dict) -> str:

@@ -26,6 +26,9 @@ from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
 
+# The engine's modules (torch among them) are imported where an engine starts, not here:
+# status, stop and generate --name talk to a running deployment with Ray alone.
+
 __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
            "ensure_ray", "actor_name"]
 
@@ -47,7 +50,6 @@ def ensure_ray(namespace: str | None = None) -> None:
 
 
 # Ray accounts resources in steps of 1e-4.
-_RAY_CPU_STEP = 1e-4
 _RAY_CPU_STEPS = 10_000
 
 
@@ -78,10 +80,7 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     The actor's constructor starts the workers, so this returns once the model is loaded. A
     model, TP size or placement that cannot work fails here at once, before anything waits;
     a start that fails later leaves no actor, placement group or folder behind."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from tierserve.deploy.engine_actor import EngineActor
-    from tierserve.deploy.placement import make_placement_group, rank_bundles
+    from tierserve.deploy.placement import make_placement_group
     from tierserve.runtime.engine_core import check_model
     from tierserve.workers.worker import resolve_device
 
@@ -96,6 +95,25 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
     holder = _remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
         else None
+    try:
+        actor = start_engine_actor(config, pg, uid, namespace, detached)
+    except BaseException:
+        remove_placement_group(pg)
+        if holder is not None:
+            ray.kill(holder, no_restart=True)
+        raise
+    return actor, pg
+
+
+def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None,
+                       detached: bool):
+    """The EngineActor on rank 0's bundle of `pg`, named `uid` when detached; returns once
+    its model is loaded (a start that fails leaves no actor)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from tierserve.deploy.engine_actor import EngineActor
+    from tierserve.deploy.placement import rank_bundles
+
     actor = None
     try:
         bundles = rank_bundles(pg)
@@ -113,11 +131,8 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     except BaseException:
         if actor is not None:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(pg)
-        if holder is not None:
-            ray.kill(holder, no_restart=True)
         raise
-    return actor, pg
+    return actor
 
 
 _HOLDER_PREFIX = "tierserve-pg-"
@@ -151,9 +166,10 @@ class _DeploymentHolder:
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
     """Starts the named deployment, or connects to the running one. A deployment that died
-    (its engine, or a worker) is torn down and started afresh. With no Ray cluster to join, a
-    local head is started for it (deploy/ray_cluster.py); a start that fails stops that head
-    again, so nothing is left running for a deployment that is not there."""
+    (its engine, or a worker; with replicas, every replica) is torn down and started
+    afresh. With no Ray cluster to join, a local head is started for it
+    (deploy/ray_cluster.py); a start that fails stops that head again, so nothing is left
+    running for a deployment that is not there."""
     config = EngineConfig.from_kwargs(**options)
     head = ray_cluster.join(namespace, start=True)
     try:
@@ -179,12 +195,70 @@ def _serve_on_cluster(config: EngineConfig, name: str, namespace: str | None) ->
     except EngineDeadError as e:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
     _stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
+    if config.data_parallel_size > 1:
+        return AsyncLLM(client=start_replicated(config, name, namespace), name=name)
     actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
 
 
+def start_replicated(config: EngineConfig, name: str | None = None,
+                     namespace: str | None = None):
+    """A replicated deployment: its router actor, which starts data_parallel_size replicas;
+    returns its client once every replica serves. Named: detached, and found by `connect`;
+    anonymous: owned by the returned client."""
+    from tierserve.deploy.replicas import replica_config
+    from tierserve.deploy.router import Router, router_name
+    from tierserve.deploy.router_client import RouterClient
+    from tierserve.runtime.engine_core import check_model
+    from tierserve.workers.worker import resolve_device
+
+    check_model(config)
+    config = replica_config(config)
+    device = resolve_device(config.device)
+    check_placement(config.tensor_parallel_size * config.data_parallel_size, device,
+                    "PACK", config.cpus_per_worker,
+                    what=f"data_parallel_size={config.data_parallel_size} x "
+                         f"tensor_parallel_size={config.tensor_parallel_size}")
+    uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
+    options = dict(num_cpus=0, max_concurrency=1000,
+                   runtime_env={"env_vars": envs.tierserve_variables()})
+    if name is not None:
+        options.update(name=router_name(name), namespace=namespace or envs.default_namespace(),
+                       lifetime="detached")
+    router = ray.remote(Router).options(**options).remote(config, uid, name, namespace)
+    try:
+        ray.get(router.start.remote())
+    except BaseException:
+        ray.kill(router, no_restart=True)
+        raise
+    return RouterClient(router, name, owned=name is None)
+
+
 def connect(name: str, namespace: str | None = None) -> AsyncLLM:
-    return AsyncLLM(client=RayEngineClient.connect(name, namespace), name=name)
+    return AsyncLLM(client=_connect_client(name, namespace), name=name)
+
+
+def _connect_client(name: str, namespace: str | None):
+    """The running deployment's client: its engine's, else its router's (with replicas; the
+    router's modules are imported only then)."""
+    ns = namespace or envs.default_namespace()
+    _join(name, namespace)
+    if _lookup(actor_name(name), ns) is None and _lookup(_holder_name(name), ns) is None:
+        from tierserve.deploy.router import router_name
+        from tierserve.deploy.router_client import RouterClient
+        router = _lookup(router_name(name), ns)
+        if router is not None:
+            return RouterClient(router, name)
+    return RayEngineClient.connect(name, namespace)
+
+
+def _join(name: str, namespace: str | None) -> None:
+    """Joins the deployments' cluster; without one, no deployment named `name` is there."""
+    try:
+        ray_cluster.join(namespace)
+    except ray_cluster.NoClusterError as e:
+        raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
+                         f"--name {name}` starts one") from None
 
 
 def _lookup(name: str, namespace: str):
@@ -195,13 +269,11 @@ def _lookup(name: str, namespace: str):
 
 
 def deployments_left() -> list[str]:
-    """The named deployments (namespace/name) on the cluster this process joined."""
-    found = set()
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        for prefix in (_ACTOR_PREFIX, _HOLDER_PREFIX):
-            if actor["name"].startswith(prefix):
-                found.add(f"{actor['namespace']}/{actor['name'][len(prefix):]}")
-    return sorted(found)
+    """What of tierserve's deployments is on the cluster this process joined: every named
+    actor of theirs (engines, workers, holders, routers, replicas), as namespace/name."""
+    return sorted(f"{a['namespace']}/{a['name']}"
+                  for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("tierserve-"))
 
 
 def stop(name: str, namespace: str | None = None) -> bool:
@@ -228,6 +300,7 @@ def _joined(head: ray_cluster.LocalHead) -> bool:
 
 def _stop_deployment(name: str, namespace: str | None) -> bool:
     ns = namespace or envs.default_namespace()
+    replicated = _stop_replicated(name, ns)
     actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
     if actor is not None:
         try:
@@ -250,34 +323,67 @@ def _stop_deployment(name: str, namespace: str | None) -> bool:
     # folders whose owner died).
     remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
     remove_stale_ipc_dirs()
-    return actor is not None or holder is not None
+    return actor is not None or holder is not None or replicated
 
 
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float) -> None:
+def _stop_replicated(name: str, ns: str) -> bool:
+    """Stops a replicated deployment: its router stops every replica; then whatever is left
+    of one (a replica or worker whose router died, a placement group), found by name."""
+    from tierserve.deploy.router import router_name
+
+    router = _lookup(router_name(name), ns)
+    if router is not None:
+        try:
+            ray.get(router.shutdown.remote(), timeout=120)
+        except Exception as e:
+            log.warning("the router of %s did not shut down cleanly: %s", name, e)
+        ray.kill(router, no_restart=True)
+    prefix = actor_name(name) + "+r"
+    leftovers = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+    for actor_id in leftovers:
+        actor = _lookup(actor_id, ns)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    pg_prefix = _holder_name(name) + "+r"
+    pgs = {pg["name"] for pg in ray.util.placement_group_table().values()
+           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"}
+    for pg_name in pgs:
+        try:
+            remove_placement_group(ray.util.get_placement_group(pg_name))
+        except ValueError:  # gone meanwhile, or another namespace's
+            pass
+    for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
+        remove_ipc_dirs(uid, wait_s=0.0)
+    return router is not None or bool(leftovers) or bool(pgs)
+
+
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float,
+                    what: str | None = None) -> None:
     """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles; it names
     a cpus_per_worker that fits where there is one."""
     from tierserve.deploy.placement import worker_bundle
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    room, where = _room(nodes, worker_bundle(device, cpus_per_worker), strategy)
+    bundle = worker_bundle(device, cpus_per_worker)
+    room, where = _room(nodes, bundle, strategy)
     if room >= tp_size:
         return
-    bundle = worker_bundle(device, cpus_per_worker)
     total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
     fix = _fitting_cpus(nodes, device, strategy, tp_size, cpus_per_worker)
     hint = (f"set cpus_per_worker={fix:g} (--cpus-per-worker {fix:g}; ranks then share "
             f"cores), lower tensor_parallel_size, or add nodes" if fix is not None else
             "lower tensor_parallel_size or add nodes")
-    raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
-                     f"({strategy}); {where} can hold {room} (cluster: {total}). To fit, {hint}")
+    raise ValueError(f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of "
+                     f"{bundle} ({strategy}); {where} can hold {room} (cluster: {total}). To "
+                     f"fit, {hint}")
 
 
 def _room(nodes: list[dict], bundle: dict, strategy: str) -> tuple[int, str]:
     """How many bundles the nodes hold under the strategy, and where."""
     def fits(resources: dict) -> int:
         # Ray accounts in steps of 1e-4: compare in those steps, not in binary fractions.
-        return min(int(round(resources.get(k, 0) / _RAY_CPU_STEP) // round(v / _RAY_CPU_STEP))
-                   for k, v in bundle.items())
+        return min(int(round(resources.get(k, 0) * _RAY_CPU_STEPS)
+                       // round(v * _RAY_CPU_STEPS)) for k, v in bundle.items())
 
     if strategy == "STRICT_PACK":
         return max((fits(r) for r in nodes), default=0), "one node"
@@ -326,11 +432,7 @@ class RayEngineClient:
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
         ns = namespace or envs.default_namespace()
-        try:
-            ray_cluster.join(namespace)
-        except ray_cluster.NoClusterError as e:
-            raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
-                             f"--name {name}` starts one") from None
+        _join(name, namespace)
         actor = _lookup(actor_name(name), ns)
         if actor is None:
             if _lookup(_holder_name(name), ns) is not None:
@@ -449,8 +551,11 @@ def _get(ref, timeout: float | None = None):
 class RayDeployments:
     """runtime's transport to engines on Ray (client.Deployments)."""
 
-    def start(self, config: EngineConfig) -> RayEngineClient:
+    def start(self, config: EngineConfig):
+        if config.data_parallel_size > 1:
+            ensure_ray()
+            return start_replicated(config)
         return RayEngineClient.start(config)
 
-    def connect(self, name: str, namespace: str | None) -> RayEngineClient:
-        return RayEngineClient.connect(name, namespace)
+    def connect(self, name: str, namespace: str | None):
+        return _connect_client(name, namespace)

@@ -10,6 +10,7 @@ node's own. That holds for the data plane, rank 0's torch.distributed store and 
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -39,6 +40,8 @@ log = logging.getLogger("tierserve.ray_executor")
 
 # How often a waiting step checks that every worker actor is still alive.
 _LIVENESS_POLL_S = 0.5
+# How long a restart waits for the killed ranks to be gone before it starts their successors.
+_KILL_WAIT_S = 10.0
 
 
 def restore_priority() -> None:
@@ -71,6 +74,26 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
+def _exit_now(reason: str) -> None:
+    """An injected crash (TIERSERVE_DEBUG_CRASH): the process ends as a killed one would, with
+    no cleanup and no reply."""
+    log.warning("exiting: %s", reason)
+    os._exit(70)
+
+
+class _Phases:
+    """Wall time of each phase of a start, in seconds (what dominates a restart)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._t, 3)
+        self._t = now
+
+
 class WorkerActor:
     """Ray actor around one Worker rank; its data-plane loop runs in `run_loop`."""
 
@@ -78,6 +101,7 @@ class WorkerActor:
         restore_priority()
         self.rank = rank
         self.worker = Worker(spec, rank, local_device_index=0)
+        self.worker.crash = _exit_now
         self._plane: DataPlaneClient | None = None
         self._store_socket: socket.socket | None = None
 
@@ -96,8 +120,9 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     def init(self, dist_init_method: str | None, endpoints: Endpoints, keys: RankKeys,
-             one_node: bool) -> None:
-        """keys: this rank's data-plane credentials, which reach it only through this call."""
+             one_node: bool) -> int:
+        """keys: this rank's data-plane credentials, which reach it only through this call.
+        Returns this rank's process id (operators and tests signal it)."""
         self._pin_gloo(self._bind_address(one_node))
         self.worker.dist_init_method = dist_init_method
         if self._store_socket is not None:
@@ -105,6 +130,7 @@ class WorkerActor:
             self._store_socket = None
         self.worker.init_device()
         self._plane = DataPlaneClient(endpoints, self.node_id(), keys)
+        return os.getpid()
 
     def _pin_gloo(self, address: str) -> None:
         if self.worker.spec.device != "cpu" or self.worker.spec.tensor_parallel_size == 1:
@@ -125,8 +151,8 @@ class WorkerActor:
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
-    def initialize_cache(self, num_blocks: int) -> TierReport:
-        return self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
+        return self.worker.initialize_cache(num_blocks, known)
 
     def startup(self) -> dict:
         return dict(self.worker.startup)
@@ -139,6 +165,8 @@ class WorkerActor:
 
 
 class RayExecutor:
+    restartable = True
+
     def __init__(self, spec: WorkerSpec, pg, bundles: list[int], step_timeout_s: float,
                  name_prefix: str) -> None:
         self.spec = spec
@@ -148,16 +176,23 @@ class RayExecutor:
         self.step_timeout_s = step_timeout_s
         self.workers: list = []
         self.worker_nodes: list[str] = []
+        self.worker_pids: list[int] = []
         self._loops: list = []
         self._plane: DataPlaneServer | None = None
         self._vocab_size = 0
         self._last_step_id = -1
+        self._dropped = 0  # by the data planes of earlier workers
+        # What the first start decided for the engine's whole life; restarts reuse it.
+        self._use_kernels = False
+        self._num_blocks = 0
+        # Seconds per phase of the last start or restart.
+        self.phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------ control plane
 
-    def _spawn_workers(self) -> None:
+    def _spawn_workers(self, spec: WorkerSpec) -> None:
         cls = ray.remote(WorkerActor)
-        num_gpus = 1 if self.spec.device == "cuda" else 0
+        num_gpus = 1 if spec.device == "cuda" else 0
         for rank, bundle in enumerate(self.bundles):
             # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores).
             cpus = self.pg.bundle_specs[bundle].get("CPU", 0)
@@ -169,38 +204,81 @@ class RayExecutor:
             # run_loop ObjectRef.
             self.workers.append(cls.options(
                 name=self.worker_name(rank), num_cpus=cpus, num_gpus=num_gpus,
-                scheduling_strategy=strategy).remote(self.spec, rank))
+                scheduling_strategy=strategy).remote(spec, rank))
 
     def worker_name(self, rank: int) -> str:
         return f"{self.name_prefix}-rank{rank}"
 
     def start(self) -> WorkerInfo:
-        self._spawn_workers()
+        return self._launch(self.spec, known=False)
+
+    def restart(self) -> WorkerInfo:
+        """Replaces every rank, whatever state each is in (dead, stuck in a collective, or
+        well): the old actors are killed, and new ones take the same bundles and names, with a
+        fresh data plane (fresh keys), the backend and pool size the engine runs, and the same
+        tiers' folder. What the first ranks measured (pool size, kernels, copy bandwidth, SSD
+        entries) is known, and not measured again."""
+        self._teardown()
+        spec = dataclasses.replace(self.spec,
+                                   cpu_kernels="sync" if self._use_kernels else "off")
+        return self._launch(spec, known=True)
+
+    def _launch(self, spec: WorkerSpec, known: bool) -> WorkerInfo:
+        phases = _Phases()
+        self._spawn_workers(spec)
         self.worker_nodes = ray.get([w.node_id.remote() for w in self.workers])
+        phases.mark("spawn")
         node_id = ray.get_runtime_context().get_node_id()
         one_node = all(n == node_id for n in self.worker_nodes)
         self._plane = DataPlaneServer(_LOOPBACK if one_node else ray.util.get_node_ip_address(),
                                       node_id, len(self.workers), label=self.name_prefix)
         init_method = ray.get(self.workers[0].open_store.remote(one_node)) \
             if len(self.workers) > 1 else None
-        ray.get([w.init.remote(init_method, self._plane.endpoints, self._plane.rank_keys(rank),
-                               one_node) for rank, w in enumerate(self.workers)])
-        # Kernels on every rank or on none: the backend is one decision for the engine.
-        use_kernels = all(ray.get([w.kernels_ready.remote() for w in self.workers]))
-        infos = ray.get([w.load_model.remote(use_kernels) for w in self.workers])
+        self.worker_pids = ray.get([
+            w.init.remote(init_method, self._plane.endpoints, self._plane.rank_keys(rank),
+                          one_node) for rank, w in enumerate(self.workers)])
+        phases.mark("init")
+        if not known:
+            # Kernels on every rank or on none: the backend is one decision for the engine.
+            self._use_kernels = all(ray.get([w.kernels_ready.remote() for w in self.workers]))
+        infos = ray.get([w.load_model.remote(self._use_kernels) for w in self.workers])
+        phases.mark("load")
         self._vocab_size = infos[0].vocab_size
-        num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
-        tiers = ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
+        if not known:
+            self._num_blocks = min(ray.get([w.determine_num_blocks.remote()
+                                            for w in self.workers]))
+        tiers = ray.get([w.initialize_cache.remote(self._num_blocks, known)
+                         for w in self.workers])
+        phases.mark("cache")
         startup = ray.get(self.workers[0].startup.remote())
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
-        return WorkerInfo.from_ranks(num_blocks, infos, tiers, startup)
+        phases.mark("subscribe")
+        self.phases = phases.seconds
+        return WorkerInfo.from_ranks(self._num_blocks, infos, tiers, startup)
 
     def _await_subscribers(self) -> None:
         try:
             self._plane.await_subscribers(len(self.workers))
         except DataPlaneTimeout as e:
             raise EngineDeadError(str(e)) from None
+
+    def check_workers(self) -> None:
+        if self._loops:
+            self._check_alive()
+
+    def _teardown(self) -> None:
+        """Kills every rank at once (a stuck one would not answer a request to stop) and waits
+        until they are gone, which frees their names and bundles; closes the data plane."""
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        if self._loops:
+            ray.wait(self._loops, num_returns=len(self._loops), timeout=_KILL_WAIT_S)
+        self.workers, self._loops = [], []
+        if self._plane is not None:
+            self._dropped += self._plane.drops.count
+            self._plane.close()
+            self._plane = None
 
     def shutdown(self) -> None:
         if self.workers:
@@ -219,7 +297,8 @@ class RayExecutor:
     def stats(self) -> dict:
         """dropped_frames: data-plane replies dropped, never applied (unauthenticated,
         malformed, or not an answer to the step waiting), since start."""
-        return {"dropped_frames": self._plane.drops.count if self._plane is not None else 0}
+        return {"dropped_frames": self._dropped + (
+            self._plane.drops.count if self._plane is not None else 0)}
 
     def dataplane(self) -> dict:
         """Where the data plane listens (no keys: those are never shown), the id of the last
@@ -291,7 +370,8 @@ class RayExecutor:
             ray.get(done[0])
             reason = "a worker loop exited"
         except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
+            first = str(e).splitlines()[0] if str(e) else repr(e)  # Ray's are many lines
+            reason = f"{type(e).__name__}: {first}"
         rank = self._loops.index(done[0])
         raise EngineDeadError(f"worker rank {rank} died: {reason}")
 

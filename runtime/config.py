@@ -23,6 +23,9 @@ __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+# How a replicated deployment's router picks a replica (deploy/routing.py): kv, the least
+# estimated time to first token from the replicas' KV events; the others for comparison.
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin", "prefix_tree")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
@@ -46,6 +49,18 @@ class EngineConfig:
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (must divide the "
                                      "attention heads)", low=1, flags=("--tp",))
+    data_parallel_size: int = _opt(
+        1, "engine replicas (each its own TP group and placement group, spread over the "
+        "nodes) behind one router, which sends each request where its prefix is cached",
+        low=1, flags=("--dp",))
+    routing_policy: str = _opt(
+        "kv", "how the router picks a replica (with data_parallel_size > 1): kv, the least "
+        "estimated time to first token from the replicas' KV events; least_loaded, "
+        "round_robin, or prefix_tree (an approximate tree of past prompts, for comparison)",
+        choices=ROUTING_POLICIES)
+    kv_events: bool | None = _opt(
+        None, "publish the block hashes entering and leaving each KV tier every step "
+        "(docs/kv_events.md); default: on with data_parallel_size > 1")
     max_model_len: int | None = _opt(
         None, "longest prompt + output; default: the model's positions, at most 8192", low=1)
     allow_long_max_model_len: bool = _opt(
@@ -98,8 +113,14 @@ class EngineConfig:
         None, "CPUs per rank (Ray's resource; a fraction when ranks share cores) and its torch "
         "threads (rounded up); default: cores / tensor_parallel_size, whole cores where there "
         "are enough", low=0.0, low_open=True)
-    step_timeout_s: float = _opt(60.0, "a step slower than this fails every request and "
-                                 "marks the engine dead", low=0.0, low_open=True)
+    step_timeout_s: float = _opt(60.0, "a step slower than this is a worker failure: the "
+                                 "engine rebuilds its workers (see max_restarts)", low=0.0,
+                                 low_open=True)
+    max_restarts: int = _opt(
+        3, "worker failures (a rank dies, or a step exceeds step_timeout_s) the engine heals "
+        "within 10 minutes by rebuilding its workers and re-admitting the in-flight requests, "
+        "whose streams continue; the next failure in the window kills the engine (every "
+        "request fails); 0: the first one does", low=0)
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(
@@ -136,7 +157,11 @@ class EngineConfig:
 
     @property
     def use_ray(self) -> bool:
-        return self.distributed or self.tensor_parallel_size > 1
+        return self.distributed or self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.data_parallel_size > 1 if self.kv_events is None else self.kv_events
 
     @property
     def pipelined(self) -> bool:

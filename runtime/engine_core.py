@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHasher, KVCacheManager, TierIndex, TierPolicy
+from tierserve.kvcache import BlockHasher, KVCacheManager, KVEventRecorder, TierIndex, TierPolicy
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
@@ -28,6 +28,9 @@ from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_jso
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
+)
+from tierserve.scheduler.kv_events import (
+    KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
@@ -50,6 +53,8 @@ _DEFAULT_MAX_MODEL_LEN = 8192
 _POLL_S = 0.002
 # How long a clean shutdown may spend writing the KV cache to SSD.
 FLUSH_DEADLINE_S = 30.0
+# Worker failures within this window count against max_restarts.
+RESTART_WINDOW_S = 600.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -70,7 +75,8 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
-        debug_stall=envs.debug_stall(), debug_late_copies=envs.debug_late_copies(),
+        debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
+        debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
@@ -208,14 +214,21 @@ class EngineCore:
             tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
         spec = dataclasses.replace(spec, tokenizer_file=tokenizer_file)
         self.executor = executor_factory(spec)
+        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
+        self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self._event_seq = -1
+        self._requests_added = 0
+        t0 = time.perf_counter()
         try:
             info = self.executor.start()
             self.tokenizer = tokenizer.result()
-            self.scheduler = self._make_scheduler(config, info, model, spec)
+            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             tokenizer.wait()
             raise
+        self.worker_start_s = time.perf_counter() - t0
         # Seconds each part of the start took (rank 0's for the workers' parts).
         self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
                         "total": time.perf_counter() - started}
@@ -236,6 +249,15 @@ class EngineCore:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_collect = 0.0
+        # Self-healing: when each worker failure of the window was healed (monotonic), and
+        # what the restarts did.
+        self._failures: deque[float] = deque()
+        self.restarts = 0
+        # True while the workers are being rebuilt (read by other threads: a router routes
+        # nothing to a healing replica).
+        self.healing = False
+        self.restart_reason: str | None = None
+        self.restart_s = 0.0
 
     @staticmethod
     def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
@@ -262,10 +284,10 @@ class EngineCore:
 
     @classmethod
     def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo, model: ModelConfig,
-                        spec: WorkerSpec) -> Scheduler:
+                        spec: WorkerSpec, events: KVEventRecorder | None = None) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
                             config.verify_prefix_hits,
-                            tiers=cls._make_tiers(config, info, model, spec))
+                            tiers=cls._make_tiers(config, info, model, spec), events=events)
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
         if config.max_model_len is not None and config.max_model_len > usable_tokens:
             raise ValueError(_pool_too_small(config, info, usable_tokens))
@@ -302,6 +324,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
+        self._requests_added += 1
         check_request(request)
         params = request.sampling_params
         prompt_ids = self.tokenize(request)
@@ -380,10 +403,89 @@ class EngineCore:
             return self._failed(e)
 
     def _failed(self, error: Exception) -> list[EngineCoreOutput]:
-        if isinstance(error, EngineDeadError):
-            return self._die(str(error))
+        if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
+            try:
+                return self._heal(str(error))
+            except Exception as e:
+                error = e
         log.exception("engine step failed")
         return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
+
+    def check_workers(self) -> list[EngineCoreOutput]:
+        """Between steps: a worker known to be gone (it died while the engine was idle) is
+        replaced now rather than when the next request finds it."""
+        self._check_alive()
+        try:
+            self.executor.check_workers()
+        except Exception as e:
+            return self._failed(e)
+        return []
+
+    # ------------------------------------------------------------------ self-healing
+
+    def _heal(self, reason: str) -> list[EngineCoreOutput]:
+        """The workers are lost (a rank died, or a step hung). While max_restarts failures in
+        RESTART_WINDOW_S are not spent, new workers replace them and every unfinished request
+        is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
+        loss found in flight again fails alone (a poison pill). Past the budget, or where the
+        transport cannot restart, the engine dies."""
+        self.healing = True
+        try:
+            return self._heal_loop(reason)
+        finally:
+            self.healing = False
+
+    def _heal_loop(self, reason: str) -> list[EngineCoreOutput]:
+        outputs = []
+        while True:
+            if not self._may_restart():
+                return outputs + self._die(self._death_message(reason))
+            self._failures.append(time.monotonic())
+            self._in_flight.clear()
+            outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
+            log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
+                      "minutes)", reason, len(self._failures), self.config.max_restarts,
+                      RESTART_WINDOW_S / 60)
+            t0 = time.perf_counter()
+            try:
+                info = self.executor.restart()
+            except Exception as e:  # another failure, from the budget
+                log.exception("restarting the workers failed")
+                reason = f"restarting the workers failed: {type(e).__name__}: {e}"
+                continue
+            assert info.num_blocks == self.scheduler.kv.pool.num_blocks
+            self.restarts += 1
+            self.restart_reason, self.restart_s = reason, time.perf_counter() - t0
+            log.warning("the workers were restarted in %.2f s; %d requests re-admitted",
+                        self.restart_s, len(self.scheduler.requests))
+            return outputs
+
+    def _may_restart(self) -> bool:
+        if not self.executor.restartable or self.config.max_restarts == 0:
+            return False
+        now = time.monotonic()
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
+            self._failures.popleft()
+        return len(self._failures) < self.config.max_restarts
+
+    def _death_message(self, reason: str) -> str:
+        if not self.executor.restartable or self.config.max_restarts == 0:
+            return reason
+        return (f"{reason} (worker failure {len(self._failures) + 1} within "
+                f"{RESTART_WINDOW_S / 60:.0f} minutes; max_restarts={self.config.max_restarts})")
+
+    def _fail_poisoned(self, seqs: list[str], reason: str) -> list[EngineCoreOutput]:
+        done = self.scheduler.finish_seqs(seqs, RequestStatus.FINISHED_ERROR)
+        self._forget(done)
+        for rid, index in done:
+            log.error("request %r (sample %d) was in flight at two consecutive worker "
+                      "failures: failing it alone", rid, index)
+        return [EngineCoreOutput(
+                    rid, finish_reason=FinishReason.ERROR, index=index,
+                    error_kind=ErrorKind.INTERNAL,
+                    error=f"request {rid!r} was in flight at two consecutive worker failures, "
+                          f"so it is taken for their cause and fails alone (last: {reason})")
+                for rid, index in done]
 
     def _step(self) -> list[EngineCoreOutput]:
         """Schedules and submits a step, then collects the oldest one in flight. Without async
@@ -413,8 +515,11 @@ class EngineCore:
         out, submitted_at = self._in_flight[0]
         reply = self.executor.collect(out)
         self._in_flight.popleft()
-        if isinstance(reply, WorkerError):
-            return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
+        if isinstance(reply, WorkerError):  # the transport kept its worker (in-process)
+            message = f"worker rank {reply.rank} failed step {out.step_id}: {reply.message}"
+            if self._may_restart():
+                return self._heal(message)
+            return self._fail_step(out, message)
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
         now = time.perf_counter()
         # Queued behind the step before, it started running when that one was collected.
@@ -507,6 +612,45 @@ class EngineCore:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    # ------------------------------------------------------------------ KV events
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The next KV event batch: the tiers' changes since the last one, and the load now
+        (None when this engine publishes no events)."""
+        if self.kv_events is None:
+            return None
+        stored, removed = self.kv_events.take()
+        self._event_seq += 1
+        return KVEventBatch(KV_EVENTS_VERSION, self._event_epoch, self._event_seq, stored,
+                            removed, self.load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The batch of changes not yet taken, then every tier's hashes as of that batch;
+        publish the batch first."""
+        if self.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        batch = self.take_kv_events()
+        cpu, ssd = self.scheduler.tiers.index.held_hashes()
+        tiers = [self.scheduler.kv.pool.cached_hashes(), cpu, ssd]
+        return batch, KVSnapshot(KV_EVENTS_VERSION, self._event_epoch, batch.seq, tiers,
+                                 batch.load)
+
+    def load(self) -> ReplicaLoad:
+        """O(unfinished requests): prompt tokens not computed yet, by request."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens for r in sched.waiting)
+        for r in sched.running:
+            left = r.num_tokens - r.num_computed_tokens - 1  # a decode's last token aside
+            if left > 0:
+                queued += left
+        costs = sched.tiers.costs
+        cpu_block_s = costs.block_bytes / costs.copy_bytes_per_s if costs.copy_bytes_per_s \
+            and sched.tiers.enabled else 0.0
+        pool = sched.kv.pool
+        return ReplicaLoad(len(sched.running), len(sched.waiting) + sched.tiers.num_loading,
+                           queued, pool.num_free_blocks, pool.num_usable_blocks,
+                           self._requests_added, costs.prefill_tokens_per_s, cpu_block_s)
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
@@ -516,6 +660,10 @@ class EngineCore:
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
+        stats.update(restarts=self.restarts, restart_reason=self.restart_reason,
+                     restart_s=round(self.restart_s, 3),
+                     worker_start_s=round(self.worker_start_s, 3),
+                     worker_phases=dict(self.executor.phases))
         stats.update(self.executor.stats())
         return stats
 
@@ -532,6 +680,10 @@ class EngineCore:
                 "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                "block_size": self.config.block_size,
+                "hash": {"algorithm": self.config.prefix_caching_hash_algo,
+                         "seed": self.config.hash_seed,
+                         "enabled": self.config.enable_prefix_caching},
                 "backends": [dict(b) for b in self.backends],
                 "generation_defaults": dict(self.generation_defaults),
                 "startup_s": {k: round(v, 3) for k, v in self.startup.items()}}

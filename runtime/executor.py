@@ -8,6 +8,7 @@ scheduler.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,9 +54,21 @@ class Executor(Protocol):
     """submit sends a step without waiting; collect waits for the reply of the oldest step
     submitted and not yet collected (steps run, and are collected, in submission order). At
     most two steps are in flight. execute is submit + collect for any message, and is only
-    called with no step in flight."""
+    called with no step in flight. Any of them raises EngineDeadError when the workers are
+    lost (a rank died, or a step exceeded its timeout); where `restartable`, restart then
+    replaces every worker with a new one holding nothing, which the engine re-admits its
+    requests to (self-healing)."""
+
+    restartable: bool
+    # Seconds per phase of the last start or restart (spawn, init, load, cache, ...).
+    phases: dict[str, float]
 
     def start(self) -> WorkerInfo: ...
+
+    def restart(self) -> WorkerInfo: ...
+
+    def check_workers(self) -> None:
+        """EngineDeadError when a worker is known to be gone; cheap, for idle engines."""
 
     def submit(self, msg: SchedulerOutput) -> None: ...
 
@@ -72,7 +85,13 @@ class InProcessExecutor:
     """TP=1 in this process: no Ray, no ZMQ, the same Worker and the same frames. With async
     scheduling the worker runs its steps on a thread of its own, so the engine schedules the
     next step while the forward runs (torch and the kernels release the GIL); otherwise a
-    step runs on the caller's thread when it is collected."""
+    step runs on the caller's thread when it is collected.
+
+    Its worker lives and dies with the engine's process: a step that raises in it is reported
+    as a WorkerError, and restart gives the worker a fresh runner, KV pool and tiers (the
+    weights stay loaded)."""
+
+    restartable = True
 
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.tensor_parallel_size != 1:
@@ -86,13 +105,33 @@ class InProcessExecutor:
                                               initializer=self.worker.bind_thread)
         # Encoded frames (inline) or their replies' futures (threaded), oldest first.
         self._pending: deque[bytes | Future] = deque()
+        self.phases: dict[str, float] = {}
 
     def start(self) -> WorkerInfo:
+        t0 = time.perf_counter()
         self.worker.init_device()
-        info = self.worker.load_model(use_kernels=self.worker.kernels_ready())
-        num_blocks = self.worker.determine_num_blocks()
+        t1 = time.perf_counter()
+        info = self._model = self.worker.load_model(use_kernels=self.worker.kernels_ready())
+        t2 = time.perf_counter()
+        num_blocks = self._num_blocks = self.worker.determine_num_blocks()
         tiers = self.worker.initialize_cache(num_blocks)
+        t3 = time.perf_counter()
+        self.phases = {"init": round(t1 - t0, 3), "load": round(t2 - t1, 3),
+                       "cache": round(t3 - t2, 3)}
         return WorkerInfo.from_ranks(num_blocks, [info], [tiers], self.worker.startup)
+
+    def restart(self) -> WorkerInfo:
+        for item in self._pending:  # a step still running on the thread finishes first
+            if not isinstance(item, bytes):
+                item.exception()
+        self._pending.clear()
+        t0 = time.perf_counter()
+        tiers = self.worker.reset(self._num_blocks)
+        self.phases = {"cache": round(time.perf_counter() - t0, 3)}
+        return WorkerInfo.from_ranks(self._num_blocks, [self._model], [tiers])
+
+    def check_workers(self) -> None:
+        pass
 
     def submit(self, msg: SchedulerOutput) -> None:
         frame = self._to_worker.encode(msg)

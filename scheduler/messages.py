@@ -39,6 +39,10 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    # The last num_output_tokens of prompt_token_ids are the request's outputs so far (a
+    # request re-sent to new workers after a restart): penalties count them as outputs, and
+    # a seeded generator continues past the draws that sampled them.
+    num_output_tokens: int = 0
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -222,6 +226,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     error_kind: int = 0
     # With the first output, when asked for: prompt tokens 1.. given the ones before.
     prompt_logprobs: list[SampleLogprobs] = []
+    # Of num_cached_tokens, those the CPU tier held (loaded from SSD or demoted there).
+    num_tier_cached_tokens: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

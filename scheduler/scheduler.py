@@ -117,6 +117,10 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # Sequences in a step in flight when the workers were last lost, not yet through a
+        # step of the new workers: one found in flight at the next loss fails (a poison
+        # pill), so they are re-admitted one at a time (_quarantined).
+        self.suspects: set[str] = set()
         # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
@@ -206,6 +210,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
+        self.suspects.discard(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
         del self.requests[req.request_id]
@@ -311,10 +316,18 @@ class Scheduler:
         # A request waiting for SSD loads holds a sequence slot.
         loading = self.tiers.num_loading
         while self.waiting and plan.budget > 0 and len(self.running) + loading < self.max_num_seqs:
+            if self.suspects and self._quarantined(self.waiting.peek()):
+                break
             admitted = self._admit(self.waiting.peek(), plan)
             if admitted is None:
                 break  # head-of-line: later requests wait their turn
             loading += not admitted
+
+    def _quarantined(self, req: Request) -> bool:
+        """A suspect waits while another runs, so that a step holds at most one: the next loss
+        of the workers then blames one sequence, never a batch."""
+        return req.request_id in self.suspects and any(
+            r.request_id in self.suspects for r in self.running)
 
     def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
         """True: running from this step. False: it left the queue to wait for SSD loads
@@ -341,6 +354,8 @@ class Scheduler:
             self.tiers.refused(admission)
             return None
         self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
+        if req.num_cached_tokens < 0:  # its first admission: the hits it reports
+            req.num_tier_cached_tokens = len(admission.cpu_hits) * self.kv.block_size
         self._start_running(req, num_hit, n, plan)
         return True
 
@@ -369,7 +384,7 @@ class Scheduler:
         for req in plan.new_reqs:
             new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
                                            req.sampling_params, plan.block_ids[req.request_id],
-                                           req.num_computed_tokens))
+                                           req.num_computed_tokens, req.num_output_tokens))
             req.num_sent_tokens = req.num_tokens
         cached = CachedRequestData()
         for req in plan.cached_reqs:
@@ -411,6 +426,8 @@ class Scheduler:
             if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
                 self._fork(req, self.families[req.family_id])
             req.append_output_token(token)
+            if self.suspects:
+                self.suspects.discard(req.request_id)  # the new workers computed it
             if self.async_scheduling:  # the workers appended it themselves
                 req.num_output_placeholders -= 1
                 req.num_sent_tokens += 1
@@ -424,6 +441,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req.family_id, [token], finish_reason=reason,
                                             logprobs=[lp] if lp else [],
                                             num_cached_tokens=req.num_cached_tokens,
+                                            num_tier_cached_tokens=req.num_tier_cached_tokens,
                                             index=req.index))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -489,6 +507,33 @@ class Scheduler:
         self._in_flight.pop(scheduler_output.step_id, None)
         self.tiers.step_failed(scheduler_output.step_id)
 
+    def workers_lost(self) -> list[str]:
+        """The workers were lost (a rank died, or a step hung) and replaced by new ones that
+        hold nothing: every step in flight is void, the pool's and the CPU tier's contents are
+        gone (SSD entries stay), and every unfinished sequence waits again, preempted, to be
+        recomputed from its prompt and the tokens it has (prefix hits where SSD has them);
+        the running ones first, in their order. Returns the suspects of the last loss found
+        in a step in flight again (poison pills), for the caller to fail; the sequences in
+        flight now become the suspects."""
+        in_flight = [r.request_id for reqs in self._in_flight.values() for r in reqs
+                     if self.requests.get(r.request_id) is r]
+        poisoned = [sid for sid in dict.fromkeys(in_flight) if sid in self.suspects]
+        if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
+            self.suspects = set(in_flight) - set(poisoned)
+        self._in_flight.clear()
+        self._copies, self._finished_ids = [], []
+        running, self.running = self.running, []
+        for req in running:
+            self.kv.free(req)
+        lost = running + self.kv.drop_worker_memory()  # and those waiting for SSD loads
+        for req in reversed(lost):
+            self.waiting.prepend(req)
+        for req in self.requests.values():
+            if req.num_sent_tokens or req.status == RequestStatus.RUNNING:
+                req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = req.num_output_placeholders = req.num_sent_tokens = 0
+        return poisoned
+
     def _requeue(self, ready: list[Request]) -> None:
         """Requests whose SSD loads completed go back to the head of the waiting queue."""
         for req in reversed(ready):
@@ -542,6 +587,7 @@ class Scheduler:
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
+        assert self.suspects <= set(self.requests), "a finished sequence is still suspect"
         in_flight = len(self._in_flight)
         assert in_flight <= (2 if self.async_scheduling else 1), "steps lost in flight"
         for req in self.requests.values():

@@ -211,7 +211,10 @@ class InputBatch:
             self.blocks.append(rows, np.arange(len(rows)), new.block_ids)
         self.rows[new.req_id] = row
         self.params[row] = new.sampling_params
-        self.sampling.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
+        prompt_end = n - new.num_output_tokens
+        self.sampling.add_request(new.req_id, new.sampling_params,
+                                  new.prompt_token_ids[:prompt_end],
+                                  new.prompt_token_ids[prompt_end:])
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         ids = cached.req_ids

@@ -105,6 +105,8 @@ class ModelRunner:
             return ModelRunnerOutput(out.step_id)
         inputs = self.batch.prepare(out)
         sampled = [-1] * len(out.num_scheduled_tokens)
+        if self.is_driver and len(inputs.sample_rows):
+            self.batch.sampling.prefetch(inputs.sample_req_ids)
         last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
         prompt = self._prompt_positions(inputs)
         # Sorted: the forward keeps rows in order (and every row, unindexed, when all are kept).

@@ -82,6 +82,9 @@ class WorkerSpec:
     tokenizer_file: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
+    # Test-only fault injection (rank, token id): that rank crashes on a new request holding
+    # the token (Worker.crash).
+    debug_crash: tuple[int, int] | None = None
     # Test-only: tier copies complete late, destinations poisoned until then
     # (workers/tier_streams.py LateCopies).
     debug_late_copies: bool = False
@@ -287,10 +290,12 @@ class Worker:
         runner.execute(out)
         del runner
 
-    def initialize_cache(self, num_blocks: int) -> TierReport:
+    def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
+        """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
+        knows the copy bandwidth: it is not measured again."""
         with self._phase("kv_pool"):
             self.runner = self._make_runner(num_blocks)
-            report = self._make_tiers()
+            report = self._make_tiers(known)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
         if self.rank == 0:
@@ -301,6 +306,15 @@ class Worker:
                           num_blocks, self.spec.block_size, num_blocks * per_block / 2**30,
                           self.startup["kv_pool"])
         return report
+
+    def reset(self, num_blocks: int) -> TierReport:
+        """A fresh runner (input batch, KV pool) and tiers, as a new rank would start them, for
+        an engine whose step failed here; the weights stay loaded."""
+        self._stop_prefault()
+        if self.runner is not None and self.runner.tiers is not None:
+            self.runner.tiers.close()
+        self.runner = None  # the old pool goes before the new one is allocated
+        return self.initialize_cache(num_blocks, known=True)
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.model.config
@@ -315,7 +329,7 @@ class Worker:
                            append_sampled=self.spec.async_scheduling,
                            tokenizer_file=self.spec.tokenizer_file)
 
-    def _make_tiers(self) -> TierReport:
+    def _make_tiers(self, known: bool = False) -> TierReport:
         spec, cfg = self.spec, self.model.config
         tp = spec.tensor_parallel_size
         heads = kv_head_range(cfg.num_key_value_heads, tp, self.rank)
@@ -332,14 +346,34 @@ class Worker:
         copier = TierCopier(self.runner.kv_caches, cpu_slots, self.device, ssd=ssd, heads=heads,
                             writer=self.rank % replicas == 0, late=spec.debug_late_copies)
         self.runner.tiers = copier
+        if known:  # a rank replacing a lost one: the engine knows the bandwidth
+            return TierReport(cpu_slots, heads, 0.0)
         log.info("rank %d: a CPU tier of %d slots%s", self.rank, cpu_slots,
                  f", SSD folder {ssd.dir}" if ssd is not None else "")
         return TierReport(cpu_slots, heads, copier.measure_copy_bandwidth())
 
-    def shutdown(self) -> None:
+    def _inject_crash(self, msg: SchedulerOutput) -> None:
+        crash = self.spec.debug_crash
+        if crash is None or crash[0] != self.rank:
+            return
+        for new in msg.scheduled_new_reqs:
+            if crash[1] in new.prompt_token_ids:
+                log.warning("rank %d: crashing on request %r (TIERSERVE_DEBUG_CRASH)",
+                            self.rank, new.req_id)
+                self.crash(f"injected crash on request {new.req_id!r}")
+
+    def crash(self, reason: str) -> None:
+        """A fault injected for tests: raised here (in-process, a failed step); a rank in a
+        process of its own replaces this to exit at once."""
+        raise RuntimeError(reason)
+
+    def _stop_prefault(self) -> None:
         if self._prefault is not None:  # it writes to the pool's pages: end it first
             self._prefault.stop()
             self._prefault = None
+
+    def shutdown(self) -> None:
+        self._stop_prefault()
         if self.runner is not None:
             self.runner.tiers.close()
         self.runner = None
@@ -360,6 +394,7 @@ class Worker:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
             try:
+                self._inject_crash(msg)
                 result = self.runner.execute(msg)
             except Exception as e:  # reported as data: the engine fails the step's requests
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)

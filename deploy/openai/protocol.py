@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.deploy.openai.errors import BadField, param_of
-from tierserve.deploy.openai.structured import ToolPlan, structured_of
+from tierserve.deploy.openai.structured import ToolPlan, structured_of, written_call
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
@@ -76,6 +76,9 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one (multi-turn tool use).
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -211,7 +214,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the engine takes them: content parts of type text joined, others refused."""
+    """Messages as the engine takes them: content parts of type text joined, others refused;
+    an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -225,6 +229,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                                    "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
+        if m.tool_calls:
+            content = "\n".join([content] * bool(content) + [
+                written_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(m.tool_calls)])
         msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
