@@ -154,6 +154,9 @@ class WorkerActor:
     def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
         return self.worker.initialize_cache(num_blocks, known)
 
+    def startup(self) -> dict:
+        return dict(self.worker.startup)
+
     def run_loop(self) -> None:
         # OpenMP's thread count is per calling thread and Ray starts workers with
         # OMP_NUM_THREADS=1: set it again in the thread that runs every forward.
@@ -190,8 +193,9 @@ class RayExecutor:
     def _spawn_workers(self, spec: WorkerSpec) -> None:
         cls = ray.remote(WorkerActor)
         num_gpus = 1 if spec.device == "cuda" else 0
-        cpus = spec.cpu_threads or 1
         for rank, bundle in enumerate(self.bundles):
+            # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores).
+            cpus = self.pg.bundle_specs[bundle].get("CPU", 0)
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
             # A single-threaded actor: the forward then runs on the process's main thread.
             # From a second thread glibc serves torch's temporaries from a per-thread arena that
@@ -246,11 +250,12 @@ class RayExecutor:
         tiers = ray.get([w.initialize_cache.remote(self._num_blocks, known)
                          for w in self.workers])
         phases.mark("cache")
+        startup = ray.get(self.workers[0].startup.remote())
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
         phases.mark("subscribe")
         self.phases = phases.seconds
-        return WorkerInfo.from_ranks(self._num_blocks, infos, tiers)
+        return WorkerInfo.from_ranks(self._num_blocks, infos, tiers, startup)
 
     def _await_subscribers(self) -> None:
         try:
