@@ -175,20 +175,21 @@ def _analyze_parser(sub) -> None:
     a = sub.add_parser(
         "analyze", help="what prefix caches of each size would save on a request log",
         description="Prefix-sharing statistics of a workload, and a replay through the "
-        "engine's own block manager at every capacity asked for: hit rate per tier, prefill "
-        "tokens and TTFT saved, and the smallest tiers within 2%% of an unbounded cache.")
+        "engine's own block manager and tiers at every capacity asked for: hit rate per tier, "
+        "prefill tokens and TTFT saved, and the smallest tiers within 2%% of an unbounded "
+        "cache.")
     a.add_argument("inputs", nargs="+", metavar="LOG",
                    help="request logs (--request-log), OpenAI request JSONL, ShareGPT JSON(L) "
                         "or Mooncake trace JSONL")
     a.add_argument("--model", default=None,
-                   help="its tokenizer reads text inputs; its config sizes a KV block")
+                   help="its tokenizer reads text inputs, its config sizes a KV block "
+                        "(default: none; a log's header gives the block's size)")
     a.add_argument("--device-blocks", type=_int_list, default=None, metavar="N[,N...]",
-                   help="device pool sizes in blocks, null block included (num_kv_blocks); "
-                        "default: the engine's own, from its log")
+                   help="device pool sizes in blocks, null block included (num_kv_blocks) "
+                        "(default: the engine's own, from its log)")
     a.add_argument("--cpu-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
-                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB, as "
-                        "kv_offload_cpu_bytes counts them (default: the engine's own from its "
-                        "log, else 0)")
+                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB, as kv_offload_cpu_bytes "
+                        "counts them (default: the engine's own from its log, else 0)")
     a.add_argument("--ssd-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
                    help="SSD tier sizes, as kv_offload_ssd_bytes counts them (default: the "
                         "engine's own from its log, else 0)")
@@ -202,17 +203,20 @@ def _analyze_parser(sub) -> None:
                    help="requests per second for inputs without times (default: each "
                         "arrives when the one before has finished)")
     a.add_argument("--output-len", type=int, default=128,
-                   help="output tokens of a request whose input does not say")
+                   help="output tokens of a request whose input does not say (default: 128)")
     a.add_argument("--profile", action="store_true",
                    help="measure prefill, decode and tier-copy costs with the engine on this "
-                        "machine (--model's, default SmolLM2), for the TTFT estimates")
-    a.add_argument("--ssd-path", default=None, help="folder --profile reads SSD speed in")
+                        "machine, --model's (default: off; costs fitted to a log's TTFTs, "
+                        "else assumed)")
+    a.add_argument("--ssd-path", default=None,
+                   help="folder --profile measures SSD speed in (default: the temp folder)")
     a.add_argument("--no-stats", dest="statistics", action="store_false",
-                   help="skip the sharing statistics (their memory grows with distinct "
-                        "blocks)")
-    a.add_argument("--json", action="store_true", help="print the figures as JSON")
+                   help="skip the sharing statistics, whose memory grows with distinct blocks "
+                        "(default: computed)")
+    a.add_argument("--json", action="store_true",
+                   help="print the figures as JSON (default: tables)")
     a.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="hit-rate curves against tier size (needs matplotlib)")
+                   help="hit-rate curves against tier size, with matplotlib (default: none)")
 
 
 def _int_list(text: str) -> list[int]:
