@@ -24,8 +24,9 @@ class EngineActor:
     def __init__(self, config: EngineConfig, pg, bundles: list[int], name: str) -> None:
         restore_priority()
         self.name = name
-        self.engine = AsyncEngine(config, lambda spec: RayExecutor(spec, pg, bundles,
-                                                                   config.step_timeout_s, name))
+        self.engine = AsyncEngine(config, lambda spec: RayExecutor(
+            spec, pg, bundles, config.step_timeout_s, name,
+            spares=config.spare_workers and config.max_restarts > 0))
         self._codec = ClientChannelCodec()
 
     async def generate(self, requests: list[EngineCoreRequest]):

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
 from tierserve.deploy.engine_actor import EngineActor
 from tierserve.deploy.placement import make_placement_group, rank_bundles, worker_bundle
+from tierserve.deploy.ray_executor import worker_names
 from tierserve.runtime import envs
 from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
 from tierserve.runtime.config import EngineConfig
@@ -166,9 +167,10 @@ def stop(name: str, namespace: str | None = None) -> bool:
         try:
             pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
             for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
-                worker = _lookup(f"{uid}-rank{rank}", ns)
-                if worker is not None:
-                    ray.kill(worker, no_restart=True)
+                for name in worker_names(uid, rank):  # ranks and spares
+                    worker = _lookup(name, ns)
+                    if worker is not None:
+                        ray.kill(worker, no_restart=True)
             remove_placement_group(pg)
         except Exception as e:
             log.warning("could not release the placement group of %s: %s", name, e)
