@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd, text in (("status", "a deployment's health, requests, KV usage and prefix hits "
                                  "(exits 1 when it is dead)"),
                       ("stop", "stop a deployment: engine, workers, placement group"),
-                      ("abort", "abort one request of a deployment")):
+                      ("abort", "abort one request of a deployment"),
+                      ("scale", "add replicas to a replicated deployment, or drain and remove "
+                                "some")):
         p = sub.add_parser(cmd, help=text)
         p.add_argument("name")
         p.add_argument("--namespace", default=None)
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also list the unfinished requests")
         if cmd == "abort":
             p.add_argument("request_id")
+        if cmd == "scale":
+            p.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
+                           required=True, help="the number of replicas wanted")
     api = sub.add_parser("api-server", help="an OpenAI-compatible HTTP server in the "
                          "foreground (in front of --name, or of an engine of its own)")
     _deployment_flags(api, required=False)
@@ -136,9 +141,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     handle = serve(args.name, args.namespace, **engine_options(args))
     info = handle.info()
     ns = args.namespace or envs.default_namespace()
+    replicas = info.get("data_parallel_size", 1)
+    where = f"{replicas} replicas behind a router ({info['routing_policy']} routing)" \
+        if replicas > 1 else f"engine on {info['node_ip']}"
     print(f"tierserve deployment {args.name!r} is running (namespace {ns!r}, "
           f"TP={info['tensor_parallel_size']}, max_model_len={info['max_model_len']}, "
-          f"engine on {info['node_ip']}).")
+          f"{where}).")
     print(f"  python: handle = tierserve.connect({args.name!r}, namespace={ns!r})")
     print(f"  shell:  tierserve generate --name {args.name} \"PROMPT\"")
     print(f"  stop:   tierserve stop {args.name}")
@@ -205,13 +213,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     if backend:
         paths = ", ".join(backend["paths"]) or "plain torch ops"
         print(f"  CPU backend        {backend['name']} ({paths}) on {backend['cpu']}")
+    if "replicas" in stats:
+        _print_replicas(stats)
     if args.requests:
         requests = llm.list_requests()
         print(f"  requests ({len(requests)}):")
         for r in requests:
+            where = f"  replica {r['replica']}" if "replica" in r else ""
             print(f"    {r['request_id']}  {r['status']:<9} prompt {r['prompt_tokens']:>6}  "
-                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s")
+                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s{where}")
     return 0
+
+
+def _print_replicas(stats: dict) -> None:
+    router = stats["router"]
+    print(f"  routing            {router['policy']}: {router['routed']} requests, "
+          f"{router['route_us_mean']:.0f} us mean ({router['route_us_p99']:.0f} us p99), "
+          f"{router['indexed_blocks']} blocks indexed")
+    print(f"  replicas ({len(stats['replicas'])}):")
+    for rid, r in sorted(stats["replicas"].items()):
+        line = f"    {rid}  {r['state']:<8} node {(r['node'] or '?')[:12]}  restarts " \
+               f"{r['replica_restarts']}"
+        if "num_running" in r:
+            line += (f"  running {r['num_running']:>3}  waiting {r['num_waiting']:>3}  KV "
+                     f"{r['kv_usage']:.0%}  prefix hits {r['prefix_cache_hit_rate']:.0%}")
+        if r.get("error") and r["state"] != "live":
+            line += f"  ({r['error']})"
+        print(line)
 
 
 def cmd_abort(args: argparse.Namespace) -> int:
@@ -221,6 +249,20 @@ def cmd_abort(args: argparse.Namespace) -> int:
         return 0
     print(f"no unfinished request {args.request_id!r} in {args.name!r}", file=sys.stderr)
     return 1
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from tierserve.deploy.ray_engine import connect
+    engine = connect(args.name, args.namespace).engine
+    if not hasattr(engine, "scale"):
+        print(f"deployment {args.name!r} runs one engine without a router; serve it with "
+              f"--dp 2 or more to scale it", file=sys.stderr)
+        return 1
+    result = engine.scale(args.data_parallel_size)
+    for error in result["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    print(f"deployment {args.name!r}: {result['replicas']} replicas")
+    return 1 if result["errors"] else 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -297,7 +339,7 @@ def _read_messages():
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
             "api-server": cmd_api_server,
-            "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort}
+            "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort, "scale": cmd_scale}
 
 
 def main(argv: list[str] | None = None) -> int:

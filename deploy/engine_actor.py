@@ -11,13 +11,18 @@ import os
 
 import ray
 
+from tierserve.deploy.kv_publisher import KVEventPublisher
 from tierserve.deploy.ray_executor import RayExecutor, restore_priority
 from tierserve.runtime.async_engine import AsyncEngine
 from tierserve.runtime.client import CLIENT_LEASE_S
 from tierserve.runtime.config import EngineConfig
+from tierserve.scheduler.kv_events import KVEventCodec
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutputs, EngineCoreRequest
 
 __all__ = ["EngineActor"]
+
+# How often `watch` looks at the engine's health.
+_WATCH_POLL_S = 0.25
 
 
 class EngineActor:
@@ -28,6 +33,11 @@ class EngineActor:
             spec, pg, bundles, config.step_timeout_s, name,
             spares=config.spare_workers and config.max_restarts > 0))
         self._codec = ClientChannelCodec()
+        self._publisher: KVEventPublisher | None = None
+        if config.publishes_kv_events:
+            self._publisher = KVEventPublisher()
+            self.engine.set_kv_event_sink(self._publisher.put)
+        self._stopping = False
 
     async def generate(self, requests: list[EngineCoreRequest]):
         """Streams msgspec-encoded EngineCoreOutputs batches until every request finished. The
@@ -75,5 +85,38 @@ class EngineActor:
     async def health(self) -> bool:
         return self.engine.health()
 
+    # ------------------------------------------------------------------ KV events
+
+    async def subscribe_kv_events(self, subscriber, tag) -> None:
+        """`subscriber.kv_events.remote(tag, frames)` receives every KV event batch from now on
+        (msgspec frames, docs/kv_events.md); its first one starts a resync."""
+        if self._publisher is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        self._publisher.subscribe(subscriber, tag)
+
+    async def kv_snapshot(self) -> bytes:
+        """Every tier's hashes as one encoded KVSnapshot; the batches before it were handed
+        to the publisher first."""
+        snap = await asyncio.wrap_future(self.engine.kv_snapshot())
+        return KVEventCodec().encode(snap)
+
+    async def watch(self, healing: bool = False) -> tuple[str, str]:
+        """Returns when the engine's state differs from the caller's view: ("dead", why) once
+        it can no longer serve (or shuts down), ("healing", "") while it rebuilds its workers
+        (the caller saw it serving), ("serving", "") after (the caller saw it healing). A
+        router keeps one call pending per replica, and learns of an actor's death from its
+        failure, at once."""
+        core = self.engine.core
+        while not self._stopping:
+            if self.engine.dead_reason is not None:
+                return "dead", self.engine.dead_reason
+            if core.healing != healing:
+                return ("healing" if core.healing else "serving"), ""
+            await asyncio.sleep(_WATCH_POLL_S)
+        return "dead", "shut down"
+
     async def shutdown(self) -> None:
+        self._stopping = True
+        if self._publisher is not None:
+            self._publisher.close()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)

@@ -14,10 +14,13 @@ def worker_bundle(device: str, cpus_per_worker: int) -> dict:
 
 
 def make_placement_group(tp_size: int, device: str, strategy: str, cpus_per_worker: int = 1,
-                         detached: bool = False, timeout_s: float = 60.0) -> PlacementGroup:
+                         detached: bool = False, timeout_s: float = 60.0, name: str = "",
+                         target_node: str | None = None) -> PlacementGroup:
+    """target_node: where a STRICT_PACK group should go if it fits there (a preference)."""
     bundles = [worker_bundle(device, cpus_per_worker) for _ in range(tp_size)]
-    pg = placement_group(bundles, strategy=strategy,
-                         lifetime="detached" if detached else None)
+    pg = placement_group(bundles, strategy=strategy, name=name,
+                         lifetime="detached" if detached else None,
+                         _soft_target_node_id=target_node if strategy == "STRICT_PACK" else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)

@@ -72,6 +72,20 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
     holder = _remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
         else None
+    try:
+        actor = start_engine_actor(config, pg, uid, namespace, detached)
+    except BaseException:
+        remove_placement_group(pg)
+        if holder is not None:
+            ray.kill(holder, no_restart=True)
+        raise
+    return actor, pg
+
+
+def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None,
+                       detached: bool):
+    """The EngineActor on rank 0's bundle of `pg`, named `uid` when detached; returns once
+    its model is loaded (a start that fails leaves no actor)."""
     actor = None
     try:
         bundles = rank_bundles(pg)
@@ -89,11 +103,8 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     except BaseException:
         if actor is not None:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(pg)
-        if holder is not None:
-            ray.kill(holder, no_restart=True)
         raise
-    return actor, pg
+    return actor
 
 
 def _holder_name(name: str) -> str:
@@ -124,7 +135,8 @@ class _DeploymentHolder:
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
     """Starts the named deployment, or connects to the running one. A deployment that died
-    (its engine, or a worker) is torn down and started afresh."""
+    (its engine, or a worker; with replicas, every replica) is torn down and started
+    afresh."""
     ensure_ray(namespace)
     try:
         llm = connect(name, namespace)
@@ -136,12 +148,57 @@ def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
     stop(name, namespace)  # whatever a dead or half-started one left behind
     config = EngineConfig.from_kwargs(**options)
+    if config.data_parallel_size > 1:
+        return AsyncLLM(client=start_replicated(config, name, namespace), name=name)
     actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
 
 
+def start_replicated(config: EngineConfig, name: str | None = None,
+                     namespace: str | None = None):
+    """A replicated deployment: its router actor, which starts data_parallel_size replicas;
+    returns its client once every replica serves. Named: detached, and found by `connect`;
+    anonymous: owned by the returned client."""
+    from tierserve.deploy.replicas import replica_config
+    from tierserve.deploy.router import Router, router_name
+    from tierserve.deploy.router_client import RouterClient
+
+    check_model(config)
+    config = replica_config(config)
+    device = resolve_device(config.device)
+    check_placement(config.tensor_parallel_size * config.data_parallel_size, device,
+                    "PACK", config.cpus_per_worker,
+                    what=f"data_parallel_size={config.data_parallel_size} x "
+                         f"tensor_parallel_size={config.tensor_parallel_size}")
+    uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
+    options = dict(num_cpus=0, max_concurrency=1000,
+                   runtime_env={"env_vars": envs.tierserve_variables()})
+    if name is not None:
+        options.update(name=router_name(name), namespace=namespace or envs.default_namespace(),
+                       lifetime="detached")
+    router = ray.remote(Router).options(**options).remote(config, uid, name, namespace)
+    try:
+        ray.get(router.start.remote())
+    except BaseException:
+        ray.kill(router, no_restart=True)
+        raise
+    return RouterClient(router, name, owned=name is None)
+
+
 def connect(name: str, namespace: str | None = None) -> AsyncLLM:
-    return AsyncLLM(client=RayEngineClient.connect(name, namespace), name=name)
+    return AsyncLLM(client=_connect_client(name, namespace), name=name)
+
+
+def _connect_client(name: str, namespace: str | None):
+    """The running deployment's client: its router's with replicas, else its engine's."""
+    from tierserve.deploy.router import router_name
+    from tierserve.deploy.router_client import RouterClient
+
+    ensure_ray(namespace)
+    router = _lookup(router_name(name), namespace or envs.default_namespace())
+    if router is not None:
+        return RouterClient(router, name)
+    return RayEngineClient.connect(name, namespace)
 
 
 def _lookup(name: str, namespace: str):
@@ -156,6 +213,7 @@ def stop(name: str, namespace: str | None = None) -> bool:
     whatever state it is in. False if there was nothing of it."""
     ensure_ray(namespace)
     ns = namespace or envs.default_namespace()
+    replicated = _stop_replicated(name, ns)
     actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
     if actor is not None:
         try:
@@ -179,10 +237,42 @@ def stop(name: str, namespace: str | None = None) -> bool:
     # folders whose owner died).
     remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
     remove_stale_ipc_dirs()
-    return actor is not None or holder is not None
+    return actor is not None or holder is not None or replicated
 
 
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int) -> None:
+def _stop_replicated(name: str, ns: str) -> bool:
+    """Stops a replicated deployment: its router stops every replica; then whatever is left
+    of one (a replica or worker whose router died, a placement group), found by name."""
+    from tierserve.deploy.router import router_name
+
+    router = _lookup(router_name(name), ns)
+    if router is not None:
+        try:
+            ray.get(router.shutdown.remote(), timeout=120)
+        except Exception as e:
+            log.warning("the router of %s did not shut down cleanly: %s", name, e)
+        ray.kill(router, no_restart=True)
+    prefix = actor_name(name) + "+r"
+    leftovers = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+    for actor_id in leftovers:
+        actor = _lookup(actor_id, ns)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    pg_prefix = _holder_name(name) + "+r"
+    pgs = {pg["name"] for pg in ray.util.placement_group_table().values()
+           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"}
+    for pg_name in pgs:
+        try:
+            remove_placement_group(ray.util.get_placement_group(pg_name))
+        except ValueError:  # gone meanwhile, or another namespace's
+            pass
+    for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
+        remove_ipc_dirs(uid, wait_s=0.0)
+    return router is not None or bool(leftovers) or bool(pgs)
+
+
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int,
+                    what: str | None = None) -> None:
     """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles."""
     bundle = worker_bundle(device, cpus_per_worker)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -199,7 +289,7 @@ def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: i
     if room < tp_size:
         total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
         raise ValueError(
-            f"tensor_parallel_size={tp_size} needs {tp_size} bundles of {bundle} "
+            f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of {bundle} "
             f"({strategy}); {where} can hold {room} (cluster: {total}). Lower "
             f"tensor_parallel_size or cpus_per_worker, or add nodes")
 
@@ -349,8 +439,11 @@ def _get(ref, timeout: float | None = None):
 class RayDeployments:
     """runtime's transport to engines on Ray (client.Deployments)."""
 
-    def start(self, config: EngineConfig) -> RayEngineClient:
+    def start(self, config: EngineConfig):
+        if config.data_parallel_size > 1:
+            ensure_ray()
+            return start_replicated(config)
         return RayEngineClient.start(config)
 
-    def connect(self, name: str, namespace: str | None) -> RayEngineClient:
-        return RayEngineClient.connect(name, namespace)
+    def connect(self, name: str, namespace: str | None):
+        return _connect_client(name, namespace)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash, BlockId, FreeKVCacheBlockQueue, KVCacheBlock
+from tierserve.kvcache.events import KVEventRecorder, KVTier
 from tierserve.kvcache.tenants import TenantLedger, share_of
 
 __all__ = ["BlockPool", "EvictCallback"]
@@ -27,13 +28,16 @@ EvictCallback = Callable[[int, BlockHash, "bytes | None"], None]
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, verify_hits: bool = True,
-                 on_evict: EvictCallback | None = None) -> None:
+                 on_evict: EvictCallback | None = None,
+                 events: KVEventRecorder | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.verify_hits = verify_hits
         self.on_evict = on_evict
+        # Told when a hash enters or leaves the set of cached hashes (a router's KV events).
+        self.events = events
         self.blocks = [KVCacheBlock(BlockId(i)) for i in range(num_blocks)]
         self.null_block = self.blocks[-1]
         self.null_block.is_null = True
@@ -184,10 +188,17 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.reset_hash()
+        if self.events is not None:
+            for block_hash in self._cached:
+                self.events.removed(KVTier.DEVICE, block_hash)
         self._cached.clear()
         self.tenants.deactivate()  # every block is plain free: nobody holds the pool
         self._sole_tenant = _NOBODY
         return True
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash some cached block holds, once each (a KV-event snapshot's device tier)."""
+        return list(self._cached)
 
     def num_cached_blocks(self) -> int:
         return sum(1 if isinstance(e, KVCacheBlock) else len(e) for e in self._cached.values())
@@ -203,6 +214,8 @@ class BlockPool:
         entry = self._cached.get(block.block_hash)
         if entry is None:
             self._cached[block.block_hash] = block
+            if self.events is not None:
+                self.events.stored(KVTier.DEVICE, block.block_hash)
         elif isinstance(entry, KVCacheBlock):
             self._cached[block.block_hash] = {entry.block_id: entry, block.block_id: block}
         else:
@@ -213,6 +226,8 @@ class BlockPool:
         entry = self._cached[block_hash]
         if isinstance(entry, KVCacheBlock):
             del self._cached[block_hash]
+            if self.events is not None:
+                self.events.removed(KVTier.DEVICE, block_hash)
         else:
             del entry[block.block_id]
             if len(entry) == 1:

@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash, KVCacheBlock
 from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.events import KVEventRecorder
 from tierserve.kvcache.tenants import tenant_of
 from tierserve.kvcache.tier_policy import TierPolicy
 
@@ -46,7 +47,8 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  verify_hits: bool = True, watermark: float = 0.01,
-                 tiers: TierPolicy | None = None) -> None:
+                 tiers: TierPolicy | None = None,
+                 events: KVEventRecorder | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -59,7 +61,10 @@ class KVCacheManager:
         if self.tiers.enabled and not enable_caching:
             raise ValueError("KV tiers hold cached blocks: they need prefix caching")
         self.pool = BlockPool(num_blocks, enable_caching, verify_hits,
-                              self.tiers.on_evict if self.tiers.enabled else None)
+                              self.tiers.on_evict if self.tiers.enabled else None,
+                              events if enable_caching else None)
+        if events is not None and self.tiers.enabled:
+            self.tiers.index.record_events(events)
         # Reserved from new admissions only, so running requests can always take a next block.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

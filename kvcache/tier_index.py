@@ -22,6 +22,10 @@ it): clean ones (also on SSD: dropping them loses nothing) go first, coldest fir
 ones. Every operation is O(1) in the tier's size (check_integrity, clear and
 drop_worker_memory excepted): host work per step does not grow with the tiers.
 
+KV events (kvcache/events.py): with a recorder given to `record_events`, each tier reports the
+hashes it starts and stops holding (CPU: indexed and READY; SSD: recorded and READY), from
+the few places where that changes (`_report`).
+
 drop_worker_memory() is what a worker rebuild needs: the CPU slots and the copies in flight
 lived in the dead workers' memory and are forgotten; the SSD record is kept (its files outlive
 the workers).
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from tierserve.kvcache.block import BlockHash
+from tierserve.kvcache.events import KVEventRecorder, KVTier
 
 __all__ = ["SlotState", "CopyKind", "ASYNC_KINDS", "CpuSlot", "CpuTier", "SsdEntry", "SsdTier",
            "AsyncCopy", "TierIndex"]
@@ -94,6 +99,7 @@ class CpuTier:
         self._dirty: OrderedDict[int, CpuSlot] = OrderedDict()
         self.num_clean = 0  # READY cached clean slots, busy or not
         self.num_collisions = 0
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_slots(self) -> int:
@@ -164,12 +170,15 @@ class CpuTier:
         if slot.release_pending:
             self._maybe_free(slot)
             return
+        if self._index.get(slot.block_hash) is slot:
+            self._report(slot.block_hash, True)
         self._set_clean(slot, clean)
         self._settle(slot)
 
     def void(self, slot: CpuSlot) -> None:
         """A copy into the slot failed: it is freed (once nothing else uses it)."""
         assert slot.state == SlotState.FILLING
+        self._unindex(slot)  # while FILLING: it never held the block
         slot.state = SlotState.READY
         self.release(slot)
 
@@ -241,6 +250,9 @@ class CpuTier:
 
     def drop_all(self) -> None:
         """Every slot FREE, copies and pins or not: the memory holding them is gone."""
+        for block_hash, slot in self._index.items():
+            if slot.state == SlotState.READY:
+                self._report(block_hash, False)
         for slot in self.slots:
             slot.readers = 0
             if slot.state != SlotState.FREE:
@@ -278,8 +290,19 @@ class CpuTier:
     def _unindex(self, slot: CpuSlot) -> None:
         if slot.block_hash is not None and self._index.get(slot.block_hash) is slot:
             del self._index[slot.block_hash]
+            if slot.state == SlotState.READY:
+                self._report(slot.block_hash, False)
         self._clean.pop(slot.slot, None)
         self._dirty.pop(slot.slot, None)
+
+    def _report(self, block_hash: BlockHash, held: bool) -> None:
+        """The tier starts (or stops) holding the hash: a KV event."""
+        if self.events is not None:
+            (self.events.stored if held else self.events.removed)(KVTier.CPU, block_hash)
+
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash the tier holds (a KV-event snapshot)."""
+        return [h for h, s in self._index.items() if s.state == SlotState.READY]
 
     def check_integrity(self) -> None:
         free = set(self._free)
@@ -338,6 +361,7 @@ class SsdTier:
         self._entries: OrderedDict[BlockHash, SsdEntry] = OrderedDict()
         self.num_collisions = 0
         self.num_found = 0  # hashes learnt from the folder on a miss
+        self.events: KVEventRecorder | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -388,18 +412,35 @@ class SsdTier:
         entry.state = SlotState.READY
         if entry.release_pending:
             self._maybe_forget(entry)
+        elif self._entries.get(entry.block_hash) is entry:
+            self._report(entry.block_hash, True)
 
     def void(self, entry: SsdEntry) -> None:
         """A copy of the entry failed (written or read): never served again."""
+        self._unrecord(entry)
         entry.state = SlotState.READY
         self.release(entry)
 
     def release(self, entry: SsdEntry) -> None:
         """Forgets the entry (once no copy uses it); the file is the folder's to delete."""
-        if self._entries.get(entry.block_hash) is entry:
-            del self._entries[entry.block_hash]
+        self._unrecord(entry)
         entry.release_pending = True
         self._maybe_forget(entry)
+
+    def _unrecord(self, entry: SsdEntry) -> None:
+        if self._entries.get(entry.block_hash) is entry:
+            del self._entries[entry.block_hash]
+            if entry.state == SlotState.READY:
+                self._report(entry.block_hash, False)
+
+    def _report(self, block_hash: BlockHash, held: bool) -> None:
+        """The record starts (or stops) holding the hash: a KV event."""
+        if self.events is not None:
+            (self.events.stored if held else self.events.removed)(KVTier.SSD, block_hash)
+
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash the record holds (a KV-event snapshot)."""
+        return [h for h, e in self._entries.items() if e.state == SlotState.READY]
 
     def pin(self, entry: SsdEntry) -> None:
         entry.readers += 1
@@ -421,11 +462,12 @@ class SsdTier:
         for entry in list(self._entries.values()):
             entry.readers = 0
             if entry.state == SlotState.FILLING:
-                entry.state = SlotState.READY
-                self.release(entry)
+                self.void(entry)
 
     def _add(self, entry: SsdEntry) -> SsdEntry:
         self._entries[entry.block_hash] = entry
+        if entry.state == SlotState.READY:
+            self._report(entry.block_hash, True)
         return entry
 
     def _make_room(self) -> list[BlockHash] | None:
@@ -477,6 +519,15 @@ class TierIndex:
     @property
     def enabled(self) -> bool:
         return bool(self.cpu.slots)
+
+    def record_events(self, recorder: KVEventRecorder | None) -> None:
+        """The KV-event hook: both tiers report the hashes they start and stop holding to
+        `recorder` (None: to nobody)."""
+        self.cpu.events = self.ssd.events = recorder
+
+    def held_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(CPU, SSD) hashes held now: a KV-event snapshot's lower tiers."""
+        return self.cpu.held_hashes(), self.ssd.held_hashes()
 
     def num_in_flight(self, kind: CopyKind) -> int:
         return len(self._in_flight[kind])

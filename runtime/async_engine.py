@@ -24,6 +24,7 @@ from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore, rejection
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor
 from tierserve.runtime.outputs import Outstanding
+from tierserve.scheduler.kv_events import KVEventBatch, KVSnapshot
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason
 from tierserve.workers.worker import WorkerSpec
@@ -100,6 +101,9 @@ class AsyncEngine:
         self._stats = self.core.stats()
         self._dead: str | None = None
         self._stopping = False
+        # Receives each KV event batch on the step loop; it must not block (deploy/'s
+        # publisher queues it for another thread).
+        self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -147,7 +151,7 @@ class AsyncEngine:
                 self._fail_all(f"the engine loop failed: {type(e).__name__}: {e}")
 
     def _iterate(self) -> None:
-        self._drain_inbox()
+        changed = self._drain_inbox()
         if self._leases:
             self._expire_leases()
         core = self.core
@@ -161,11 +165,14 @@ class AsyncEngine:
                 for o in outputs:
                     if o.finish_reason is not None and not core.has_request(o.req_id):
                         self._leases.pop(o.req_id, None)
+            changed = True
         else:
             if self._dead is None:
                 self._check_workers()
             self._wake.wait(_IDLE_WAIT_S)
             self._wake.clear()
+        if changed and self._kv_sink is not None and self._dead is None:
+            self._kv_sink(core.take_kv_events())
 
     def _check_workers(self) -> None:
         """While idle, now and then: a worker that died meanwhile is replaced at once."""
@@ -188,12 +195,15 @@ class AsyncEngine:
                                         error_kind=ErrorKind.ENGINE_DEAD)
                        for rid in list(self._sinks)])
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Handles every message waiting; whether there was any."""
+        handled = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return handled
+            handled = True
             if isinstance(msg, AddRequests):
                 self._publish([self._add(r, msg.lease_s) for r in msg.requests])
             elif isinstance(msg, AbortRequests):
@@ -313,6 +323,22 @@ class AsyncEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.run_on_loop(EngineCore.reset_prefix_cache).result()
+
+    def set_kv_event_sink(self, sink: Callable[[KVEventBatch], None] | None) -> None:
+        """Where the step loop hands each KV event batch (the engine must publish events)."""
+        if sink is not None and self.core.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        self._kv_sink = sink
+
+    def kv_snapshot(self) -> concurrent.futures.Future:
+        """A future KVSnapshot; the batch of changes before it goes to the sink first, so the
+        sink sees every batch up to the snapshot's seq before the snapshot is returned."""
+        def snapshot(core: EngineCore) -> KVSnapshot:
+            batch, snap = core.kv_snapshot()
+            if self._kv_sink is not None:
+                self._kv_sink(batch)
+            return snap
+        return self.run_on_loop(snapshot)
 
     def shutdown(self) -> None:
         if self._stopping:

@@ -213,6 +213,7 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:
                                   reason)
     return RequestOutput(o.req_id, request.prompt, list(o.prompt_token_ids), [completion],
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
+                         num_tier_cached_tokens=o.num_tier_cached_tokens,
                          error=o.error or None,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
                          if o.error else None,

@@ -22,6 +22,9 @@ __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+# How a replicated deployment's router picks a replica (deploy/routing.py): kv, the least
+# estimated time to first token from the replicas' KV events; the others for comparison.
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin", "prefix_tree")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
@@ -44,6 +47,18 @@ class EngineConfig:
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (must divide the "
                                      "attention heads)", low=1, flags=("--tp",))
+    data_parallel_size: int = _opt(
+        1, "engine replicas (each its own TP group and placement group, spread over the "
+        "nodes) behind one router, which sends each request where its prefix is cached",
+        low=1, flags=("--dp",))
+    routing_policy: str = _opt(
+        "kv", "how the router picks a replica (with data_parallel_size > 1): kv, the least "
+        "estimated time to first token from the replicas' KV events; least_loaded, "
+        "round_robin, or prefix_tree (an approximate tree of past prompts, for comparison)",
+        choices=ROUTING_POLICIES)
+    kv_events: bool | None = _opt(
+        None, "publish the block hashes entering and leaving each KV tier every step "
+        "(docs/kv_events.md); default: on with data_parallel_size > 1")
     max_model_len: int | None = _opt(
         None, "longest prompt + output; default: the model's positions, at most 8192", low=1)
     allow_long_max_model_len: bool = _opt(
@@ -140,7 +155,11 @@ class EngineConfig:
 
     @property
     def use_ray(self) -> bool:
-        return self.distributed or self.tensor_parallel_size > 1
+        return self.distributed or self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.data_parallel_size > 1 if self.kv_events is None else self.kv_events
 
     @property
     def pipelined(self) -> bool:

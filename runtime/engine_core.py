@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHasher, KVCacheManager, TierIndex, TierPolicy
+from tierserve.kvcache import BlockHasher, KVCacheManager, KVEventRecorder, TierIndex, TierPolicy
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
@@ -25,6 +25,9 @@ from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_jso
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
+)
+from tierserve.scheduler.kv_events import (
+    KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
@@ -160,7 +163,12 @@ class EngineCore:
             raise
         self.worker_start_s = time.perf_counter() - t0
         self.config = config
-        self.scheduler = self._make_scheduler(config, info, model, spec)
+        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
+        self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self._event_seq = -1
+        self._requests_added = 0
+        self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         self.backends = info.backends
@@ -181,6 +189,9 @@ class EngineCore:
         # what the restarts did.
         self._failures: deque[float] = deque()
         self.restarts = 0
+        # True while the workers are being rebuilt (read by other threads: a router routes
+        # nothing to a healing replica).
+        self.healing = False
         self.restart_reason: str | None = None
         self.restart_s = 0.0
         self._shutting_down = False
@@ -210,10 +221,10 @@ class EngineCore:
 
     @classmethod
     def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo, model: ModelConfig,
-                        spec: WorkerSpec) -> Scheduler:
+                        spec: WorkerSpec, events: KVEventRecorder | None = None) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
                             config.verify_prefix_hits,
-                            tiers=cls._make_tiers(config, info, model, spec))
+                            tiers=cls._make_tiers(config, info, model, spec), events=events)
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
         max_model_len = config.max_model_len or min(
             info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
@@ -248,6 +259,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
+        self._requests_added += 1
         check_request(request)
         params = request.sampling_params
         prompt_ids = self.tokenize(request)
@@ -352,6 +364,13 @@ class EngineCore:
         is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
         loss found in flight again fails alone (a poison pill). Past the budget, or where the
         transport cannot restart, the engine dies."""
+        self.healing = True
+        try:
+            return self._heal_loop(reason)
+        finally:
+            self.healing = False
+
+    def _heal_loop(self, reason: str) -> list[EngineCoreOutput]:
         outputs = []
         while True:
             if not self._may_restart():
@@ -529,6 +548,45 @@ class EngineCore:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    # ------------------------------------------------------------------ KV events
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The next KV event batch: the tiers' changes since the last one, and the load now
+        (None when this engine publishes no events)."""
+        if self.kv_events is None:
+            return None
+        stored, removed = self.kv_events.take()
+        self._event_seq += 1
+        return KVEventBatch(KV_EVENTS_VERSION, self._event_epoch, self._event_seq, stored,
+                            removed, self.load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The batch of changes not yet taken, then every tier's hashes as of that batch;
+        publish the batch first."""
+        if self.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        batch = self.take_kv_events()
+        cpu, ssd = self.scheduler.tiers.index.held_hashes()
+        tiers = [self.scheduler.kv.pool.cached_hashes(), cpu, ssd]
+        return batch, KVSnapshot(KV_EVENTS_VERSION, self._event_epoch, batch.seq, tiers,
+                                 batch.load)
+
+    def load(self) -> ReplicaLoad:
+        """O(unfinished requests): prompt tokens not computed yet, by request."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens for r in sched.waiting)
+        for r in sched.running:
+            left = r.num_tokens - r.num_computed_tokens - 1  # a decode's last token aside
+            if left > 0:
+                queued += left
+        costs = sched.tiers.costs
+        cpu_block_s = costs.block_bytes / costs.copy_bytes_per_s if costs.copy_bytes_per_s \
+            and sched.tiers.enabled else 0.0
+        pool = sched.kv.pool
+        return ReplicaLoad(len(sched.running), len(sched.waiting) + sched.tiers.num_loading,
+                           queued, pool.num_free_blocks, pool.num_usable_blocks,
+                           self._requests_added, costs.prefill_tokens_per_s, cpu_block_s)
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
@@ -558,6 +616,10 @@ class EngineCore:
                 "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                "block_size": self.config.block_size,
+                "hash": {"algorithm": self.config.prefix_caching_hash_algo,
+                         "seed": self.config.hash_seed,
+                         "enabled": self.config.enable_prefix_caching},
                 "backends": [dict(b) for b in self.backends]}
 
     def reset_prefix_cache(self) -> bool:

@@ -39,6 +39,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # Of those, the prompt tokens the CPU tier held (loaded from SSD or demoted there).
+    num_tier_cached_tokens: int = 0
     # Set when the request failed (bad input, engine error); outputs then hold what was made.
     error: str | None = None
     # Why it failed: an ErrorKind name (bad_request, overloaded, engine_dead, internal).
@@ -77,6 +79,7 @@ class RequestOutput:
                 completion.logprobs.append(logprob_dict(lp))
                 completion.cumulative_logprob += lp.logprobs[0]
         self.num_cached_tokens = max(delta.num_cached_tokens, 0)
+        self.num_tier_cached_tokens = delta.num_tier_cached_tokens
         if delta.error:
             self.error = delta.error
             self.error_kind = str(ErrorKind(delta.error_kind or ErrorKind.INTERNAL))

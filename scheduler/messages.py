@@ -226,6 +226,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     error_kind: int = 0
     # With the first output, when asked for: prompt tokens 1.. given the ones before.
     prompt_logprobs: list[SampleLogprobs] = []
+    # Of num_cached_tokens, those the CPU tier held (loaded from SSD or demoted there).
+    num_tier_cached_tokens: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

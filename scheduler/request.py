@@ -21,7 +21,8 @@ class Request:
     __slots__ = (
         "request_id", "sampling_params", "eos_token_id", "arrival_time", "priority", "cache_salt",
         "all_token_ids", "output_token_ids", "num_prompt_tokens", "status", "num_computed_tokens",
-        "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
+        "num_cached_tokens", "num_tier_cached_tokens", "num_preemptions", "num_sent_tokens",
+        "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens",
         "family_id", "index", "num_output_placeholders",
     )
@@ -48,6 +49,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (reported to the user).
         self.num_cached_tokens = -1
+        # ... of which the CPU tier held (loaded there from SSD, or demoted there).
+        self.num_tier_cached_tokens = 0
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.
         self.num_sent_tokens = 0
@@ -74,6 +77,7 @@ class Request:
                         family_id=self.family_id, index=index)
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_tier_cached_tokens = self.num_tier_cached_tokens
         child._hasher, child._extra_first, child._extra = (self._hasher, self._extra_first,
                                                            self._extra)
         child.block_hashes = self.block_hashes[:]

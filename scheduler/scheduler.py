@@ -354,6 +354,8 @@ class Scheduler:
             self.tiers.refused(admission)
             return None
         self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
+        if req.num_cached_tokens < 0:  # its first admission: the hits it reports
+            req.num_tier_cached_tokens = len(admission.cpu_hits) * self.kv.block_size
         self._start_running(req, num_hit, n, plan)
         return True
 
@@ -439,6 +441,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req.family_id, [token], finish_reason=reason,
                                             logprobs=[lp] if lp else [],
                                             num_cached_tokens=req.num_cached_tokens,
+                                            num_tier_cached_tokens=req.num_tier_cached_tokens,
                                             index=req.index))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]

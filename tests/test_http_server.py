@@ -273,7 +273,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     assert moved("tierserve:inter_token_latency_seconds_count") == 8
     assert moved("tierserve:request_success_total",
                  (("finished_reason", "length"), ("tenant", ""))) == 2
-    assert moved("tierserve:prompt_cached_tokens_total", NO_TENANT) > 0
+    assert moved("tierserve:prompt_cached_tokens_total", (("tenant", ""), ("tier", "device"))) > 0
     assert moved("tierserve:prefix_cache_queries_total") > 0
     assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
     assert ("tierserve:num_preemptions_total", ()) in after
@@ -432,6 +432,11 @@ def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(ch
         assert llm.stats()["cpu_tier_usage"] > 0
         assert cached(alpha, flood[0], "s0") == 0
         assert cached(beta, flood[0], "s0") >= 16  # back from the CPU tier
+        hits = _metrics(srv.base)
+        assert hits[("tierserve:prompt_cached_tokens_total",
+                     (("tenant", "beta"), ("tier", "cpu")))] >= 16
+        assert ("tierserve:prompt_cached_tokens_total",
+                (("tenant", "alpha"), ("tier", "cpu"))) not in hits
     finally:
         srv.stop()
         llm.shutdown()
@@ -656,3 +661,25 @@ def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, 
     r = httpx.post(server.base + "/tokenize", json={"messages": history}, timeout=10).json()
     text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
     assert call in text and "12:00" in text
+
+
+def test_api_keys_files_in_toml_and_json(tmp_path):
+    toml = tmp_path / "keys.toml"
+    toml.write_text('secret = "s"\n[keys]\n"sk-1" = "acme"\n"sk-2" = "acme"\n"sk-3" = "globex"\n'
+                    '[tenants.acme]\nrequests_per_second = 5\nkv_share = 0.25\n')
+    table = KeyTable.from_file(str(toml))
+    assert table.authenticate("Bearer sk-2").name == "acme"
+    assert table.authenticate("bearer  sk-3 ").name == "globex"
+    assert table.tenants["acme"].salt.endswith("@0.25")
+    as_json = tmp_path / "keys.json"
+    as_json.write_text(json.dumps({"secret": "s", "keys": {"sk-9": "acme"}}))
+    assert KeyTable.from_file(str(as_json)).tenants["acme"].salt.partition("@")[0] == \
+        table.tenants["acme"].salt.partition("@")[0]  # one secret, one salt
+    for bad, needle in (({"keys": {"k": "a"}, "tenants": {"a": {"rps": 1}}}, "unknown limits"),
+                        ({"keys": {"k": "a"}, "tenants": {"b": {}}}, "no key belongs"),
+                        ({"keys": {"k": "a"}, "tenants": {"a": {"kv_share": 2}}}, "kv_share"),
+                        ({"keyz": {}}, "unknown fields"), ({"keys": {}}, "at least one key")):
+        with pytest.raises(ValueError, match=needle):
+            KeyTable.from_dict(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        KeyTable.from_file(str(tmp_path / "missing.toml"))

@@ -20,7 +20,9 @@ ALLOWED = {
     "scheduler": {"kvcache"},
     "workers": SCHEDULER_MESSAGES,
     "runtime": {"kvcache", "scheduler", "workers"},
-    "deploy": {"runtime", "workers"} | SCHEDULER_MESSAGES,
+    # deploy's router hashes prompts as the engines do and reads their KV event stream.
+    "deploy": {"runtime", "workers", "kvcache.hashing", "scheduler.kv_events"}
+    | SCHEDULER_MESSAGES,
 }
 # Inside workers/: what the sub-packages may import of workers/ (a unit is a sub-package or a
 # top-level module). A backend sees only backends; the model sees the backends, the attention

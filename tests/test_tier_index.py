@@ -300,6 +300,26 @@ def test_abort_while_a_load_is_in_flight_leaks_nothing():
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
 
 
+def test_after_a_worker_loss_requests_get_their_prefix_from_ssd_alone():
+    """drop_worker_memory (what a worker rebuild calls once every request released its blocks):
+    the pool's and the CPU tier's KV are gone with the workers, the SSD folder is not; the same
+    prompts then hit SSD only, and the mirror, whose pool and CPU tier are new and empty, checks
+    that every loaded block holds its tokens' KV."""
+    mirror = TieredMirror(BS)
+    sched = _scheduler(cpu=12, ssd=64, mirror=mirror)
+    prompts = _prompts(n=4)
+    first, _ = _run(sched, mirror, [(f"a{i}", p) for i, p in enumerate(prompts)])
+    for _ in range(20):  # write-back puts every cold block on SSD
+        tiered_step(sched, mirror)
+    assert sched.kv.drop_worker_memory() == []
+    assert sched.kv.pool.num_cached_blocks() == 0 and sched.tiers.cpu.num_free == 12
+    fresh = TieredMirror(BS)  # the new workers: nothing but the folder
+    fresh.ssd = mirror.ssd
+    again, cached = _run(sched, fresh, [(f"b{i}", p) for i, p in enumerate(prompts)])
+    assert list(again.values()) == list(first.values())
+    assert sum(cached.values()) > 0 and sched.tiers.counters.loads > 0
+
+
 @st.composite
 def _events(draw):
     kind = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "reset"]))

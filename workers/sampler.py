@@ -33,7 +33,7 @@ import torch
 
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers.backends.cpu import CpuBackend, torch_backend
-from tierserve.workers.structured import GrammarMatchers, apply_bitmask_
+from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.token_rules import TokenRules
 
 __all__ = [
@@ -141,7 +141,7 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # random-row index -> seeded generator
     penalties: PenaltyInputs | None
     max_num_logprobs: int | None         # largest `logprobs` asked for; None when nobody asks
-    # Constrained rows (long[c]) and the tokens each may take (a bitmask int32[c, words]).
+    # Constrained rows (long[c]) and what their grammars add: float32[c, vocab], 0 or -inf.
     masks: tuple[torch.Tensor, torch.Tensor] | None = None
     # Rows with token rules (long[k]) and what each adds to its logits (float32[k, vocab]).
     adjust: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -493,11 +493,13 @@ class Sampler:
         return noise.log_().neg_()
 
 
-def masked(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def masked(logits: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A copy of logits float32[n, vocab] where each constrained row keeps only the tokens its
-    bitmask allows (the others are -inf)."""
+    grammar allows (bias: float32[c, vocab], -inf on the others)."""
+    if len(rows) == logits.shape[0]:  # rows are in batch order: every row is constrained
+        return logits + bias
     x = logits.index_select(0, rows)
-    apply_bitmask_(x, bitmask)
+    x.add_(bias)
     return logits.index_copy(0, rows, x)
 
 

@@ -8,8 +8,8 @@ fill one bitmask row per constrained request, so masks never cross the per-step 
 each with its own matcher.
 
 Masks: the step's rows are known before its forward, so their masks are filled on a thread of
-their own (llguidance's threads, off the GIL) while the forward runs; the sampler waits for
-them only if the forward finished first.
+their own (llguidance's threads, off the GIL) and unpacked into an additive row of 0 / -inf
+while the forward runs; the sampler adds them, and waits only if the forward finished first.
 
 Compiling: a grammar is compiled once per rank (`LLMatcher` over the model's tokenizer), on a
 worker thread as soon as its request arrives, while that step's forward runs; later requests
@@ -27,13 +27,13 @@ import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tierserve.scheduler.params import StructuredOutputs
 
-__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "apply_bitmask_"]
+__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "mask_bias"]
 
-_BITS = torch.arange(32, dtype=torch.int32)
 # Compact JSON (no whitespace between tokens, as json.dumps(separators=(",", ":")) writes):
 # a model cannot spend its tokens on blanks. A schema's "x-guidance" overrides it.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -80,13 +80,12 @@ def check_structured(spec: StructuredOutputs) -> str:
     return grammar
 
 
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits float32[r, vocab], bitmask int32[r, ceil(vocab / 32)] (bit b of word w allows
-    token 32 w + b): disallowed tokens become -inf, in place."""
-    vocab = logits.shape[1]
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, -float("inf"))
+def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask int32[r, ceil(vocab / 32)] (bit b of word w allows token 32 w + b) as what to
+    add to the logits: float32[r, vocab], 0 where allowed, -inf elsewhere."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+    return torch.zeros(allowed.shape).masked_fill_(allowed.logical_not_(), -float("inf"))
 
 
 class GrammarMatchers:
@@ -173,8 +172,8 @@ class GrammarMatchers:
         self._prefetched = (key, self._mask_pool.submit(self._fill, key))
 
     def masks(self, req_ids: Sequence[str]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows of req_ids that are constrained, bitmask int32[len(rows), words]) for this
-        step, or None when no row is."""
+        """(rows of req_ids that are constrained, what to add to their logits: float32[
+        len(rows), vocab], 0 or -inf) for this step, or None when no row is."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             if prefetched[0] == tuple(req_ids):
@@ -194,4 +193,4 @@ class GrammarMatchers:
         # llguidance's own threads fill the rows, without the GIL.
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4,
                                                len(rows))
-        return rows, bitmask
+        return rows, mask_bias(bitmask, self.vocab_size)

@@ -13,39 +13,77 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class EngineCollector:
-    """Gauges and counters read from the engine's stats, fetched once per scrape."""
+    """Gauges and counters read from the engine's stats, fetched once per scrape. A replicated
+    deployment's come per replica, with a `replica` label (sum them for the deployment), with
+    each replica's state and the router's own figures."""
 
     def __init__(self) -> None:
         self.stats: dict = {}
 
     def collect(self):
         s = self.stats
-        yield _gauge("num_requests_running", "requests in the running batch",
-                     s.get("num_running", 0))
-        yield _gauge("num_requests_waiting", "requests waiting for admission (or an SSD load)",
-                     s.get("num_waiting", 0) + s.get("num_loading", 0))
-        usage = GaugeMetricFamily("tierserve:kv_cache_usage_perc",
-                                  "share of each KV tier in use (1 = full)", labels=["tier"])
-        usage.add_metric(["device"], s.get("kv_usage", 0.0))
+        replicas = s.get("replicas")
+        if replicas is None:
+            yield from _engine_families([((), s)], ())
+            return
+        sources = [((str(r),), rs) for r, rs in sorted(replicas.items()) if "num_running" in rs]
+        yield from _engine_families(sources, ("replica",))
+        up = GaugeMetricFamily("tierserve:replica_up", "1 while a replica serves (0: starting, "
+                               "restarting or draining)", labels=["replica"])
+        restarts = CounterMetricFamily("tierserve:replica_restarts", "times a replica was "
+                                       "restarted after its death", labels=["replica"])
+        for r, rs in sorted(replicas.items()):
+            up.add_metric([str(r)], int(rs.get("state") == "live"))
+            restarts.add_metric([str(r)], rs.get("replica_restarts", 0))
+        yield up
+        yield restarts
+        router = s.get("router", {})
+        yield _counter("router_requests", "requests the router routed", router.get("routed", 0))
+        yield _gauge("router_route_us_mean", "the router's time per request, microseconds "
+                     "(mean of the latest)", router.get("route_us_mean", 0.0))
+        yield _gauge("router_indexed_blocks", "block hashes in the router's KV index",
+                     router.get("indexed_blocks", 0))
+        yield _gauge("engine_dead", "1 once the deployment cannot serve", int(bool(s.get("dead"))))
+
+
+def _engine_families(sources: list[tuple[tuple, dict]], labels: tuple):
+    """Each engine metric, one sample per (label values, stats) source."""
+    def family(kind, name, doc, key, extra=()):
+        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        fam = cls(f"tierserve:{name}", doc, labels=list(labels))
+        for values, st in sources:
+            fam.add_metric(list(values), key(st) if callable(key) else st.get(key, 0))
+        return fam
+
+    yield family("gauge", "num_requests_running", "requests in the running batch", "num_running")
+    yield family("gauge", "num_requests_waiting", "requests waiting for admission (or an SSD "
+                 "load)", lambda st: st.get("num_waiting", 0) + st.get("num_loading", 0))
+    usage = GaugeMetricFamily("tierserve:kv_cache_usage_perc",
+                              "share of each KV tier in use (1 = full)",
+                              labels=[*labels, "tier"])
+    for values, st in sources:
+        usage.add_metric([*values, "device"], st.get("kv_usage", 0.0))
         for tier in ("cpu", "ssd"):
-            if f"{tier}_tier_usage" in s:
-                usage.add_metric([tier], s[f"{tier}_tier_usage"])
-        yield usage
-        yield _gauge("kv_cache_free_blocks", "device KV blocks no request holds (cached ones "
-                     "included)", s.get("num_free_blocks", 0))
-        yield _gauge("kv_cache_total_blocks", "device KV blocks in the pool",
-                     s.get("num_total_blocks", 0))
-        yield _counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                       s.get("prefix_cache_queried_tokens", 0))
-        yield _counter("prefix_cache_hits", "prompt tokens served from the prefix cache",
-                       s.get("prefix_cache_hit_tokens", 0))
-        yield _counter("num_preemptions", "requests preempted", s.get("num_preemptions", 0))
-        for name in ("promotions", "demotions", "loads", "spills"):
-            if f"tier_{name}" in s:
-                yield _counter(f"kv_tier_{name}", f"KV tier block {name}", s[f"tier_{name}"])
-        yield _counter("worker_restarts", "times the engine rebuilt lost workers (a rank died "
-                       "or a step hung) and re-admitted their requests", s.get("restarts", 0))
-        yield _gauge("engine_dead", "1 once the engine cannot serve", int(bool(s.get("dead"))))
+            if f"{tier}_tier_usage" in st:
+                usage.add_metric([*values, tier], st[f"{tier}_tier_usage"])
+    yield usage
+    yield family("gauge", "kv_cache_free_blocks", "device KV blocks no request holds (cached "
+                 "ones included)", "num_free_blocks")
+    yield family("gauge", "kv_cache_total_blocks", "device KV blocks in the pool",
+                 "num_total_blocks")
+    yield family("counter", "prefix_cache_queries", "prompt tokens looked up in the prefix "
+                 "cache", "prefix_cache_queried_tokens")
+    yield family("counter", "prefix_cache_hits", "prompt tokens served from the prefix cache",
+                 "prefix_cache_hit_tokens")
+    yield family("counter", "num_preemptions", "requests preempted", "num_preemptions")
+    for name in ("promotions", "demotions", "loads", "spills"):
+        if any(f"tier_{name}" in st for _, st in sources):
+            yield family("counter", f"kv_tier_{name}", f"KV tier block {name}", f"tier_{name}")
+    yield family("counter", "worker_restarts", "times the engine rebuilt lost workers (a rank "
+                 "died or a step hung) and re-admitted their requests", "restarts")
+    if not labels:
+        yield family("gauge", "engine_dead", "1 once the engine cannot serve",
+                     lambda st: int(bool(st.get("dead"))))
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
@@ -73,7 +111,9 @@ class Metrics:
         self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens", ["tenant"],
                                      registry=r)
         self.cached_tokens = Counter("tierserve:prompt_cached_tokens", "prompt tokens served "
-                                     "from the prefix cache, any tier", ["tenant"], registry=r)
+                                     "from the prefix cache, by the tier that held them (cpu: "
+                                     "the CPU tier, loaded there from SSD or demoted there)",
+                                     ["tenant", "tier"], registry=r)
         self.generation_tokens = Counter("tierserve:generation_tokens", "generated tokens",
                                          ["tenant"], registry=r)
         self.finished = Counter("tierserve:request_success", "finished requests",
@@ -95,8 +135,11 @@ class Tracker:
     def prompt(self, delta) -> None:
         m = self.metrics
         m.prompt_tokens.labels(self.tenant).inc(len(delta.prompt_token_ids))
-        if delta.num_cached_tokens > 0:
-            m.cached_tokens.labels(self.tenant).inc(delta.num_cached_tokens)
+        lower = min(delta.num_tier_cached_tokens, delta.num_cached_tokens)
+        if delta.num_cached_tokens > lower:
+            m.cached_tokens.labels(self.tenant, "device").inc(delta.num_cached_tokens - lower)
+        if lower > 0:
+            m.cached_tokens.labels(self.tenant, "cpu").inc(lower)
         if self.charge is not None:
             self.charge(len(delta.prompt_token_ids))
 
