@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tierserve.deploy.dataplane import (
     DataPlaneClient, DataPlaneServer, DataPlaneTimeout, Endpoints, RankKeys,
 )
+from tierserve.deploy.placement import worker_names
 from tierserve.deploy.reply_check import reply_problem
 from tierserve.runtime import envs
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
@@ -34,7 +35,7 @@ from tierserve.scheduler.messages import (
 from tierserve.workers.parallel import listen_socket
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
-__all__ = ["RayExecutor", "WorkerActor", "worker_names"]
+__all__ = ["RayExecutor", "WorkerActor"]
 
 log = logging.getLogger("tierserve.ray_executor")
 
@@ -79,11 +80,6 @@ def _exit_now(reason: str) -> None:
     no cleanup and no reply."""
     log.warning("exiting: %s", reason)
     os._exit(70)
-
-
-def worker_names(prefix: str, rank: int) -> tuple[str, str]:
-    """The two actor names rank `rank` of a deployment takes in turn with its spare."""
-    return f"{prefix}-rank{rank}", f"{prefix}-rank{rank}-b"
 
 
 class _Phases:
@@ -163,6 +159,9 @@ class WorkerActor:
     def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
         return self.worker.initialize_cache(num_blocks, known)
 
+    def startup(self) -> dict:
+        return dict(self.worker.startup)
+
     def run_loop(self) -> None:
         # OpenMP's thread count is per calling thread and Ray starts workers with
         # OMP_NUM_THREADS=1: set it again in the thread that runs every forward.
@@ -209,10 +208,11 @@ class RayExecutor:
     def _spawn(self, spec: WorkerSpec, family: int, spare: bool) -> list:
         cls = ray.remote(WorkerActor)
         num_gpus = 1 if spec.device == "cuda" else 0
-        # A spare reserves nothing: the bundle's CPUs are its rank's until that one is gone.
-        cpus = 0 if spare else spec.cpu_threads or 1
         actors = []
         for rank, bundle in enumerate(self.bundles):
+            # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores); a
+            # spare reserves none: they are its rank's until that one is gone.
+            cpus = 0 if spare else self.pg.bundle_specs[bundle].get("CPU", 0)
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
             # A single-threaded actor: the forward then runs on the process's main thread.
             # From a second thread glibc serves torch's temporaries from a per-thread arena that
@@ -295,13 +295,14 @@ class RayExecutor:
         tiers = ray.get([w.initialize_cache.remote(self._num_blocks, known)
                          for w in self.workers])
         phases.mark("cache")
+        startup = ray.get(self.workers[0].startup.remote())
         self._await_subscribers()
         self._loops = [w.run_loop.remote() for w in self.workers]
         phases.mark("subscribe")
         self.phases = phases.seconds
         if self.spares_enabled:
             self._spawn_spares()
-        return WorkerInfo.from_ranks(self._num_blocks, infos, tiers)
+        return WorkerInfo.from_ranks(self._num_blocks, infos, tiers, startup)
 
     def _spawn_spares(self) -> None:
         """Spares for the next restart, under the names the ranks before these had."""
