@@ -112,9 +112,9 @@ def kill_replica(actor, uid: str, replica: int, tp_size: int, namespace: str | N
             pass
     prefix = replica_uid(uid, replica)
     for rank in range(tp_size):
-        for name in worker_names(prefix, rank):  # ranks and spares
+        for worker_name in worker_names(prefix, rank):  # ranks and spares
             try:
-                ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+                ray.kill(ray.get_actor(worker_name, namespace=ns), no_restart=True)
             except ValueError:  # not there
                 pass
 
