@@ -14,6 +14,10 @@ the size, so that cached blocks are evicted (and, with tiers, demoted) every ste
   step_us_tiers_off, step_us_tiers_on   median step, each
   tiers_on_over_off                     their ratio (target: <= 1.1)
   tier_demotions, tier_promotions       what the tiered scheduler copied
+Request log on vs off: the arrival phase on a fresh scheduler, steps alternating between the
+request log on (request_log_path: finished requests handed to its writer thread, which encodes
+and appends them to a file meanwhile) and off:
+  step_us_log_off, step_us_log_on       median step, each
 
 Usage: python bench/scheduler_overhead.py [--json] [--steps N] [--tier-steps N]
 """
@@ -21,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
 
 from report import emit
 from tierserve.kvcache import BlockHasher, KVCacheManager, TierIndex, TierPolicy
+from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
 from tierserve.scheduler import ModelRunnerOutput, SamplingParams, Scheduler, WorkerChannelCodec
 
 BLOCK_SIZE = 16
@@ -115,6 +123,28 @@ def hash_ns_per_token(algorithm: str) -> float:
     return (time.perf_counter() - t0) / n / len(tokens) * 1e9
 
 
+def measure_request_log(num_running: int, steps: int) -> dict:
+    """Median step time with and without the request log, steps alternating."""
+    sched = build(num_running)
+    folder = tempfile.mkdtemp(prefix="tierserve-bench-log-")
+    log = RequestLog(os.path.join(folder, "requests.tslog"),
+                     LogHeader(MAGIC, LOG_VERSION, BLOCK_SIZE))
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for _ in range(steps):
+            for name, hook in (("off", None), ("on", log.add)):
+                sched.on_finish = hook
+                times[name] += measure_steps(sched, 1, arrivals=2)
+    finally:
+        sched.on_finish = None
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert log.num_written > 0
+    return {"step_us_log_off": statistics.median(times["off"]) * 1e6,
+            "step_us_log_on": statistics.median(times["on"]) * 1e6,
+            "requests_logged": log.num_written}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -139,6 +169,7 @@ def main() -> None:
         "prefix_cache_hit_rate": sched.stats()["prefix_cache_hit_rate"],
     }
     result.update(measure_tiers(args.running, args.tier_steps))
+    result.update(measure_request_log(args.running, args.tier_steps))
     emit(result, args.json)
 
 

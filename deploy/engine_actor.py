@@ -12,8 +12,6 @@ import os
 import ray
 
 from tierserve.deploy.kv_publisher import KVEventPublisher
-from tierserve.deploy.ray_executor import RayExecutor, restore_priority
-from tierserve.runtime.async_engine import AsyncEngine
 from tierserve.runtime.client import CLIENT_LEASE_S
 from tierserve.runtime.config import EngineConfig
 from tierserve.scheduler.kv_events import KVEventCodec
@@ -26,11 +24,18 @@ _WATCH_POLL_S = 0.25
 
 
 class EngineActor:
+    # The engine's modules (torch among them) are imported in the actor's process alone: a
+    # client that looks the actor up by name unpickles this class, and `tierserve status`
+    # must not pay for torch.
     def __init__(self, config: EngineConfig, pg, bundles: list[int], name: str) -> None:
+        from tierserve.deploy.ray_executor import RayExecutor, restore_priority
+        from tierserve.runtime.async_engine import AsyncEngine
+
         restore_priority()
         self.name = name
-        self.engine = AsyncEngine(config, lambda spec: RayExecutor(spec, pg, bundles,
-                                                                   config.step_timeout_s, name))
+        self.engine = AsyncEngine(config, lambda spec: RayExecutor(
+            spec, pg, bundles, config.step_timeout_s, name,
+            spares=config.spare_workers and config.max_restarts > 0))
         self._codec = ClientChannelCodec()
         self._publisher: KVEventPublisher | None = None
         if config.publishes_kv_events:

@@ -10,25 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 
 import ray
-from ray._raylet import PlacementGroupID
-from ray.util.placement_group import PlacementGroup, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
+from tierserve.deploy import ray_cluster
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
-from tierserve.deploy.engine_actor import EngineActor
-from tierserve.deploy.placement import make_placement_group, rank_bundles, worker_bundle
 from tierserve.runtime import envs
 from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import check_model, load_model_tokenizer
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
-from tierserve.workers.worker import resolve_device
+
+# The engine's modules (torch among them) are imported where an engine starts, not here:
+# status, stop and generate --name talk to a running deployment with Ray alone.
 
 __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
            "ensure_ray", "actor_name"]
@@ -43,16 +42,36 @@ def actor_name(name: str) -> str:
 
 
 def ensure_ray(namespace: str | None = None) -> None:
-    """Joins the cluster RAY_ADDRESS names (or this job's), else starts a local instance."""
+    """For an engine this process owns: joins the cluster RAY_ADDRESS names (or this job's),
+    else starts a private local instance that ends with this process."""
     if not ray.is_initialized():
         ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
-                 log_to_driver=False)
+                 log_to_driver=False, logging_level=logging.WARNING)
 
 
-def _cpus_per_worker(config: EngineConfig) -> int:
-    if config.cpus_per_worker is not None:
-        return config.cpus_per_worker
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+# Ray accounts resources in steps of 1e-4.
+_RAY_CPU_STEPS = 10_000
+
+
+def default_cpus_per_worker(tp_size: int, cores: int | None = None) -> float:
+    """Each rank's share of this machine's cores: whole cores where there are enough, else a
+    fraction (rounded down to Ray's resolution, so that the ranks fit the cores)."""
+    cores = cores or os.cpu_count() or 1
+    if cores >= tp_size:
+        return cores // tp_size
+    return cores * _RAY_CPU_STEPS // tp_size / _RAY_CPU_STEPS
+
+
+def _cpus_per_worker(config: EngineConfig) -> float:
+    cpus = config.cpus_per_worker
+    if cpus is None:
+        cpus = default_cpus_per_worker(config.tensor_parallel_size)
+    if cpus < 1:
+        log.warning("cpus_per_worker=%g: the %d ranks share cores (each runs %d torch "
+                    "thread%s); a step takes longer than it would with a core per rank",
+                    cpus, config.tensor_parallel_size, math.ceil(cpus),
+                    "" if math.ceil(cpus) == 1 else "s")
+    return cpus
 
 
 def start_deployment(config: EngineConfig, name: str | None = None,
@@ -61,6 +80,10 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     The actor's constructor starts the workers, so this returns once the model is loaded. A
     model, TP size or placement that cannot work fails here at once, before anything waits;
     a start that fails later leaves no actor, placement group or folder behind."""
+    from tierserve.deploy.placement import make_placement_group
+    from tierserve.runtime.engine_core import check_model
+    from tierserve.workers.worker import resolve_device
+
     check_model(config)
     device = resolve_device(config.device)
     cpus = _cpus_per_worker(config)
@@ -86,6 +109,11 @@ def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None
                        detached: bool):
     """The EngineActor on rank 0's bundle of `pg`, named `uid` when detached; returns once
     its model is loaded (a start that fails leaves no actor)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from tierserve.deploy.engine_actor import EngineActor
+    from tierserve.deploy.placement import rank_bundles
+
     actor = None
     try:
         bundles = rank_bundles(pg)
@@ -119,8 +147,11 @@ def _bad_config(error: BaseException) -> ValueError | None:
     return None
 
 
+_HOLDER_PREFIX = "tierserve-pg-"
+
+
 def _holder_name(name: str) -> str:
-    return f"tierserve-pg-{name}"
+    return _HOLDER_PREFIX + name
 
 
 def _remember(pg, tp_size: int, uid: str, name: str, namespace: str | None):
@@ -148,8 +179,25 @@ class _DeploymentHolder:
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
     """Starts the named deployment, or connects to the running one. A deployment that died
     (its engine, or a worker; with replicas, every replica) is torn down and started
-    afresh."""
-    ensure_ray(namespace)
+    afresh. With no Ray cluster to join, a local head is started for it
+    (deploy/ray_cluster.py); a start that fails stops that head again, so nothing is left
+    running for a deployment that is not there."""
+    config = EngineConfig.from_kwargs(**options)
+    head = ray_cluster.join(namespace, start=True)
+    try:
+        llm = _serve_on_cluster(config, name, namespace)
+    except BaseException:
+        if head is not None and not deployments_left():
+            ray_cluster.stop_head(head)
+        raise
+    if head is not None:
+        log.warning("started a local Ray head for %r at %s (%d CPUs, folder %s); it stops with "
+                    "its last deployment: tierserve stop %s", name, head.address, head.num_cpus,
+                    head.temp_dir, name)
+    return llm
+
+
+def _serve_on_cluster(config: EngineConfig, name: str, namespace: str | None) -> AsyncLLM:
     try:
         llm = connect(name, namespace)
         llm.engine.health()
@@ -158,8 +206,7 @@ def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
         pass
     except EngineDeadError as e:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
-    stop(name, namespace)  # whatever a dead or half-started one left behind
-    config = EngineConfig.from_kwargs(**options)
+    _stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
     if config.data_parallel_size > 1:
         return AsyncLLM(client=start_replicated(config, name, namespace), name=name)
     actor, _ = start_deployment(config, name, namespace)
@@ -174,6 +221,8 @@ def start_replicated(config: EngineConfig, name: str | None = None,
     from tierserve.deploy.replicas import replica_config
     from tierserve.deploy.router import Router, router_name
     from tierserve.deploy.router_client import RouterClient
+    from tierserve.runtime.engine_core import check_model
+    from tierserve.workers.worker import resolve_device
 
     check_model(config)
     config = replica_config(config)
@@ -204,15 +253,26 @@ def connect(name: str, namespace: str | None = None) -> AsyncLLM:
 
 
 def _connect_client(name: str, namespace: str | None):
-    """The running deployment's client: its router's with replicas, else its engine's."""
-    from tierserve.deploy.router import router_name
-    from tierserve.deploy.router_client import RouterClient
-
-    ensure_ray(namespace)
-    router = _lookup(router_name(name), namespace or envs.default_namespace())
-    if router is not None:
-        return RouterClient(router, name)
+    """The running deployment's client: its engine's, else its router's (with replicas; the
+    router's modules are imported only then)."""
+    ns = namespace or envs.default_namespace()
+    _join(name, namespace)
+    if _lookup(actor_name(name), ns) is None and _lookup(_holder_name(name), ns) is None:
+        from tierserve.deploy.router import router_name
+        from tierserve.deploy.router_client import RouterClient
+        router = _lookup(router_name(name), ns)
+        if router is not None:
+            return RouterClient(router, name)
     return RayEngineClient.connect(name, namespace)
+
+
+def _join(name: str, namespace: str | None) -> None:
+    """Joins the deployments' cluster; without one, no deployment named `name` is there."""
+    try:
+        ray_cluster.join(namespace)
+    except ray_cluster.NoClusterError as e:
+        raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
+                         f"--name {name}` starts one") from None
 
 
 def _lookup(name: str, namespace: str):
@@ -222,10 +282,37 @@ def _lookup(name: str, namespace: str):
         return None
 
 
+def deployments_left() -> list[str]:
+    """What of tierserve's deployments is on the cluster this process joined: every named
+    actor of theirs (engines, workers, holders, routers, replicas), as namespace/name."""
+    return sorted(f"{a['namespace']}/{a['name']}"
+                  for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("tierserve-"))
+
+
 def stop(name: str, namespace: str | None = None) -> bool:
     """Shuts the named deployment down: engine actor, workers, placement group, IPC folders,
-    whatever state it is in. False if there was nothing of it."""
-    ensure_ray(namespace)
+    whatever state it is in; then the local head `serve` started for it, if no deployment is
+    left on it. False if there was nothing of it."""
+    try:
+        ray_cluster.join(namespace)
+    except ray_cluster.NoClusterError:
+        return False
+    found = _stop_deployment(name, namespace)
+    head = ray_cluster.local_head()
+    if head is not None and _joined(head) and not deployments_left():
+        ray_cluster.stop_head(head)
+        log.info("stopped the local Ray head at %s", head.address)
+    return found
+
+
+def _joined(head: ray_cluster.LocalHead) -> bool:
+    """Whether this process is connected to `head` (its GCS port, on this machine)."""
+    address = ray.get_runtime_context().gcs_address or ""
+    return address.rpartition(":")[2] == head.address.rpartition(":")[2]
+
+
+def _stop_deployment(name: str, namespace: str | None) -> bool:
     ns = namespace or envs.default_namespace()
     replicated = _stop_replicated(name, ns)
     actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
@@ -238,10 +325,12 @@ def stop(name: str, namespace: str | None = None) -> bool:
     if holder is not None:
         try:
             pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
+            from tierserve.deploy.placement import worker_names
             for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
-                worker = _lookup(f"{uid}-rank{rank}", ns)
-                if worker is not None:
-                    ray.kill(worker, no_restart=True)
+                for worker_name in worker_names(uid, rank):  # ranks and spares
+                    worker = _lookup(worker_name, ns)
+                    if worker is not None:
+                        ray.kill(worker, no_restart=True)
             remove_placement_group(pg)
         except Exception as e:
             log.warning("could not release the placement group of %s: %s", name, e)
@@ -275,6 +364,8 @@ def _stop_replicated(name: str, ns: str) -> bool:
     pg_prefix = _holder_name(name) + "+r"
     pgs = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
            if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"]
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
     for pg_id in pgs:  # by id: a name is only found from its creator's namespace
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
     for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
@@ -282,27 +373,52 @@ def _stop_replicated(name: str, ns: str) -> bool:
     return router is not None or bool(leftovers) or bool(pgs)
 
 
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: int,
+def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float,
                     what: str | None = None) -> None:
-    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles."""
-    bundle = worker_bundle(device, cpus_per_worker)
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles; it names
+    a cpus_per_worker that fits where there is one."""
+    from tierserve.deploy.placement import worker_bundle
 
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    bundle = worker_bundle(device, cpus_per_worker)
+    room, where = _room(nodes, bundle, strategy)
+    if room >= tp_size:
+        return
+    total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
+    fix = _fitting_cpus(nodes, device, strategy, tp_size, cpus_per_worker)
+    hint = (f"set cpus_per_worker={fix:g} (--cpus-per-worker {fix:g}; ranks then share "
+            f"cores), lower tensor_parallel_size, or add nodes" if fix is not None else
+            "lower tensor_parallel_size or add nodes")
+    raise ValueError(f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of "
+                     f"{bundle} ({strategy}); {where} can hold {room} (cluster: {total}). To "
+                     f"fit, {hint}")
+
+
+def _room(nodes: list[dict], bundle: dict, strategy: str) -> tuple[int, str]:
+    """How many bundles the nodes hold under the strategy, and where."""
     def fits(resources: dict) -> int:
-        return min(int(resources.get(k, 0) // v) for k, v in bundle.items())
+        # Ray accounts in steps of 1e-4: compare in those steps, not in binary fractions.
+        return min(int(round(resources.get(k, 0) * _RAY_CPU_STEPS)
+                       // round(v * _RAY_CPU_STEPS)) for k, v in bundle.items())
 
     if strategy == "STRICT_PACK":
-        room, where = max((fits(r) for r in nodes), default=0), "one node"
-    elif strategy == "STRICT_SPREAD":
-        room, where = sum(min(fits(r), 1) for r in nodes), "distinct nodes"
-    else:
-        room, where = sum(fits(r) for r in nodes), "the cluster"
-    if room < tp_size:
-        total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
-        raise ValueError(
-            f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of {bundle} "
-            f"({strategy}); {where} can hold {room} (cluster: {total}). Lower "
-            f"tensor_parallel_size or cpus_per_worker, or add nodes")
+        return max((fits(r) for r in nodes), default=0), "one node"
+    if strategy == "STRICT_SPREAD":
+        return sum(min(fits(r), 1) for r in nodes), "distinct nodes"
+    return sum(fits(r) for r in nodes), "the cluster"
+
+
+def _fitting_cpus(nodes: list[dict], device: str, strategy: str, tp_size: int,
+                  cpus: float) -> float | None:
+    """The largest cpus_per_worker below `cpus` with which the ranks fit, or None."""
+    from tierserve.deploy.placement import worker_bundle
+
+    candidates = {default_cpus_per_worker(k, int(r.get("CPU", 0)) or 1)
+                  for r in nodes for k in range(1, tp_size + 1)}
+    for value in sorted((c for c in candidates if 0 < c < cpus), reverse=True):
+        if _room(nodes, worker_bundle(device, value), strategy)[0] >= tp_size:
+            return value
+    return None
 
 
 class RayEngineClient:
@@ -331,8 +447,8 @@ class RayEngineClient:
 
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
-        ensure_ray(namespace)
         ns = namespace or envs.default_namespace()
+        _join(name, namespace)
         actor = _lookup(actor_name(name), ns)
         if actor is None:
             if _lookup(_holder_name(name), ns) is not None:
@@ -349,6 +465,7 @@ class RayEngineClient:
     def tokenizer(self):
         """The engine's tokenizer, loaded here on first use (None for a model without one)."""
         if self._tokenizer is None:
+            from tierserve.runtime.engine_core import load_model_tokenizer
             self._tokenizer = load_model_tokenizer(self._tokenizer_path)
         return self._tokenizer
 

@@ -80,16 +80,42 @@ class BlockPool:
         self.num_collisions += 1
         return None
 
+    def lookup_chain(self, hashes: Sequence[BlockHash], keys: Sequence[bytes] | None,
+                     stop: int) -> list[KVCacheBlock]:
+        """The cached blocks of hashes[:stop] in order, up to the first miss (one loop: a long
+        prompt's lookup is the admission's hottest path)."""
+        cached = self._cached
+        hits: list[KVCacheBlock] = []
+        if keys is None or not self.verify_hits:
+            for block_hash in hashes[:stop]:
+                block = cached.get(block_hash)
+                if block is None:
+                    break
+                if block.__class__ is not KVCacheBlock:
+                    block = next(iter(block.values()))
+                hits.append(block)
+            return hits
+        for i in range(stop):
+            block = self.get_cached_block(hashes[i], keys[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash],
                           keys: Sequence[bytes] | None, start: int, end: int) -> None:
         """Gives blocks[start:end] their hashes and enters them in the map."""
+        cached = self._cached
         for i in range(start, end):
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
-            block.block_hash = hashes[i]
+            block_hash = block.block_hash = hashes[i]
             if keys is not None:
                 block.hash_key = keys[i]
-            self._insert(block)
+            if block_hash in cached:
+                self._insert(block)
+            else:
+                cached[block_hash] = block
 
     def get_new_blocks(self, n: int, tenant: str | None = None) -> list[KVCacheBlock]:
         """n blocks for `tenant`'s request, evicting cached ones lazily: from the queue head
@@ -103,8 +129,22 @@ class BlockPool:
         cap = self._cap(tenant)
         if not tenants.active or (cap is None and tenants.lru_only(tenant)):
             blocks = self.free_queue.popleft_n(n)
-            for block in blocks:
-                self._claim(block, tenant)
+            if tenants.active:
+                for block in blocks:
+                    self._claim(block, tenant)
+                return blocks
+            cached = self._cached
+            for block in blocks:  # _claim, inlined: one call less per block
+                block_hash = block.block_hash
+                if block_hash is not None:
+                    if self.on_evict is None and cached.get(block_hash) is block:
+                        del cached[block_hash]  # _evict's common case
+                        block.block_hash = block.hash_key = None
+                        self.num_evictions += 1
+                    else:
+                        self._evict(block)
+                block.ref_cnt = 1
+                block.tenant = tenant
             return blocks
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
@@ -159,27 +199,29 @@ class BlockPool:
         block.ref_cnt = 1
         block.tenant = tenant
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Takes a reference on prefix hits, pulling free cached ones out of the queue."""
-        queue = self.free_queue
-        for block in blocks:
-            if block.ref_cnt == 0:
-                queue.remove(block)
-                if self.tenants.active:
+        idle = [b for b in blocks if b.ref_cnt == 0]
+        if idle:
+            self.free_queue.remove_n(idle)
+            if self.tenants.active:
+                for block in idle:
                     self.tenants.hit(block)
+        for block in blocks:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
         """Drops one reference each; blocks reaching 0 join the queue tail in the given order."""
         released = []
-        tenants = self.tenants if self.tenants.active else None
         for block in ordered:
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
-            if block.ref_cnt == 0:
+            if not block.ref_cnt:
                 released.append(block)
-                if tenants is not None:
-                    tenants.freed(block)
+            else:
+                assert block.ref_cnt > 0, f"block {block.block_id} freed twice"
+        if self.tenants.active:
+            for block in released:
+                self.tenants.freed(block)
         self.free_queue.append_n(released)
 
     def reset_prefix_cache(self) -> bool:
@@ -224,7 +266,7 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash, key = block.block_hash, block.hash_key
         entry = self._cached[block_hash]
-        if isinstance(entry, KVCacheBlock):
+        if entry is block:
             del self._cached[block_hash]
             if self.events is not None:
                 self.events.removed(KVTier.DEVICE, block_hash)

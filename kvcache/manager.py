@@ -84,14 +84,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        keys = request.block_keys
-        hits: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            block = self.pool.get_cached_block(request.block_hashes[i],
-                                               keys[i] if keys is not None else None)
-            if block is None:
-                break  # the chain broke: no later block can hit
-            hits.append(block)
+        # The chain broke at the first miss: no later block can hit.
+        hits = self.pool.lookup_chain(request.block_hashes, request.block_keys, max_blocks)
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
@@ -117,7 +111,7 @@ class KVCacheManager:
         num_held = len(held) if held is not None else 0
         num_new = max(num_required - num_held - len(new_computed_blocks), 0)
         # Hits sitting in the free queue leave it when touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_free_hits = [b.ref_cnt for b in new_computed_blocks].count(0)
         reserve = self.watermark_blocks if apply_watermark else 0
         if num_new + num_free_hits + reserve > self.pool.num_free_blocks:
             return None

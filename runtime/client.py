@@ -111,6 +111,7 @@ class AsyncLLM:
         self.name = name
         self._ids = itertools.count()
         self._prefix = os.urandom(3).hex()
+        self._defaults: dict | None = None
 
     def __reduce__(self):
         return (_rebuild, (self.engine, self.name))
@@ -118,6 +119,13 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without sampling parameters gets: the model's generation config
+        (engine option generation_config), else vLLM's defaults."""
+        if self._defaults is None:
+            self._defaults = self.engine.info().get("generation_defaults", {})
+        return SamplingParams(**self._defaults)
 
     def _next_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -129,7 +137,8 @@ class AsyncLLM:
         """Yields RequestOutput deltas (the new tokens and text of each step). A prompt is text,
         token ids, or a list of chat messages. Leaving the loop early aborts the request."""
         request = make_request(request_id or self._next_id(), prompt,
-                               sampling_params or SamplingParams(), priority, cache_salt)
+                               sampling_params or self.get_default_sampling_params(), priority,
+                               cache_salt)
         stream = self.engine.generate([request])
         left = Outstanding([request])
         try:

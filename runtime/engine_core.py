@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+import threading
 import time
 from collections import deque
 from typing import Callable, Iterator
@@ -19,7 +21,9 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
+from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
+from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
 from tierserve.runtime.requests import check_request, token_ids
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
@@ -67,7 +71,8 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
+        num_kv_blocks=config.num_kv_blocks,
+        cpu_threads=None if config.cpus_per_worker is None else math.ceil(config.cpus_per_worker),
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
@@ -118,6 +123,7 @@ def check_model(config: EngineConfig) -> ModelConfig:
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                          f"max_position_embeddings ({model.max_position_embeddings}); set "
                          f"allow_long_max_model_len=True to force it")
+    generation_defaults(config.generation_config, path)
     return model
 
 
@@ -128,6 +134,52 @@ def load_model_tokenizer(path: str) -> Tokenizer | None:
         log.warning("%s has no tokenizer files: prompts must be token ids", path)
         return None
     return load_tokenizer(path, cache_dir=envs.cache_dir())
+
+
+def _pool_too_small(config: EngineConfig, info: WorkerInfo, usable_tokens: int) -> str:
+    """The error of a max_model_len the KV pool cannot hold, naming settings that fit."""
+    blocks = -(-config.max_model_len // config.block_size) + 1
+    while True:  # usable blocks (less the null block) beside the admission watermark
+        probe = KVCacheManager(blocks, config.block_size, False)
+        if (probe.pool.num_usable_blocks - probe.watermark_blocks) * config.block_size \
+                >= config.max_model_len:
+            break
+        blocks += 1
+    fix = f"num_kv_blocks={blocks}" if config.num_kv_blocks is not None else \
+        f"kv_cache_memory_bytes={blocks * info.kv_block_bytes}"
+    return (f"max_model_len {config.max_model_len} does not fit the KV pool ({usable_tokens} "
+            f"tokens in {info.num_blocks} blocks); set {fix}, or max_model_len="
+            f"{usable_tokens}" if usable_tokens > 0 else
+            f"max_model_len {config.max_model_len} does not fit the KV pool ({info.num_blocks} "
+            f"blocks); set {fix}")
+
+
+class _Background:
+    """fn(*args) on a thread of its own; result() waits for it and re-raises its error."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        self.seconds = 0.0
+        self._result = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
+                                        name="tierserve-start")
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
@@ -147,30 +199,42 @@ def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
+        started = time.perf_counter()
         model = check_model(config)
         spec = make_worker_spec(config)
+        self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
-        self.tokenizer = load_model_tokenizer(self.tokenizer_path)
-        if self.tokenizer is not None:
-            spec = dataclasses.replace(spec, tokenizer_file=tokenizer_json_file(
-                self.tokenizer_path, envs.cache_dir()))
+        # The workers read the tokenizer.json a structured-output grammar compiles from. Where
+        # it exists (a folder's, or a GGUF's cached conversion), the tokenizer (and
+        # transformers, which it imports) loads while the workers load their weights: Python
+        # work beside work that runs in torch, mostly without the GIL.
+        tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
+        tokenizer = _Background(load_model_tokenizer, self.tokenizer_path)
+        if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
+            tokenizer.wait()
+            tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
+        spec = dataclasses.replace(spec, tokenizer_file=tokenizer_file)
         self.executor = executor_factory(spec)
-        t0 = time.perf_counter()
-        try:
-            info = self.executor.start()
-            self.worker_start_s = time.perf_counter() - t0
-            self.config = config
-            # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
-            self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
-            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
-        except BaseException:
-            # A failed start (the workers', or a scheduler the pool cannot hold) leaves no
-            # worker, folder or socket behind.
-            self.executor.shutdown()
-            raise
+        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
         self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self._event_seq = -1
         self._requests_added = 0
+        t0 = time.perf_counter()
+        try:
+            info = self.executor.start()
+            self.tokenizer = tokenizer.result()
+            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
+        except BaseException:
+            self.executor.shutdown()  # a failed start leaves no worker, folder or socket
+            tokenizer.wait()
+            raise
+        self.worker_start_s = time.perf_counter() - t0
+        # Seconds each part of the start took (rank 0's for the workers' parts).
+        self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
+                        "total": time.perf_counter() - started}
+        self.config = config
+        self.request_log = self._make_request_log(config, spec, info)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         self.backends = info.backends
@@ -196,6 +260,7 @@ class EngineCore:
         self.healing = False
         self.restart_reason: str | None = None
         self.restart_s = 0.0
+        self._shutting_down = False
 
     @staticmethod
     def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
@@ -227,6 +292,8 @@ class EngineCore:
                             config.verify_prefix_hits,
                             tiers=cls._make_tiers(config, info, model, spec), events=events)
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
+        if config.max_model_len is not None and config.max_model_len > usable_tokens:
+            raise ValueError(_pool_too_small(config, info, usable_tokens))
         max_model_len = config.max_model_len or min(
             info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
         hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, config.hash_seed)
@@ -238,6 +305,33 @@ class EngineCore:
                               max_queued_requests=config.max_queued_requests,
                               async_scheduling=config.pipelined)
         return scheduler
+
+    def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
+                          info: WorkerInfo) -> RequestLog | None:
+        """The request log, where configured: every finished sequence goes to it."""
+        if config.request_log_path is None:
+            return None
+        index = self.scheduler.tiers.index
+        header = LogHeader(
+            MAGIC, LOG_VERSION, config.block_size, hash_algo=config.prefix_caching_hash_algo,
+            hash_seed=config.hash_seed, model=spec.model, dtype=spec.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            kv_block_bytes=info.kv_block_bytes, num_blocks=info.num_blocks,
+            cpu_slots=index.cpu.num_slots, ssd_entries=index.ssd.capacity,
+            kv_head_ranges=len(set(info.kv_head_ranges)) or 1,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            copy_bytes_per_s=info.copy_bytes_per_s)
+        try:
+            request_log = RequestLog(config.request_log_path, header,
+                                     with_tokens=config.request_log_tokens,
+                                     max_bytes=config.request_log_max_bytes,
+                                     keep=config.request_log_keep)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler.on_finish = request_log.add
+        return request_log
 
     # ------------------------------------------------------------------ requests
 
@@ -397,7 +491,8 @@ class EngineCore:
             return outputs
 
     def _may_restart(self) -> bool:
-        if not self.executor.restartable or self.config.max_restarts == 0:
+        if not self.executor.restartable or self.config.max_restarts == 0 \
+                or self._shutting_down:
             return False
         now = time.monotonic()
         while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
@@ -620,7 +715,9 @@ class EngineCore:
                 "hash": {"algorithm": self.config.prefix_caching_hash_algo,
                          "seed": self.config.hash_seed,
                          "enabled": self.config.enable_prefix_caching},
-                "backends": [dict(b) for b in self.backends]}
+                "backends": [dict(b) for b in self.backends],
+                "generation_defaults": dict(self.generation_defaults),
+                "startup_s": {k: round(v, 3) for k, v in self.startup.items()}}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -628,6 +725,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """A clean shutdown first writes every cached block not yet on SSD to it (within
         FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
+        self._shutting_down = True  # workers lost now are not replaced
         try:
             if self._dead is None:
                 self.drain()
@@ -636,6 +734,8 @@ class EngineCore:
         except Exception:  # the workers are gone or failing: nothing more to save
             log.exception("could not write the KV cache to SSD at shutdown")
         finally:
+            if self.request_log is not None:
+                self.request_log.close()
             self.executor.shutdown()
 
     def _flush_tiers(self) -> None:

@@ -11,21 +11,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierserve.scheduler.messages import (
     EngineChannelCodec, FromWorker, SchedulerOutput, ShutdownWorker, ToWorker,
     WorkerChannelCodec,
 )
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
 
 __all__ = ["WorkerInfo", "Executor", "InProcessExecutor", "EngineDeadError"]
-
-
-class EngineDeadError(RuntimeError):
-    """The workers are gone or stuck: every in-flight request fails with this, and so does every
-    later call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,17 +35,19 @@ class WorkerInfo:
     cpu_slots: int = 0  # the CPU tier: slot ids mean the same place on every rank
     kv_head_ranges: tuple[tuple[int, int], ...] = ()  # per rank: the KV heads it holds
     copy_bytes_per_s: float = 0.0
+    # Seconds rank 0 spent in each part of its start (Worker.startup).
+    startup: dict = field(default_factory=dict)
 
     @classmethod
     def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo],
-                   tiers: list[TierReport]) -> "WorkerInfo":
+                   tiers: list[TierReport], startup: dict | None = None) -> "WorkerInfo":
         """The engine's view of its ranks: the pool size they agreed on, the model as rank 0
         reports it, every rank's backend, and the tiers every rank has."""
         first = ranks[0]
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
                    min(t.cpu_slots for t in tiers), tuple(t.kv_heads for t in tiers),
-                   min(t.copy_bytes_per_s for t in tiers))
+                   min(t.copy_bytes_per_s for t in tiers), dict(startup or {}))
 
 
 class Executor(Protocol):
@@ -120,7 +118,7 @@ class InProcessExecutor:
         t3 = time.perf_counter()
         self.phases = {"init": round(t1 - t0, 3), "load": round(t2 - t1, 3),
                        "cache": round(t3 - t2, 3)}
-        return WorkerInfo.from_ranks(num_blocks, [info], [tiers])
+        return WorkerInfo.from_ranks(num_blocks, [info], [tiers], self.worker.startup)
 
     def restart(self) -> WorkerInfo:
         for item in self._pending:  # a step still running on the thread finishes first

@@ -33,10 +33,18 @@ class LLM:
             from tierserve.runtime.engine_core import EngineCore
             self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        self._defaults: dict | None = None
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without sampling parameters gets: the model's generation config
+        (engine option generation_config), else vLLM's defaults."""
+        if self._defaults is None:
+            self._defaults = self.engine.info()["generation_defaults"]
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -70,7 +78,7 @@ class LLM:
             if isinstance(params, dict):
                 params = SamplingParams(**params)
             elif params is None:
-                params = SamplingParams()
+                params = self.get_default_sampling_params()
             elif not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams or a dict, got "
                                  f"{type(params).__name__}")

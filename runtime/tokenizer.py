@@ -19,7 +19,6 @@ import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import transformers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,7 +136,7 @@ def gguf_cache_folder(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike
     gguf_path = os.path.abspath(os.fspath(gguf_path))
     st = os.stat(gguf_path)
     key = json.dumps([_CACHE_FORMAT, gguf_path, st.st_size, st.st_mtime_ns,
-                      transformers.__version__])
+                      _transformers_version()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return os.path.join(os.fspath(cache_dir), "tokenizers", digest)
 
@@ -155,6 +154,13 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
     hf = _convert_gguf(gguf_path)
     _store(hf, folder, gguf_path)
     return hf
+
+
+def _transformers_version() -> str:
+    # transformers is imported where a tokenizer is loaded, not with this module: an engine
+    # loads it on a thread of its own while its weights load (runtime/engine_core.py).
+    from importlib.metadata import version
+    return version("transformers")
 
 
 def _auto_tokenizer() -> type:
@@ -250,7 +256,7 @@ def _store(hf: PreTrainedTokenizerBase, folder: str, gguf_path: str) -> None:
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         hf.save_pretrained(tmp)
         with open(os.path.join(tmp, "source.json"), "w") as f:
-            json.dump({"gguf": gguf_path, "transformers": transformers.__version__}, f)
+            json.dump({"gguf": gguf_path, "transformers": _transformers_version()}, f)
         os.rename(tmp, folder)
         tmp = None
     except OSError as exc:

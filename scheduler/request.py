@@ -25,6 +25,7 @@ class Request:
         "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens",
         "family_id", "index", "num_output_placeholders",
+        "first_token_time", "cached_by_tier", "ssd_loaded_blocks", "admitted_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -51,6 +52,15 @@ class Request:
         self.num_cached_tokens = -1
         # ... of which the CPU tier held (loaded there from SSD, or demoted there).
         self.num_tier_cached_tokens = 0
+        # ... found in the device pool, the CPU tier (demoted there) and on SSD (loaded from
+        # there while it waited).
+        self.cached_by_tier = (0, 0, 0)
+        # Blocks loaded from SSD for it while it waited (CPU hits by the time it is admitted).
+        self.ssd_loaded_blocks = 0
+        # time.monotonic() when it was first scheduled, and when its first output token was
+        # appended (None: not yet).
+        self.admitted_at: float | None = None
+        self.first_token_time: float | None = None
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.
         self.num_sent_tokens = 0
@@ -78,6 +88,7 @@ class Request:
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.num_tier_cached_tokens = self.num_tier_cached_tokens
+        child.cached_by_tier = self.cached_by_tier
         child._hasher, child._extra_first, child._extra = (self._hasher, self._extra_first,
                                                            self._extra)
         child.block_hashes = self.block_hashes[:]
@@ -95,6 +106,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         if self._hasher is not None and len(self.all_token_ids) % self._hasher.block_size == 0:
             self._hash_new_blocks()
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import array
 import itertools
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
@@ -117,6 +119,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # Called with each sequence that finishes, however it finished (the request log).
+        self.on_finish: Callable[[Request], None] | None = None
         # Sequences in a step in flight when the workers were last lost, not yet through a
         # step of the new workers: one found in flight at the next loss fails (a poison
         # pill), so they are re-admitted one at a time (_quarantined).
@@ -213,6 +217,8 @@ class Scheduler:
         self.suspects.discard(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
+        if self.on_finish is not None:
+            self.on_finish(req)
         del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
@@ -341,7 +347,9 @@ class Scheduler:
             hits, num_hit, admission = [], 0, TierAdmission()
         else:
             hits, num_hit = self.kv.get_computed_blocks(req)
+            loaded = self.tiers.counters.ssd_hit_blocks
             admission = self.tiers.admit(req, len(hits))
+            req.ssd_loaded_blocks += self.tiers.counters.ssd_hit_blocks - loaded
         if admission.wait:
             self.waiting.pop()
             return False
@@ -353,11 +361,22 @@ class Scheduler:
         if blocks is None:
             self.tiers.refused(admission)
             return None
-        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         if req.num_cached_tokens < 0:  # its first admission: the hits it reports
-            req.num_tier_cached_tokens = len(admission.cpu_hits) * self.kv.block_size
+            req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
+            req.num_tier_cached_tokens = sum(req.cached_by_tier[1:])
+            req.admitted_at = time.monotonic()
+        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         self._start_running(req, num_hit, n, plan)
         return True
+
+    def _cached_by_tier(self, req: Request, num_device_blocks: int,
+                        num_hit: int) -> tuple[int, int, int]:
+        """(device, CPU, SSD) tokens of a first admission's hits; blocks loaded from SSD for
+        the request are CPU hits by now."""
+        device = num_device_blocks * self.kv.block_size
+        below = num_hit - device
+        ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
+        return device, below - ssd, ssd
 
     def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
         n = self._chunk(req.num_tokens - num_swapped, plan.budget)

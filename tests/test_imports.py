@@ -1,4 +1,4 @@
-"""The package import table of ../shared/DESIGN.md, enforced: every import in every module
+"""The package import table of docs/architecture.md, enforced: every import in every module
 (function-level ones included) against the arrows the table allows, and no package cycle; inside
 workers/, the sub-packages' own arrows (the model is built on the backends, never the reverse)."""
 from __future__ import annotations

@@ -312,13 +312,14 @@ def test_a_dead_deployment_is_stopped_and_served_again(tiny):
 
 @pytest.mark.usefixtures("ray_session")
 def test_placement_that_cannot_succeed_fails_at_once(tiny):
-    """Finding 5: TP=7 on the 4-CPU test instance fails before waiting on Ray, naming the
-    option; nothing is left behind."""
+    """Finding 5: TP=7 with a CPU per rank on the 4-CPU test instance fails before waiting on
+    Ray, naming the option and a cpus_per_worker that fits; nothing is left behind."""
     before = _live_placement_groups()
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="tensor_parallel_size=7 needs 7 bundles"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=7 needs 7 bundles.*"
+                                         "--cpus-per-worker 0.5714"):
         tierserve.serve("rel-big", namespace=NS, model=str(_seven_heads(tiny)),
-                        tensor_parallel_size=7)
+                        tensor_parallel_size=7, cpus_per_worker=1)
     assert time.monotonic() - t0 < 10
     assert _live_placement_groups() == before
     assert not tierserve.stop("rel-big", namespace=NS)

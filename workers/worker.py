@@ -2,6 +2,7 @@
 executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -16,7 +17,9 @@ from tierserve.scheduler.messages import (
 )
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
-from tierserve.workers.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from tierserve.workers.attention import (
+    allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
+)
 from tierserve.workers.backends.cpu import CpuBackend, plan_for, torch_backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
@@ -28,9 +31,12 @@ from tierserve.workers.tier_ssd import SsdFolder, kv_head_range
 __all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 
 log = logging.getLogger("tierserve.worker")
+# One line per part of a start (kernels, weights, KV pool), which the CLI shows on a terminal.
+progress = logging.getLogger("tierserve.progress")
 
-# CPU pools default to this much (or a fifth of available memory, if less), and to at most
-# this many blocks: a tiny model would otherwise get millions of blocks of bookkeeping.
+# CPU pools default to this much for the whole engine (or a fifth of available memory, if
+# less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
+# of bookkeeping.
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 _CPU_DEFAULT_MAX_BLOCKS = 32768
 
@@ -132,6 +138,16 @@ class Worker:
         # runs it is decided once, for all ranks, at load_model.
         self._kernels: KernelLibrary | None = None
         self.backend: CpuBackend | None = None
+        # Seconds spent in each part of the start: kernels, weights, kv_pool.
+        self.startup: dict[str, float] = {}
+        # The KV pool's background prefault (attention.prefault_in_background), if running.
+        self._prefault = None
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.startup[name] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ control plane
 
@@ -143,7 +159,8 @@ class Worker:
             1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
         torch.set_num_threads(self.num_threads)
         if self.device.type == "cpu":
-            self._start_kernels()
+            with self._phase("kernels"):
+                self._start_kernels()
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
@@ -161,6 +178,9 @@ class Worker:
             return
         self._kernels = kernel_library(isa)
         self._kernels.start_build(spec.cache_dir, sync=spec.cpu_kernels == "sync")
+        if self._kernels.building and self.rank == 0:
+            progress.info("building the %s CPU kernels in the background (once per machine, "
+                          "about a minute); this engine serves on the torch backend", isa)
         if self._kernels.building and self.num_threads > 1:
             # A compiler now shares the cores. With an OpenMP thread on every core, the one it
             # preempts stalls the others at each barrier: one thread fewer until the build
@@ -197,11 +217,29 @@ class Worker:
                          self._kernels.isa, self._kernels.isa)
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
-        config, self.model = load_model(self.spec.model, self.dtype, self.device, self.backend)
+        with self._phase("weights"), self._load_threads():
+            config, self.model = load_model(self.spec.model, self.dtype, self.device,
+                                            self.backend)
+        if self.rank == 0:
+            progress.info("weights of %s (%s, %s backend) loaded in %.1f s",
+                          os.path.basename(os.path.normpath(self.spec.model)), self.spec.dtype,
+                          self.backend.name, self.startup["weights"])
         block_bytes = kv_cache_bytes_per_block(config, self.spec.tensor_parallel_size,
                                                self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
                          tuple(config.eos_token_ids), self.backend.describe(), block_bytes)
+
+    @contextlib.contextmanager
+    def _load_threads(self):
+        """A core less for torch while the weights load: the engine process loads its
+        tokenizer meanwhile, and loading runs many short torch ops, each of which waits at a
+        barrier for its slowest thread (a thread that shares its core stalls them all)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads - 1))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
@@ -216,14 +254,17 @@ class Worker:
             num_blocks = min(num_blocks, _CPU_DEFAULT_MAX_BLOCKS)
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                             f"{per_block} bytes; give it more memory")
+                             f"{per_block} bytes, and an engine needs 2 at least; set "
+                             f"kv_cache_memory_bytes={2 * per_block} or more")
         return int(num_blocks)
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
             return self._profile_cuda_budget()
+        # The engine's whole pool, split between its ranks (each holds its heads' share of a
+        # block): the same tokens at any TP size, where ranks share a node's memory.
         available = _available_memory_bytes()
-        return min(_CPU_DEFAULT_KV_BYTES, available // 5)
+        return min(_CPU_DEFAULT_KV_BYTES, available // 5) // self.spec.tensor_parallel_size
 
     def _profile_cuda_budget(self) -> int:
         """Free memory times utilisation, less the peak a max-size forward needs."""
@@ -252,14 +293,24 @@ class Worker:
     def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
         """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
         knows the copy bandwidth: it is not measured again."""
-        self.runner = self._make_runner(num_blocks)
+        with self._phase("kv_pool"):
+            self.runner = self._make_runner(num_blocks)
+            report = self._make_tiers(known)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
-        return self._make_tiers(known)
+        if self.rank == 0:
+            per_block = kv_cache_bytes_per_block(self.model.config,
+                                                 self.spec.tensor_parallel_size,
+                                                 self.spec.block_size, self.dtype)
+            progress.info("KV pool of %d blocks x %d tokens (%.2f GiB per rank) in %.1f s",
+                          num_blocks, self.spec.block_size, num_blocks * per_block / 2**30,
+                          self.startup["kv_pool"])
+        return report
 
     def reset(self, num_blocks: int) -> TierReport:
         """A fresh runner (input batch, KV pool) and tiers, as a new rank would start them, for
         an engine whose step failed here; the weights stay loaded."""
+        self._stop_prefault()
         if self.runner is not None and self.runner.tiers is not None:
             self.runner.tiers.close()
         self.runner = None  # the old pool goes before the new one is allocated
@@ -268,7 +319,9 @@ class Worker:
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.model.config
         kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, self.spec.block_size,
-                               self.model.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device)
+                               self.model.kv_heads_per_rank, cfg.head_dim, self.dtype,
+                               self.device, prefault=False)
+        self._prefault = prefault_in_background(kv)
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
@@ -314,7 +367,13 @@ class Worker:
         process of its own replaces this to exit at once."""
         raise RuntimeError(reason)
 
+    def _stop_prefault(self) -> None:
+        if self._prefault is not None:  # it writes to the pool's pages: end it first
+            self._prefault.stop()
+            self._prefault = None
+
     def shutdown(self) -> None:
+        self._stop_prefault()
         if self.runner is not None:
             self.runner.tiers.close()
         self.runner = None

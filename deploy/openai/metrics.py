@@ -1,5 +1,16 @@
-"""Prometheus metrics: the engine's gauges and counters (read from its stats at each scrape)
-and the server's own counters and latency histograms."""
+"""Prometheus metrics, every series present (zero) from the first scrape, whether or not its
+feature is on, each saying what it counts and whose:
+
+- the engine's (read from its stats at each scrape): gauges of its state and counters of
+  everything it served, every client of a deployment included (other servers, `tierserve
+  generate --name`, Python clients); a replicated deployment's per replica;
+- this server's: its requests' tokens and outcomes by tenant, its refusals, and the latencies
+  its clients saw.
+
+So behind `--name` a counter counts the same thing as in front of an engine of its own: a
+prefix hit rate of this server's requests is prompt_cached_tokens / prompt_tokens, the engine's
+prefix_cache_hits / prefix_cache_queries.
+"""
 from __future__ import annotations
 
 import time
@@ -7,15 +18,21 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["Metrics", "Tracker", "EngineCollector"]
+__all__ = ["Metrics", "Tracker", "EngineCollector", "FINISH_REASONS", "REFUSED_STATUSES"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# The statuses a request can be refused with (each series starts at zero).
+REFUSED_STATUSES = ("400", "401", "404", "405", "413", "422", "429", "500", "503")
+CACHED_TIERS = ("device", "cpu")
+_ENGINE = " (the engine: every client of a deployment)"
+_SERVER = " (this server's requests)"
 
 
 class EngineCollector:
-    """Gauges and counters read from the engine's stats, fetched once per scrape. A replicated
-    deployment's come per replica, with a `replica` label (sum them for the deployment), with
-    each replica's state and the router's own figures."""
+    """Gauges and counters read from the engine's stats, fetched once per scrape; a feature
+    that is off reads zero. A replicated deployment's come per replica, with a `replica` label
+    (sum them for the deployment), with each replica's state and the router's own figures."""
 
     def __init__(self) -> None:
         self.stats: dict = {}
@@ -55,32 +72,36 @@ def _engine_families(sources: list[tuple[tuple, dict]], labels: tuple):
             fam.add_metric(list(values), key(st) if callable(key) else st.get(key, 0))
         return fam
 
-    yield family("gauge", "num_requests_running", "requests in the running batch", "num_running")
-    yield family("gauge", "num_requests_waiting", "requests waiting for admission (or an SSD "
-                 "load)", lambda st: st.get("num_waiting", 0) + st.get("num_loading", 0))
+    yield family("gauge", "num_requests_running", "requests in the running batch" + _ENGINE,
+                 "num_running")
+    yield family("gauge", "num_requests_waiting", "requests waiting for admission or an SSD "
+                 "load" + _ENGINE, lambda st: st.get("num_waiting", 0) + st.get("num_loading", 0))
     usage = GaugeMetricFamily("tierserve:kv_cache_usage_perc",
-                              "share of each KV tier in use (1 = full)",
-                              labels=[*labels, "tier"])
+                              "share of each KV tier in use, 1 = full; 0 for a tier that is off"
+                              + _ENGINE, labels=[*labels, "tier"])
     for values, st in sources:
         usage.add_metric([*values, "device"], st.get("kv_usage", 0.0))
         for tier in ("cpu", "ssd"):
-            if f"{tier}_tier_usage" in st:
-                usage.add_metric([*values, tier], st[f"{tier}_tier_usage"])
+            usage.add_metric([*values, tier], st.get(f"{tier}_tier_usage", 0.0))
     yield usage
-    yield family("gauge", "kv_cache_free_blocks", "device KV blocks no request holds (cached "
-                 "ones included)", "num_free_blocks")
-    yield family("gauge", "kv_cache_total_blocks", "device KV blocks in the pool",
+    yield family("gauge", "kv_cache_free_blocks", "device KV blocks no request holds, cached "
+                 "ones included" + _ENGINE, "num_free_blocks")
+    yield family("gauge", "kv_cache_total_blocks", "device KV blocks in the pool" + _ENGINE,
                  "num_total_blocks")
     yield family("counter", "prefix_cache_queries", "prompt tokens looked up in the prefix "
-                 "cache", "prefix_cache_queried_tokens")
-    yield family("counter", "prefix_cache_hits", "prompt tokens served from the prefix cache",
-                 "prefix_cache_hit_tokens")
-    yield family("counter", "num_preemptions", "requests preempted", "num_preemptions")
-    for name in ("promotions", "demotions", "loads", "spills"):
-        if any(f"tier_{name}" in st for _, st in sources):
-            yield family("counter", f"kv_tier_{name}", f"KV tier block {name}", f"tier_{name}")
+                 "cache" + _ENGINE, "prefix_cache_queried_tokens")
+    yield family("counter", "prefix_cache_hits", "prompt tokens served from the prefix cache"
+                 + _ENGINE, "prefix_cache_hit_tokens")
+    yield family("counter", "num_preemptions", "times a running request was preempted"
+                 + _ENGINE, "num_preemptions")
+    for name, what in (("promotions", "blocks copied from the CPU tier into the pool"),
+                       ("demotions", "blocks copied from the pool into the CPU tier"),
+                       ("loads", "blocks read from the SSD tier into the CPU tier"),
+                       ("spills", "blocks written from the CPU tier to the SSD tier")):
+        yield family("counter", f"kv_tier_{name}", what + "; 0 without tiers" + _ENGINE,
+                     f"tier_{name}")
     yield family("counter", "worker_restarts", "times the engine rebuilt lost workers (a rank "
-                 "died or a step hung) and re-admitted their requests", "restarts")
+                 "died or a step hung) and re-admitted their requests" + _ENGINE, "restarts")
     if not labels:
         yield family("gauge", "engine_dead", "1 once the engine cannot serve",
                      lambda st: int(bool(st.get("dead"))))
@@ -95,31 +116,46 @@ def _counter(name: str, doc: str, value) -> CounterMetricFamily:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """`tenants`: the tenant label's values (the API keys' tenants; "" without keys), whose
+    series start at zero."""
+
+    def __init__(self, tenants: tuple[str, ...] = ("",)) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.engine = EngineCollector()
         r.register(self.engine)
-        self.ttft = Histogram("tierserve:time_to_first_token_seconds", "time to first token",
+        self.ttft = Histogram("tierserve:time_to_first_token_seconds", "seconds from a "
+                              "request's arrival to its first token" + _SERVER,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tierserve:inter_token_latency_seconds",
-                             "time between a request's tokens", buckets=_LATENCY_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram("tierserve:e2e_request_latency_seconds", "request latency",
+                             "seconds between two of a request's outputs" + _SERVER,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tierserve:e2e_request_latency_seconds", "seconds from a "
+                             "request's arrival to its last token" + _SERVER,
                              buckets=_LATENCY_BUCKETS, registry=r)
         # The tenant label is the API key's tenant ("" without keys).
-        self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens", ["tenant"],
-                                     registry=r)
+        self.prompt_tokens = Counter("tierserve:prompt_tokens", "prompt tokens" + _SERVER,
+                                     ["tenant"], registry=r)
         self.cached_tokens = Counter("tierserve:prompt_cached_tokens", "prompt tokens served "
                                      "from the prefix cache, by the tier that held them (cpu: "
-                                     "the CPU tier, loaded there from SSD or demoted there)",
-                                     ["tenant", "tier"], registry=r)
-        self.generation_tokens = Counter("tierserve:generation_tokens", "generated tokens",
-                                         ["tenant"], registry=r)
-        self.finished = Counter("tierserve:request_success", "finished requests",
+                                     "the CPU tier, loaded there from SSD or demoted there)"
+                                     + _SERVER, ["tenant", "tier"], registry=r)
+        self.generation_tokens = Counter("tierserve:generation_tokens", "generated tokens"
+                                         + _SERVER, ["tenant"], registry=r)
+        self.finished = Counter("tierserve:request_success", "finished sequences (a request "
+                                "with n samples finishes n) by finish reason" + _SERVER,
                                 ["finished_reason", "tenant"], registry=r)
         self.refused = Counter("tierserve:requests_refused", "requests answered with an error "
-                               "status", ["status", "tenant"], registry=r)
+                               "status" + _SERVER, ["status", "tenant"], registry=r)
+        for tenant in tenants:
+            self.prompt_tokens.labels(tenant)
+            self.generation_tokens.labels(tenant)
+            for tier in CACHED_TIERS:
+                self.cached_tokens.labels(tenant, tier)
+            for reason in FINISH_REASONS:
+                self.finished.labels(reason, tenant)
+            for status in REFUSED_STATUSES:
+                self.refused.labels(status, tenant)
 
 
 class Tracker:

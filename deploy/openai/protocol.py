@@ -115,9 +115,13 @@ class DetokenizeRequest(BaseModel):
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest,
-                    tools: ToolPlan | None = None, encode=None) -> SamplingParams:
+                    tools: ToolPlan | None = None, encode=None,
+                    defaults: dict | None = None) -> SamplingParams:
     """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve.
-    `encode` (text -> token ids, no special tokens) tokenizes bad_words."""
+    `encode` (text -> token ids, no special tokens) tokenizes bad_words. A field the body
+    leaves out takes the engine's generation defaults (its info()["generation_defaults"]),
+    else vLLM's."""
+    defaults = defaults or {}
     _refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -127,17 +131,20 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
             raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")  # None: the rest of the context
     if not 1 <= req.n <= MAX_N:
         raise BadField("n", f"n must be in [1, {MAX_N}], got {req.n}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     fields = dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0, max_tokens=max_tokens, stop=stop,
+        temperature=_given(req.temperature, defaults, "temperature", 1.0),
+        top_p=_given(req.top_p, defaults, "top_p", 1.0),
+        top_k=_given(req.top_k, defaults, "top_k", 0),
+        min_p=_given(req.min_p, defaults, "min_p", 0.0), max_tokens=max_tokens, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_given(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
         logprobs=logprobs, n=req.n, structured_outputs=structured_of(req, tools),
         min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
@@ -153,6 +160,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         elif name == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
             name = "max_completion_tokens"
         raise BadField(name, str(e).replace("SamplingParams.", "")) from None
+
+
+def _given(value, defaults: dict, name: str, fallback):
+    """The body's value; else the generation defaults'; else vLLM's."""
+    return value if value is not None else defaults.get(name, fallback)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -52,11 +52,15 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = Metrics()
+        # "": requests without a tenant (no keys, or refused before authentication).
+        self.metrics = Metrics(("",) + (tuple(config.keys.tenants) if config.keys is not None
+                                        else ()))
         self.admission = Admission(config.max_queued_requests)
         self.created = int(time.time())
         info = engine.info()
         self.max_model_len, self.vocab_size = info.get("max_model_len"), info.get("vocab_size")
+        # What a body's unset sampling fields take (the model's generation config).
+        self.generation_defaults = info.get("generation_defaults") or {}
         tok = self.tokenizer = engine.tokenizer
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
@@ -82,7 +86,7 @@ class OpenAIServer:
                        echo: list[str] | None = None):
         """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
         text, which its choices begin with."""
-        params = sampling_params(body, tools, self._encode)
+        params = sampling_params(body, tools, self._encode, self.generation_defaults)
         if tenant is not None:
             tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
