@@ -105,7 +105,7 @@ class BlockPool:
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash],
                           keys: Sequence[bytes] | None, start: int, end: int) -> None:
         """Gives blocks[start:end] their hashes and enters them in the map."""
-        cached = self._cached
+        cached, events = self._cached, self.events
         for i in range(start, end):
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
@@ -116,6 +116,8 @@ class BlockPool:
                 self._insert(block)
             else:
                 cached[block_hash] = block
+                if events is not None:
+                    events.stored(KVTier.DEVICE, block_hash)
 
     def get_new_blocks(self, n: int, tenant: str | None = None) -> list[KVCacheBlock]:
         """n blocks for `tenant`'s request, evicting cached ones lazily: from the queue head
@@ -133,12 +135,14 @@ class BlockPool:
                 for block in blocks:
                     self._claim(block, tenant)
                 return blocks
-            cached = self._cached
+            cached, events = self._cached, self.events
             for block in blocks:  # _claim, inlined: one call less per block
                 block_hash = block.block_hash
                 if block_hash is not None:
                     if self.on_evict is None and cached.get(block_hash) is block:
                         del cached[block_hash]  # _evict's common case
+                        if events is not None:
+                            events.removed(KVTier.DEVICE, block_hash)
                         block.block_hash = block.hash_key = None
                         self.num_evictions += 1
                     else:

@@ -196,7 +196,8 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
                           json.dumps(GREEDY), str(tmp_path / "ssd")], env=_env(ray_tmp),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = json.loads(next(line for line in reversed(run.stdout.splitlines())
+                          if line.startswith("{")))
     # One replica per node.
     assert len(set(out["nodes"])) == 2
     # Greedy tokens equal a single engine's, streamed or in one synchronous batch.
