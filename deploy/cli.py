@@ -269,7 +269,7 @@ def _print_replicas(stats: dict) -> None:
 
 def cmd_abort(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import connect
-    if args.request_id in connect(args.name, args.namespace).engine.abort_now([args.request_id]):
+    if connect(args.name, args.namespace).engine.abort_now([args.request_id]):
         print(f"aborted {args.request_id!r}")
         return 0
     print(f"no unfinished request {args.request_id!r} in {args.name!r}", file=sys.stderr)

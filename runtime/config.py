@@ -131,7 +131,7 @@ class EngineConfig:
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(
         None, "schedule each step while the step before runs (the workers feed it the "
-        "tokens they sampled), so scheduling, detokenizing and the data plane's round trip "
+        "tokens they sampled), so scheduling and the data plane's round trip "
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
