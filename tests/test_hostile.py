@@ -8,16 +8,20 @@ tests/test_http_hostile.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import stat
 import threading
 import time
 
+import httpx
 import pytest
 
 import tierserve
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.test_http_hostile import Server
 from tierserve import LLM, AsyncLLM, SamplingParams
 from tierserve.runtime.config import EngineConfig
 
@@ -252,3 +256,76 @@ def test_a_stopped_engine_is_noticed_and_a_short_stop_is_survived(deployment):
     again = asyncio.run(scenario())
     assert again[-1].error is None and sum(len(d.outputs[0].token_ids) for d in again) == 8
     _idle(deployment)
+
+
+# ---------------------------------------------------------------- the HTTP server on Ray
+
+
+def test_over_http_a_duplicate_id_is_409_and_a_stopped_engine_503_at_once(deployment):
+    """Findings 1 and 2 through the HTTP server in front of the deployment: client B posting
+    client A's request_id gets 409 (OpenAI's JSON, nothing of Ray in it) and A's stream goes
+    on to its end; with the engine's process stopped, /health answers 503 "engine
+    unresponsive" within 2 s and /metrics its last values with their age."""
+    pid = deployment.info()["pid"]
+    with Server(tierserve.connect("hostile", namespace=NS)) as srv:
+        url = srv.base + "/v1/completions"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 80, "stream": True,
+                "ignore_eos": True, "temperature": 0, "request_id": "victim"}
+        with httpx.stream("POST", url, json=body, timeout=60) as a:
+            lines = a.iter_lines()
+            assert next(lines).startswith("data: {")
+            b = httpx.post(url, json=dict(body, stream=False, max_tokens=2), timeout=60)
+            assert b.status_code == 409, b.text
+            err = b.json()["error"]
+            assert err["type"] == "ConflictError" and "victim" in err["message"]
+            chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
+        httpx.get(srv.base + "/metrics", timeout=10)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = httpx.get(srv.base + "/health", timeout=10)
+            assert time.monotonic() - t0 < 2.0
+            assert r.status_code == 503 and "engine unresponsive" in r.json()["error"]["message"]
+            t0 = time.monotonic()
+            text = httpx.get(srv.base + "/metrics", timeout=10).text
+            assert time.monotonic() - t0 < 2.0
+            age = [float(x.split()[-1]) for x in text.splitlines()
+                   if x.startswith("tierserve:engine_stats_age_seconds")]
+            assert age and age[0] > 0.5 and "tierserve:kv_cache_total_blocks" in text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.base + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    _idle(deployment)
+
+
+def test_error_bodies_carry_no_traceback_pid_address_or_actor_id(deployment, caplog):
+    """Finding 1's 500: once the engine actor is gone, every error body (a stream's error
+    event, a new request's 503, /health) says so in words of ours with a correlation id that
+    the server's log carries; no traceback, pid, address or actor id. Runs last: it kills the
+    module's deployment."""
+    import ray
+    leaks = re.compile(r"Traceback|pid=\d|\b\d{1,3}(\.\d{1,3}){3}\b|actor_id|[0-9a-f]{24,}|"
+                       r"\x1b\[")
+    with Server(tierserve.connect("hostile", namespace=NS)) as srv:
+        url = srv.base + "/v1/completions"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100000, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", url, json=body, timeout=60) as a:
+            lines = a.iter_lines()
+            assert next(lines).startswith("data: {")
+            ray.kill(deployment.engine.actor, no_restart=True)
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        failure = events[-1]["error"]
+        r = httpx.post(url, json=dict(body, stream=False, max_tokens=2), timeout=60)
+        health = httpx.get(srv.base + "/health", timeout=10)
+        assert r.status_code == health.status_code == 503
+        for message in (failure["message"], r.json()["error"]["message"],
+                        health.json()["error"]["message"]):
+            assert not leaks.search(message), message
+        cid = re.search(r"correlation id (\w+)", failure["message"]).group(1)
+        assert any(cid in rec.getMessage() for rec in caplog.records)
