@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineDeadError", "connect", "serve", "stop", "analyze"]
+           "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
+           "stop", "analyze"]
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -16,6 +17,7 @@ _EXPORTS = {
     "LLM": "tierserve.runtime.llm",
     "AsyncLLM": "tierserve.runtime.client",
     "connect": "tierserve.runtime.client",
+    "DuplicateRequestError": "tierserve.runtime.client",
     "EngineConfig": "tierserve.runtime.config",
     "EngineDeadError": "tierserve.runtime.errors",
     "CompletionOutput": "tierserve.runtime.outputs",

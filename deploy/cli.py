@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "name)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
+    api.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="a request head must arrive whole within this long, else 408 "
+                          "(default: 10)")
+    api.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="a request body must arrive whole within this long, else 408 "
+                          "(default: 30)")
+    api.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
+                     help="open connections one client address may hold; more are answered "
+                          "429 (default: 256)")
     keys = api.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1 (one tenant, "
@@ -278,6 +287,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_api_server(args: argparse.Namespace) -> int:
     from tierserve.deploy.openai import KeyTable, ServerConfig, serve_http
+    from tierserve.deploy.openai.connections import ConnectionLimits
     from tierserve.runtime.client import AsyncLLM
     keys = KeyTable.single(args.api_key) if args.api_key else \
         KeyTable.from_file(args.api_keys_file) if args.api_keys_file else None
@@ -292,7 +302,10 @@ def cmd_api_server(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or
                               model_name(info.get("model")),
                               max_queued_requests=info["max_queued_requests"],
-                              max_body_bytes=args.max_body_bytes, keys=keys)
+                              max_body_bytes=args.max_body_bytes, keys=keys,
+                              body_timeout_s=args.body_timeout,
+                              connections=ConnectionLimits(args.header_timeout,
+                                                           args.max_connections_per_client))
         print(f"tierserve: serving {config.served_model_name!r} on "
               f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         serve_http(engine, config, args.host, args.port)
@@ -355,7 +368,7 @@ def _print_replicas(stats: dict) -> None:
 
 def cmd_abort(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import connect
-    if args.request_id in connect(args.name, args.namespace).engine.abort_now([args.request_id]):
+    if connect(args.name, args.namespace).engine.abort_now([args.request_id]):
         print(f"aborted {args.request_id!r}")
         return 0
     print(f"no unfinished request {args.request_id!r} in {args.name!r}", file=sys.stderr)

@@ -19,6 +19,8 @@ from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutputs, 
 
 __all__ = ["EngineActor"]
 
+# The owner of requests no caller can name (a call without an owner token aborts nothing).
+_NOBODY = object()
 # How often `watch` looks at the engine's health.
 _WATCH_POLL_S = 0.25
 
@@ -43,18 +45,32 @@ class EngineActor:
             self.engine.set_kv_event_sink(self._publisher.put)
         self._stopping = False
 
-    async def generate(self, requests: list[EngineCoreRequest]):
+    async def generate(self, requests: list[EngineCoreRequest], owner: str | None = None):
         """Streams msgspec-encoded EngineCoreOutputs batches until every request finished. The
-        requests are leased: the client renews them while it streams (`renew`)."""
-        async for batch in self.engine.generate(requests, lease_s=CLIENT_LEASE_S):
+        requests are leased: the client renews them while it streams (`renew`); `owner` is the
+        client's token, which its aborts and stops carry."""
+        async for batch in self.engine.generate(requests, lease_s=CLIENT_LEASE_S,
+                                                owner=owner):
             yield self._codec.encode(EngineCoreOutputs(batch))
 
-    async def renew(self, request_ids: list[str]) -> None:
+    async def renew(self, request_ids: list[str]) -> bool:
+        """Renews the leases; answering at all tells the client the engine is alive."""
         self.engine.renew(request_ids)
+        return True
 
-    async def abort(self, request_ids: list[str]) -> list[str]:
-        """Aborts the requests; returns those that were running or waiting."""
-        return await asyncio.wrap_future(self.engine.abort(request_ids))
+    async def abort(self, request_ids: list[str], owner: str | None = None) -> list[str]:
+        """Aborts those of the requests `owner` started; returns those that were running or
+        waiting."""
+        return await asyncio.wrap_future(self.engine.abort(request_ids, owner or _NOBODY))
+
+    async def stop(self, seqs: list[tuple[str, int]], owner: str | None = None) -> None:
+        """Finishes samples a stop string ended, of requests `owner` started."""
+        self.engine.stop([tuple(s) for s in seqs], owner or _NOBODY)
+
+    async def abort_named(self, names: list[str]) -> list[str]:
+        """The operator's abort (`tierserve abort`): requests named by engine id or label,
+        whoever started them."""
+        return await asyncio.wrap_future(self.engine.abort_named(names))
 
     async def list_requests(self) -> list[dict]:
         return await asyncio.wrap_future(self.engine.run_on_loop(

@@ -415,12 +415,14 @@ class RayExecutor:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EngineDeadError(f"step {sent.step_id} exceeded the "
-                                      f"{self.step_timeout_s:.0f} s step timeout; a worker is "
-                                      f"stuck")
-            got = self._plane.recv(min(remaining, _LIVENESS_POLL_S))
+            # Past the deadline, one last look: a reply that came while this process itself
+            # was stopped (SIGSTOP, a pause) is not a stuck worker's.
+            got = self._plane.recv(min(max(remaining, 0.0), _LIVENESS_POLL_S))
             if got is None:
+                if remaining <= 0:
+                    raise EngineDeadError(f"step {sent.step_id} exceeded the "
+                                          f"{self.step_timeout_s:.0f} s step timeout; a worker "
+                                          f"is stuck")
                 self._check_alive()
                 continue
             reply, sender = got
@@ -455,8 +457,9 @@ class RayExecutor:
             ray.get(done[0])
             reason = "a worker loop exited"
         except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else repr(e)  # Ray's are many lines
-            reason = f"{type(e).__name__}: {first}"
+            # Ray's text names pids, addresses and actor ids: the log has it, clients do not.
+            log.error("worker rank %d died: %s", self._loops.index(done[0]), e)
+            reason = type(e).__name__
         rank = self._loops.index(done[0])
         raise EngineDeadError(f"worker rank {rank} died: {reason}")
 

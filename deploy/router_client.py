@@ -1,8 +1,11 @@
 """The client side of a replicated deployment: an engine client for `LLM` and `AsyncLLM`.
 
-Per call it tokenizes the prompts (here, off every engine's step loop: the router hashes token
-ids), asks the router (deploy/router.py) for a replica per request in one actor call, and
-streams each replica's outputs straight from that replica: no token passes through the router.
+Requests arrive as token ids (the frontend's InputProcessor tokenized them, off every engine's
+step loop: the router hashes token ids). Per call it asks the router (deploy/router.py) for a
+replica per request in one actor call, and streams each replica's outputs straight from that
+replica: no token passes through the router. Its requests carry an owner token of its own, so
+its aborts and stops reach only what it started; a replica silent for the step timeout (its
+process stopped or hung) counts as failed.
 
 A request whose replica dies mid-stream (its actor fails, or its engine reports itself dead)
 goes on elsewhere as a continuation: the prompt plus every token already streamed, the
@@ -17,8 +20,8 @@ the replica).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -28,11 +31,12 @@ import msgspec
 import ray
 
 from tierserve.deploy.routing import RouteQuery
+from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S
 from tierserve.runtime.engine_core import load_model_tokenizer, rejection
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
-from tierserve.runtime.requests import check_request, token_ids
+from tierserve.runtime.requests import check_request
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason
 
@@ -79,8 +83,7 @@ class _Tracked:
         """What is left of it, as requests to route again."""
         req, params = self.request, self.request.sampling_params
         if not any(self.tokens.values()) and not self.finished:  # nothing streamed yet
-            return [msgspec.structs.replace(req, prompt=None, messages=None,
-                                            prompt_token_ids=self.prompt_ids)]
+            return [msgspec.structs.replace(req, prompt_token_ids=self.prompt_ids)]
         out = []
         for index in range(self.n):
             if index in self.finished:
@@ -96,7 +99,8 @@ class _Tracked:
                 min_tokens=max(0, params.min_tokens - len(streamed)))
             rid = req.req_id if self.n == 1 else f"{req.req_id}{_CONT_SEP}{index}"
             out.append(EngineCoreRequest(rid, sample, prompt_token_ids=self.prompt_ids + streamed,
-                                         priority=req.priority, cache_salt=req.cache_salt))
+                                         priority=req.priority, cache_salt=req.cache_salt,
+                                         label=req.label))
         return out
 
 
@@ -110,6 +114,7 @@ class _Call:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.legs: set[asyncio.Task] = set()
         self.left = 0  # caller requests not finished
+        self.actors: dict[str, object] = {}  # engine id -> the replica actor serving it
 
     def owner(self, o: EngineCoreOutput) -> tuple[_Tracked, int]:
         rid, sep, index = o.req_id.partition(_CONT_SEP)
@@ -170,10 +175,12 @@ class RouterClient:
         self._codec = ClientChannelCodec()
         self._tokenizer = None
         self._loop: _LoopThread | None = None
-        self._ids = itertools.count()
+        self._owner = os.urandom(8).hex()
+        self._calls: dict[str, _Call] = {}  # caller request id -> its call
         info = self.info()
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
+        self.step_timeout_s = info.get("step_timeout_s", 60.0)
         self._tokenizer_path = info["tokenizer_path"]
 
     def __reduce__(self):
@@ -184,22 +191,6 @@ class RouterClient:
         if self._tokenizer is None:
             self._tokenizer = load_model_tokenizer(self._tokenizer_path)
         return self._tokenizer
-
-    def prompt_ids(self, request: EngineCoreRequest) -> list[int]:
-        """The prompt's token ids, computed here; ValueError for bad input."""
-        check_request(request)
-        if request.prompt_token_ids is not None:
-            return token_ids(request.prompt_token_ids)
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
-        try:
-            if request.messages is not None:
-                return self.tokenizer.apply_chat_template(request.messages)
-            return self.tokenizer.encode(request.prompt)
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ streaming
 
@@ -213,10 +204,12 @@ class RouterClient:
             if r.req_id in call.tracked:
                 raise ValueError(f"request id {r.req_id!r} is used twice in one call")
             try:
-                call.tracked[r.req_id] = _Tracked(r, self.prompt_ids(r))
+                call.tracked[r.req_id] = _Tracked(r, check_request(r))
             except Exception as e:
                 rejected.append(rejection(r, e))
         call.left = len(call.tracked)
+        for rid in call.tracked:
+            self._calls[rid] = call
         if rejected:
             yield rejected
         try:
@@ -231,6 +224,8 @@ class RouterClient:
                 leg.cancel()
             if call.legs:
                 await asyncio.gather(*call.legs, return_exceptions=True)
+            for rid in call.tracked:
+                self._calls.pop(rid, None)
 
     async def _dispatch(self, call: _Call,
                         work: list[tuple[_Tracked, list[EngineCoreRequest]]]) -> None:
@@ -252,6 +247,7 @@ class RouterClient:
             legs.setdefault((replica, generation), (actor, []))[1].append(r)
         loop = asyncio.get_running_loop()
         for (replica, generation), (actor, ereqs) in legs.items():
+            call.actors.update((r.req_id, actor) for r in ereqs)
             task = loop.create_task(self._leg(call, replica, generation, actor, ereqs))
             call.legs.add(task)
             task.add_done_callback(call.legs.discard)
@@ -260,13 +256,19 @@ class RouterClient:
                    ereqs: list[EngineCoreRequest]) -> None:
         """Streams these requests from one replica; what its failure leaves unfinished is
         continued elsewhere."""
-        stream = actor.generate.options(num_returns="streaming").remote(ereqs)
+        stream = actor.generate.options(num_returns="streaming").remote(ereqs, self._owner)
         left = Outstanding(ereqs)
-        beat = asyncio.get_running_loop().create_task(_heartbeat(actor, left))
+        alive = Liveness(self.step_timeout_s)
+        beat = asyncio.get_running_loop().create_task(_heartbeat(actor, left, alive))
         failure, again = None, []
         try:
-            async for ref in stream:
+            while True:
+                try:
+                    ref = await next_or_dead(stream, alive)
+                except StopAsyncIteration:
+                    break
                 batch = self._codec.decode(await ref).outputs
+                alive.beat()
                 left.update(batch)
                 forward, retry = call.translate(batch, replica)
                 again += retry
@@ -275,10 +277,13 @@ class RouterClient:
         except asyncio.CancelledError:  # the caller left: free the replica's blocks now
             if left:
                 ray.cancel(stream)
-                actor.abort.remote(list(left))
+                actor.abort.remote(list(left), self._owner)
             raise
-        except Exception as e:  # the replica's actor died, or its engine refused
+        except Exception as e:  # the replica's actor died or went silent, or its engine refused
             failure = _reason(e)
+            if left:
+                ray.cancel(stream)
+                actor.abort.remote(list(left), self._owner)
         finally:
             beat.cancel()
         if failure is not None:
@@ -323,13 +328,35 @@ class RouterClient:
     # ------------------------------------------------------------------ control
 
     def abort(self, request_ids: list[str]) -> None:
-        for actor in self._actors():
-            actor.abort.remote(list(request_ids))
+        """Aborts requests this client started, on the replicas serving them."""
+        for rid in request_ids:
+            call = self._calls.get(rid)
+            if call is None:
+                continue
+            for eid, actor in call.actors.items():
+                if eid.partition(_CONT_SEP)[0] == rid:
+                    actor.abort.remote([eid], self._owner)
 
-    def abort_now(self, request_ids: list[str]) -> list[str]:
-        refs = [a.abort.remote(list(request_ids)) for a in self._actors()]
+    def stop(self, seqs: list[tuple[str, int]]) -> None:
+        """Finishes samples a stop string ended, on the replica serving each (a sample that
+        continued elsewhere alone runs as its own request there, sample 0)."""
+        for rid, index in seqs:
+            call = self._calls.get(rid)
+            if call is None:
+                continue
+            own = f"{rid}{_CONT_SEP}{index}"
+            eid, eindex = (own, 0) if own in call.actors else (rid, index)
+            actor = call.actors.get(eid)
+            if actor is not None:
+                actor.stop.remote([(eid, eindex)], self._owner)
+
+    stop_sequences = stop
+
+    def abort_now(self, names: list[str]) -> list[str]:
+        """The operator's abort, on every replica: requests named by engine id or label."""
+        refs = [a.abort_named.remote(list(names)) for a in self._actors()]
         found = []
-        for got in ray.get(refs):
+        for got in ray.get(refs, timeout=60):
             found += got
         return list(dict.fromkeys(found))
 
@@ -342,11 +369,17 @@ class RouterClient:
     def stats(self) -> dict:
         return _get(self.router.stats.remote())
 
+    async def stats_async(self) -> dict:
+        return await _get_async(self.router.stats.remote())
+
     def info(self) -> dict:
         return _get(self.router.info.remote())
 
     def health(self) -> bool:
-        return _get(self.router.health.remote(), timeout=30)
+        return _get(self.router.health.remote())
+
+    async def health_async(self) -> bool:
+        return await _get_async(self.router.health.remote())
 
     def reset_prefix_cache(self) -> bool:
         return _get(self.router.reset_prefix_cache.remote())
@@ -372,12 +405,12 @@ class RouterClient:
         self.router = None
 
 
-async def _heartbeat(actor, pending: Outstanding) -> None:
-    """Renews the leases of a leg's unfinished requests while it streams."""
+async def _heartbeat(actor, pending: Outstanding, alive: Liveness) -> None:
+    """Renews the leases of a leg's unfinished requests while it streams; each answer shows
+    the replica alive."""
     while True:
         await asyncio.sleep(HEARTBEAT_S)
-        if pending:
-            actor.renew.remote(list(pending))
+        alive.watch(actor.renew.remote(list(pending)))
 
 
 def _reason(e: BaseException) -> str:
@@ -385,16 +418,38 @@ def _reason(e: BaseException) -> str:
     return f"{type(cause or e).__name__}: {cause or e}"
 
 
-def _get(ref, timeout: float | None = None):
+# A call to the router waits this long at most (it answers, or asks every replica within 30 s).
+_CALL_TIMEOUT_S = 60.0
+
+
+def _get(ref):
     try:
-        return ray.get(ref, timeout=timeout)
-    except ray.exceptions.RayActorError as e:
-        raise EngineDeadError(f"the router is gone: {e}") from e
+        return ray.get(ref, timeout=_CALL_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError as e:
-        raise EngineDeadError(f"the router does not answer: {e}") from e
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if isinstance(e.cause, BaseException) else e
-        raise cause from e
+        raise EngineDeadError(f"the router did not answer in {_CALL_TIMEOUT_S:.0f} s") from e
+    except ray.exceptions.RayError as e:
+        raise _router_error(e) from e
+
+
+async def _get_async(ref):
+    """_get without a thread, for an event loop (its caller may set a shorter deadline)."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), _CALL_TIMEOUT_S)
+    except ray.exceptions.RayError as e:
+        raise _router_error(e) from e
+
+
+def _router_error(e: BaseException) -> Exception:
+    """The router's own exception (EngineDeadError, ValueError: messages of ours), or one
+    saying it is gone; Ray's text (pids, addresses, actor ids) goes to the log only."""
+    if isinstance(e, ray.exceptions.RayActorError):
+        log.warning("the router is gone: %s", e)
+        return EngineDeadError("the router is gone")
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, (EngineDeadError, ValueError)):
+        return (EngineDeadError if isinstance(cause, EngineDeadError) else ValueError)(str(cause))
+    log.error("the router failed a call", exc_info=e)
+    return RuntimeError(f"the router failed the call ({type(cause or e).__name__})")
 
 
 class _LoopThread:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
@@ -129,7 +131,7 @@ class EngineConfig:
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(
         None, "schedule each step while the step before runs (the workers feed it the "
-        "tokens they sampled), so scheduling, detokenizing and the data plane's round trip "
+        "tokens they sampled), so scheduling and the data plane's round trip "
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
@@ -149,9 +151,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
-        if self.kv_offload_ssd_path is not None and self.kv_offload_cpu_bytes == 0:
-            raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through it "
-                             "(set kv_offload_cpu_bytes)")
+        if self.kv_offload_ssd_path is not None:
+            if self.kv_offload_cpu_bytes == 0:
+                raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through "
+                                 "it (set kv_offload_cpu_bytes)")
+            check_writable_folder("kv_offload_ssd_path", self.kv_offload_ssd_path)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -184,6 +188,29 @@ class EngineConfig:
         overlapping them measured faster; in-process the worker thread and the engine share
         the GIL, and it measured no faster (README, Scheduler and KV cache)."""
         return self.use_ray if self.async_scheduling is None else self.async_scheduling
+
+
+def check_writable_folder(option: str, path: str) -> None:
+    """A folder this process can write files in, or can create (its nearest existing parent
+    is a folder it can write in): ValueError naming the option otherwise. Checked where the
+    config is made, before any model loads; ranks on other nodes check their own again."""
+    if not path:
+        raise ValueError(f"{option} must be a folder path, got {path!r} (leave it unset for "
+                         f"no SSD tier)")
+    path = os.path.abspath(os.path.expanduser(path))
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is" if probe == path else f"is under {probe!r}, which is"
+        raise ValueError(f"{option}: {path!r} {where} a file, not a folder")
+    try:  # the permission bits do not tell (root, read-only mounts, ACLs): try it
+        with tempfile.TemporaryFile(dir=probe, prefix=".tierserve-probe-"):
+            pass
+    except OSError as e:
+        where = "" if probe == path else f" (it would be made in {probe!r})"
+        raise ValueError(f"{option}: cannot write in {path!r}{where}: "
+                         f"{e.strerror or e}") from None
 
 
 def option_fields() -> tuple[dataclasses.Field, ...]:

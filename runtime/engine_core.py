@@ -1,8 +1,9 @@
 """EngineCore: owns every request; each step schedules, executes on the workers, updates.
 
-It also tokenizes prompts and detokenizes outputs (stop strings end a request here, at once,
-without a round trip to a client). The transport to the workers is injected: in-process for
-one device, Ray + ZMQ in deployment (deploy/); the EngineCore code is the same.
+It takes token ids and emits token ids: tokenizing, chat templates, detokenizing and stop
+strings are the client's (runtime/processor.py), so nothing a client sends makes a step wait
+on text work. The transport to the workers is injected: in-process for one device, Ray + ZMQ
+in deployment (deploy/); the EngineCore code is the same.
 """
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ from typing import Callable, Iterator
 from tierserve.kvcache import BlockHasher, KVCacheManager, KVEventRecorder, TierIndex, TierPolicy
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
-from tierserve.runtime.requests import check_request, token_ids
+from tierserve.runtime.requests import check_request
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
@@ -241,10 +241,12 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Prompt ids of requests that have produced no output yet (the first output carries them).
-        self._unannounced: dict[str, list[int]] = {}
-        # Prompt logprobs of requests not yet announced, gathered chunk by chunk.
+        # The caller's label of each unfinished request that has one (list_requests shows it).
+        self._labels: dict[str, str] = {}
+        # Outputs of sequences finished between steps (stop_sequences), for the next step.
+        self._staged: list[EngineCoreOutput] = []
+        # Prompt logprobs of requests that asked for them and have no output yet, gathered
+        # chunk by chunk; the first output carries them.
         self._prompt_logprobs: dict[str, list] = {}
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
@@ -335,42 +337,19 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize(self, request: EngineCoreRequest) -> list[int]:
-        """The prompt's token ids; a request check_request passed. A tokenizer or template
-        that fails on it is a ValueError for this request."""
-        if request.prompt_token_ids is not None:
-            return token_ids(request.prompt_token_ids)
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
-        try:
-            if request.messages is not None:
-                return self.tokenizer.apply_chat_template(request.messages)
-            return self.tokenizer.encode(request.prompt)
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
-
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
         self._requests_added += 1
-        check_request(request)
+        prompt_ids = check_request(request)
         params = request.sampling_params
-        prompt_ids = self.tokenize(request)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        rid = request.req_id
-        # Everything that can fail comes before the scheduler takes the request.
-        detoks = [] if self.tokenizer is None else [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
-                                   include_stop=params.include_stop_str_in_output)
-            for _ in range(params.n)]
-        self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
-                                   priority=request.priority, cache_salt=request.cache_salt)
-        for index, detok in enumerate(detoks):
-            self._detok[seq_id(rid, index)] = detok
-        self._unannounced[rid] = prompt_ids
+        self.scheduler.add_request(request.req_id, prompt_ids, params,
+                                   eos_token_id=self.eos_token_id, priority=request.priority,
+                                   cache_salt=request.cache_salt)
+        if request.label:
+            self._labels[request.req_id] = request.label
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.req_id] = []
         return prompt_ids
 
     def stream_batch(self, requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
@@ -407,6 +386,21 @@ class EngineCore:
         return [EngineCoreOutput(rid, finish_reason=FinishReason.ABORT, index=index)
                 for rid, index in done]
 
+    def stop_sequences(self, seqs) -> None:
+        """Finishes samples, given as (request id, sample index), that a client's stop string
+        ended; their finishing outputs come out of the next step."""
+        done = self.scheduler.finish_seqs([seq_id(rid, index) for rid, index in seqs],
+                                          RequestStatus.FINISHED_STOPPED)
+        self._forget(done)
+        self._staged += [EngineCoreOutput(rid, finish_reason=FinishReason.STOP, index=index)
+                         for rid, index in done]
+
+    def request_ids(self, names) -> list[str]:
+        """The unfinished requests named by engine id or label (an operator's view)."""
+        names = set(names)
+        return [rid for rid in dict.fromkeys(r.family_id for r in self.scheduler.requests.values())
+                if rid in names or self._labels.get(rid) in names]
+
     def has_request(self, request_id: str) -> bool:
         """Whether some sample of the request has not finished."""
         sched = self.scheduler
@@ -418,8 +412,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to serve, steps in flight to collect,
         or news for (or from) the workers."""
-        return bool(self._in_flight) or self.scheduler.has_unfinished_requests() or \
-            self.scheduler.has_pending_worker_updates()
+        return bool(self._in_flight or self._staged) or \
+            self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_worker_updates()
 
     # ------------------------------------------------------------------ one step
 
@@ -427,10 +421,11 @@ class EngineCore:
         """One step's outputs. An unexpected error anywhere in it kills the engine visibly:
         every request fails with the error, and every later call raises EngineDeadError."""
         self._check_alive()
+        staged, self._staged = self._staged, []
         try:
-            return self._step()
+            return staged + self._step()
         except Exception as e:
-            return self._failed(e)
+            return staged + self._failed(e)
 
     def _failed(self, error: Exception) -> list[EngineCoreOutput]:
         if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
@@ -558,14 +553,22 @@ class EngineCore:
         self._last_collect = now
         if reply.prompt_logprobs:
             for rid, lps in zip(out.scheduled_req_ids(), reply.prompt_logprobs):
-                if lps:
-                    self._prompt_logprobs.setdefault(rid, []).extend(lps)
+                if lps and rid in self._prompt_logprobs:  # not a recompute's, after the first
+                    self._prompt_logprobs[rid].extend(lps)
         outputs = self.scheduler.update_from_output(out, reply)
-        if self._detok:
-            self._detokenize(outputs)
-        if self._unannounced:
-            self._announce(outputs)
+        if self._labels or self._prompt_logprobs:
+            self._after_outputs(outputs)
         return outputs
+
+    def _after_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """A request's first output carries its prompt logprobs; a finished request's label
+        goes."""
+        for o in outputs:
+            lps = self._prompt_logprobs.pop(o.req_id, None)
+            if lps is not None:
+                o.prompt_logprobs = lps
+            if o.finish_reason is not None and not self.has_request(o.req_id):
+                self._labels.pop(o.req_id, None)
 
     def drain(self) -> list[EngineCoreOutput]:
         """Collects every step in flight, returning their outputs."""
@@ -578,31 +581,6 @@ class EngineCore:
             return outputs + self._failed(e)
         return outputs
 
-    def _announce(self, outputs: list[EngineCoreOutput]) -> None:
-        for o in outputs:
-            prompt_ids = self._unannounced.pop(o.req_id, None)
-            if prompt_ids is not None:
-                o.prompt_token_ids = prompt_ids
-                o.prompt_logprobs = self._prompt_logprobs.pop(o.req_id, [])
-
-    def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
-        stopped = []
-        for o in outputs:
-            sid = seq_id(o.req_id, o.index)
-            detok = self._detok.get(sid)
-            if detok is None:
-                continue
-            text, hit_stop = detok.update(o.new_token_ids)
-            if hit_stop and o.finish_reason is None:
-                stopped.append(sid)
-                o.finish_reason = FinishReason.STOP
-            elif o.finish_reason is not None and not hit_stop:
-                text += detok.finish()
-            o.new_text = text
-            if o.finish_reason is not None:
-                del self._detok[sid]
-        if stopped:
-            self.scheduler.finish_seqs(stopped, RequestStatus.FINISHED_STOPPED)
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """A worker raised: the step's requests fail, the rest keep going."""
@@ -623,17 +601,19 @@ class EngineCore:
         except Exception:  # the state that failed the step may be broken: fail them anyway
             log.exception("could not release the requests of a dead engine")
         self._forget((rid, 0) for rid in ids)
-        self._detok.clear()
+        self._staged.clear()
         # An error output finishes every sample of its request.
         return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
                                  error_kind=ErrorKind.ENGINE_DEAD) for rid in ids]
 
     def _forget(self, seqs) -> None:
-        """Drops the state of finished sequences, given as (request id, sample index)."""
-        for rid, index in seqs:
-            self._detok.pop(seq_id(rid, index), None)
-            self._unannounced.pop(rid, None)
-            self._prompt_logprobs.pop(rid, None)
+        """Drops the state of requests whose last sequence finished (given as (request id,
+        sample index))."""
+        if self._labels or self._prompt_logprobs:
+            for rid, _ in seqs:
+                if not self.has_request(rid):
+                    self._labels.pop(rid, None)
+                    self._prompt_logprobs.pop(rid, None)
 
     @property
     def dead_reason(self) -> str | None:
@@ -701,7 +681,8 @@ class EngineCore:
     def describe_requests(self) -> list[dict]:
         """Each unfinished request: id, status, prompt and output tokens, age in seconds."""
         now = time.monotonic()
-        return [{"request_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
+        return [{"request_id": self._labels.get(r.family_id, r.family_id),
+                 "engine_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
                  "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
                  "age_s": round(now - r.arrival_time, 3)}
                 for r in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)]
@@ -711,6 +692,7 @@ class EngineCore:
                 "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                "step_timeout_s": self.config.step_timeout_s,
                 "block_size": self.config.block_size,
                 "hash": {"algorithm": self.config.prefix_caching_hash_algo,
                          "seed": self.config.hash_seed,

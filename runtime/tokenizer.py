@@ -10,6 +10,7 @@ version, whose conversion may change) and later loads read the saved tokenizer.j
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -67,6 +68,19 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return getattr(self.hf, "chat_template", None)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for, plus one (a SentencePiece token
+        decoded alone drops its leading space): a text of B bytes has at least
+        B / max_token_bytes tokens, which bounds a prompt's length before it is tokenized. A
+        token that is part of a character decodes alone to U+FFFD, 3 bytes: never too few."""
+        ids = [[i] for i in range(self.vocab_size)]
+        if self._backend is not None:
+            texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = [self.decode(i, skip_special_tokens=False) for i in ids]
+        return max((len(t.encode("utf-8", "replace")) for t in texts), default=0) + 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

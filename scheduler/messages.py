@@ -210,15 +210,16 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
 
     req_id: str
     new_token_ids: list[int] = []
-    # Detokenized text of new_token_ids (filled by the EngineCore; may lag behind the tokens
-    # while a stop string could still be forming).
+    # Text of new_token_ids, filled by the client's OutputProcessor (runtime/processor.py);
+    # the engine leaves it empty: it emits token ids only. It may lag behind the tokens while
+    # a stop string could still be forming.
     new_text: str = ""
     # A FinishReason value once the request has finished.
     finish_reason: int | None = None
     logprobs: list[SampleLogprobs] = []
     num_cached_tokens: int = 0
     error: str = ""
-    # Set on a request's first output only.
+    # Set by the client's OutputProcessor on a request's first output only.
     prompt_token_ids: list[int] = []
     # Which of the request's n samples this delta belongs to.
     index: int = 0
@@ -231,16 +232,18 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):
-    """A client's request. Exactly one of prompt, prompt_token_ids, messages is set."""
+    """A request as the engine takes it: token ids, which the client's InputProcessor made
+    from the user's text or chat messages (runtime/processor.py)."""
 
+    # The engine's id: unique among the engine's requests, chosen by the client's process.
     req_id: str
     sampling_params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    # Chat messages ({"role", "content"}), rendered with the model's chat template.
-    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None
+    # The caller's own name for the request (its request_id, namespaced by its frontend),
+    # shown by list_requests and matched by an operator's abort; never used to route outputs.
+    label: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

@@ -235,8 +235,20 @@ def test_disconnect_mid_stream_frees_the_request(server, engine):
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, engine):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    hold, held = threading.Event(), threading.Event()
+
+    def pause(core):  # until the client has left: its response cannot be ready before
+        held.set()
+        hold.wait(30)
+
+    engine.engine.run_on_loop(pause)
+    assert held.wait(10)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(30, read=0.3))
+    finally:
+        hold.set()
     _idle(engine)
 
 

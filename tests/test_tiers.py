@@ -276,7 +276,7 @@ def test_aborts_while_loads_are_in_flight_leak_nothing(tiny, tmp_path):
     with LLM(tiny, kv_offload_cpu_bytes=_cpu_bytes(40), kv_offload_ssd_path=str(tmp_path),
              kv_offload_ssd_bytes=_cpu_bytes(2000), **POOL) as llm:
         core = llm.engine
-        stream = core.stream_batch([llm._request(p, GREEDY, None, 0) for p in prompts])
+        stream = core.stream_batch([llm._request(p, GREEDY, None, 0).request for p in prompts])
         next(stream)  # one step: SSD hits start loading
         assert core.scheduler.tiers.num_loading
         stream.close()  # the caller leaves: every request is aborted, loads in flight

@@ -31,13 +31,27 @@ _SERVER = " (this server's requests)"
 
 class EngineCollector:
     """Gauges and counters read from the engine's stats, fetched once per scrape; a feature
-    that is off reads zero. A replicated deployment's come per replica, with a `replica` label
-    (sum them for the deployment), with each replica's state and the router's own figures."""
+    that is off reads zero; while the engine does not answer, the last values, with their age.
+    A replicated deployment's come per replica, with a `replica` label (sum them for the
+    deployment), with each replica's state and the router's own figures."""
 
     def __init__(self) -> None:
         self.stats: dict = {}
+        self.read_at: float | None = None  # time.monotonic() of the stats' reading
+
+    def update(self, stats: dict | None) -> None:
+        """Fresh stats, or None: the engine did not answer, the last ones stay."""
+        if stats is not None:
+            self.stats, self.read_at = stats, time.monotonic()
 
     def collect(self):
+        yield from self._engine()
+        age = -1.0 if self.read_at is None else time.monotonic() - self.read_at
+        yield _gauge("engine_stats_age_seconds", "seconds since the engine's values above were "
+                     "read: they are the last ones while the engine does not answer (-1: "
+                     "never read)", round(age, 3))
+
+    def _engine(self):
         s = self.stats
         replicas = s.get("replicas")
         if replicas is None:
