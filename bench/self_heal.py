@@ -1,16 +1,19 @@
 """Self-healing: a worker SIGKILLed under load, and the time until the streams go on.
 
-An engine on Ray (the default model at --tp, on a private local Ray instance) serves --streams
+An engine on Ray (the default model at --tp, --kv-cache-mib of KV pool per rank, on a private
+local Ray instance) serves --streams
 concurrent greedy streams of --max-tokens tokens. The first batch runs undisturbed (warm-up and
 reference tokens). Then, --kills times, the same batch runs and, once every stream has
 --kill-after tokens, rank --rank's process is sent SIGKILL. The engine rebuilds its workers and
-re-admits the streams (README, Self-healing).
+re-admits the streams (README, Self-healing). Before each kill the bench waits for the
+engine's spare ranks to have started (--no-spares: none are kept, a restart starts processes).
 
 Reported (medians over the kills):
   recovery_s        SIGKILL to the next token of any in-flight stream
   recovery_all_s    SIGKILL to the moment every stream has had a token again
   restart_s         the engine's rebuild of its workers inside that (stats()["restart_s"]),
-                    and restart_<phase>_s: spawn (new actors up, imports), init (data plane,
+                    and restart_<phase>_s: teardown (killing the old ranks), spawn (new
+                    actors up and imported; a spare's is done before), init (data plane,
                     gloo), load (weights), cache (KV pool and tiers), subscribe
   requests_lost     streams that ended in an error or short of their tokens (must be 0)
   tokens_match      every stream's tokens equal the undisturbed run's
@@ -33,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import emit  # noqa: E402
 
-PHASES = ("spawn", "init", "load", "cache", "subscribe")
+PHASES = ("teardown", "spawn", "init", "load", "cache", "subscribe")
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -71,6 +74,14 @@ async def _batch(llm, args, pid: int | None = None) -> tuple[list, float | None,
     return await asyncio.gather(*tasks), killed_at, marks
 
 
+def _await_spares(llm, tp: int, timeout_s: float = 300.0) -> None:
+    """Until the engine's spare ranks (if it keeps them) have started: the steady state a
+    failure usually meets."""
+    deadline = time.monotonic() + timeout_s
+    while llm.stats().get("spare_ranks_ready", tp) < tp and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def _start_ray() -> None:
     import ray
     tmp = tempfile.mkdtemp(prefix="ts-bench-heal-", dir="/tmp")
@@ -85,7 +96,9 @@ def run(args) -> dict:
     from tierserve.workers.backends.cpu_features import detect_cpu_features
 
     _start_ray()
-    options = dict(tensor_parallel_size=args.tp, distributed=True, max_restarts=args.kills)
+    options = dict(tensor_parallel_size=args.tp, distributed=True, max_restarts=args.kills,
+                   spare_workers=not args.no_spares,
+                   kv_cache_memory_bytes=args.kv_cache_mib << 20)
     if args.model:
         options["model"] = args.model
     llm = tierserve.AsyncLLM(**options)
@@ -95,6 +108,7 @@ def run(args) -> dict:
         reference, _, _ = asyncio.run(_batch(llm, args))
         rows = []
         for _ in range(args.kills):
+            _await_spares(llm, args.tp)
             pid = llm.info()["worker_pids"][args.rank]
             results, killed_at, marks = asyncio.run(_batch(llm, args, pid))
             after = [next((t for t in m if t > killed_at), None) for m in marks]
@@ -112,7 +126,8 @@ def run(args) -> dict:
     finally:
         llm.shutdown()
     result = {"cpu": detect_cpu_features().model_name, "model": args.model or "default",
-              "tp": args.tp, "streams": args.streams, "kills": args.kills}
+              "tp": args.tp, "streams": args.streams, "kills": args.kills,
+              "kv_cache_mib": args.kv_cache_mib, "spares": not args.no_spares}
     for key in ("recovery_s", "recovery_all_s", "restart_s",
                 *(f"restart_{p}_s" for p in PHASES)):
         result[key] = round(statistics.median(r[key] for r in rows), 3)
@@ -135,6 +150,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kill-after", type=int, default=8, help="tokens every stream has first")
     p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool per rank")
+    p.add_argument("--no-spares", action="store_true",
+                   help="spare_workers=False: every restart starts new processes")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not 0 <= args.rank < args.tp:

@@ -113,8 +113,11 @@ def bench_shared(pool_blocks: int, repeats: int, ssd_dir: str) -> dict:
     with LLM(**_tiers(pool_blocks, ssd_dir)) as writer:
         for prefix in prefixes:
             writer.generate([prefix + _tokens(rng, PROMPT - PREFIX)], ONE, use_tqdm=False)
-        for _ in range(3):  # out of the pool and the CPU tier: written through to the folder
-            _push_out(writer, rng, pool_blocks)
+        _push_out(writer, rng, pool_blocks)  # out of the pool, into the CPU tier
+        # What an engine's own loop does between requests (AsyncLLM, every engine on Ray):
+        # step until the CPU tier is written through to the folder. LLM steps only in generate.
+        while writer.engine.has_work():
+            writer.engine.step()
         with LLM(**_tiers(pool_blocks, ssd_dir)) as reader:
             reader.generate([_tokens(rng, 64)], ONE, use_tqdm=False)  # warm-up
             runs = [_ttft(reader, p + _tokens(rng, PROMPT - PREFIX)) for p in prefixes]

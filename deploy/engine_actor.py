@@ -33,8 +33,9 @@ class EngineActor:
 
         restore_priority()
         self.name = name
-        self.engine = AsyncEngine(config, lambda spec: RayExecutor(spec, pg, bundles,
-                                                                   config.step_timeout_s, name))
+        self.engine = AsyncEngine(config, lambda spec: RayExecutor(
+            spec, pg, bundles, config.step_timeout_s, name,
+            spares=config.spare_workers and config.max_restarts > 0))
         self._codec = ClientChannelCodec()
         self._publisher: KVEventPublisher | None = None
         if config.publishes_kv_events:

@@ -4,7 +4,13 @@ from __future__ import annotations
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
-__all__ = ["make_placement_group", "rank_bundles", "worker_bundle"]
+__all__ = ["make_placement_group", "rank_bundles", "worker_bundle", "worker_names"]
+
+
+def worker_names(prefix: str, rank: int) -> tuple[str, str]:
+    """The two actor names rank `rank` of a deployment takes in turn with its spare
+    (deploy/ray_executor.py)."""
+    return f"{prefix}-rank{rank}", f"{prefix}-rank{rank}-b"
 
 
 def worker_bundle(device: str, cpus_per_worker: float) -> dict:

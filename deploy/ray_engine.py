@@ -311,10 +311,12 @@ def _stop_deployment(name: str, namespace: str | None) -> bool:
     if holder is not None:
         try:
             pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
+            from tierserve.deploy.placement import worker_names
             for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
-                worker = _lookup(f"{uid}-rank{rank}", ns)
-                if worker is not None:
-                    ray.kill(worker, no_restart=True)
+                for worker_name in worker_names(uid, rank):  # ranks and spares
+                    worker = _lookup(worker_name, ns)
+                    if worker is not None:
+                        ray.kill(worker, no_restart=True)
             remove_placement_group(pg)
         except Exception as e:
             log.warning("could not release the placement group of %s: %s", name, e)

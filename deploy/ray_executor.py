@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tierserve.deploy.dataplane import (
     DataPlaneClient, DataPlaneServer, DataPlaneTimeout, Endpoints, RankKeys,
 )
+from tierserve.deploy.placement import worker_names
 from tierserve.deploy.reply_check import reply_problem
 from tierserve.runtime import envs
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
@@ -97,8 +98,11 @@ class _Phases:
 class WorkerActor:
     """Ray actor around one Worker rank; its data-plane loop runs in `run_loop`."""
 
-    def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        restore_priority()
+    def __init__(self, spec: WorkerSpec, rank: int, spare: bool = False) -> None:
+        # A spare waits at Ray's low priority, so that starting it takes idle CPU only; it
+        # takes the normal one when it becomes a rank (init).
+        if not spare:
+            restore_priority()
         self.rank = rank
         self.worker = Worker(spec, rank, local_device_index=0)
         self.worker.crash = _exit_now
@@ -123,6 +127,7 @@ class WorkerActor:
              one_node: bool) -> int:
         """keys: this rank's data-plane credentials, which reach it only through this call.
         Returns this rank's process id (operators and tests signal it)."""
+        restore_priority()
         self._pin_gloo(self._bind_address(one_node))
         self.worker.dist_init_method = dist_init_method
         if self._store_socket is not None:
@@ -168,7 +173,7 @@ class RayExecutor:
     restartable = True
 
     def __init__(self, spec: WorkerSpec, pg, bundles: list[int], step_timeout_s: float,
-                 name_prefix: str) -> None:
+                 name_prefix: str, spares: bool = False) -> None:
         self.spec = spec
         self.name_prefix = name_prefix
         self.pg = pg
@@ -185,47 +190,87 @@ class RayExecutor:
         # What the first start decided for the engine's whole life; restarts reuse it.
         self._use_kernels = False
         self._num_blocks = 0
+        # Spare ranks (CPU only: a spare holds no GPU of its bundle): one started process per
+        # rank, imports done, nothing loaded, that a restart turns into the new rank instead
+        # of starting a process. The ranks and the spares take turns between two families of
+        # actor names (worker_name).
+        self.spares_enabled = spares and spec is not None and spec.device == "cpu"
+        self._spares: list = []
+        self._spares_up: list = []  # each spare's first answer: done once it started
+        self._dying: list = []  # run_loop refs of ranks killed without waiting
+        self._ready_count, self._next_ready_poll = 0, 0.0
+        self._family = 0
         # Seconds per phase of the last start or restart.
         self.phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------ control plane
 
-    def _spawn_workers(self, spec: WorkerSpec) -> None:
+    def _spawn(self, spec: WorkerSpec, family: int, spare: bool) -> list:
         cls = ray.remote(WorkerActor)
         num_gpus = 1 if spec.device == "cuda" else 0
+        actors = []
         for rank, bundle in enumerate(self.bundles):
-            # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores).
-            cpus = self.pg.bundle_specs[bundle].get("CPU", 0)
+            # The bundle's CPUs, which may be a fraction of a core (ranks sharing cores); a
+            # spare reserves none: they are its rank's until that one is gone.
+            cpus = 0 if spare else self.pg.bundle_specs[bundle].get("CPU", 0)
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
             # A single-threaded actor: the forward then runs on the process's main thread.
             # From a second thread glibc serves torch's temporaries from a per-thread arena that
             # trims eagerly, and the page faults slow TP=1 on Ray well below in-process.
             # Nothing needs a concurrent call: shutdown rides the data plane, liveness the
             # run_loop ObjectRef.
-            self.workers.append(cls.options(
-                name=self.worker_name(rank), num_cpus=cpus, num_gpus=num_gpus,
-                scheduling_strategy=strategy).remote(spec, rank))
+            actors.append(cls.options(
+                name=self.worker_name(rank, family), num_cpus=cpus,
+                num_gpus=0 if spare else num_gpus,
+                scheduling_strategy=strategy).remote(spec, rank, spare))
+        return actors
 
-    def worker_name(self, rank: int) -> str:
-        return f"{self.name_prefix}-rank{rank}"
+    def worker_name(self, rank: int, family: int | None = None) -> str:
+        family = self._family if family is None else family
+        return worker_names(self.name_prefix, rank)[family]
 
     def start(self) -> WorkerInfo:
         return self._launch(self.spec, known=False)
 
     def restart(self) -> WorkerInfo:
         """Replaces every rank, whatever state each is in (dead, stuck in a collective, or
-        well): the old actors are killed, and new ones take the same bundles and names, with a
-        fresh data plane (fresh keys), the backend and pool size the engine runs, and the same
-        tiers' folder. What the first ranks measured (pool size, kernels, copy bandwidth, SSD
-        entries) is known, and not measured again."""
-        self._teardown()
-        spec = dataclasses.replace(self.spec,
-                                   cpu_kernels="sync" if self._use_kernels else "off")
-        return self._launch(spec, known=True)
+        well): the old actors are killed, and new ones (the spares, where there are) take the
+        same bundles, with a fresh data plane (fresh keys), the backend and pool size the
+        engine runs, and the same tiers' folder. What the first ranks measured (pool size,
+        kernels, copy bandwidth) is known, and not measured again."""
+        t0 = time.perf_counter()
+        spares = self._take_spares()
+        self._teardown(wait=not spares)  # spares have names of their own: no need to wait
+        if spares:
+            self._family = 1 - self._family
+        teardown = round(time.perf_counter() - t0, 3)
+        info = self._launch(self._restart_spec(), known=True, actors=spares)
+        self.phases = {"teardown": teardown, **self.phases}
+        return info
 
-    def _launch(self, spec: WorkerSpec, known: bool) -> WorkerInfo:
+    def _restart_spec(self) -> WorkerSpec:
+        # The backend the engine runs: its kernels are built and cached by now.
+        return dataclasses.replace(self.spec,
+                                   cpu_kernels="sync" if self._use_kernels else "off")
+
+    def _take_spares(self) -> list:
+        """The spares, if every one of them is alive (still starting counts); else none (the
+        ones left are killed)."""
+        spares, ups = self._spares, self._spares_up
+        self._spares, self._spares_up = [], []
+        done, _ = ray.wait(ups, num_returns=len(ups), timeout=0) if ups else ([], [])
+        try:
+            ray.get(done)
+            return spares
+        except Exception as e:
+            log.warning("a spare rank is gone (%s); starting new ranks", e)
+            for a in spares:
+                ray.kill(a, no_restart=True)
+            return []
+
+    def _launch(self, spec: WorkerSpec, known: bool, actors: list | None = None) -> WorkerInfo:
         phases = _Phases()
-        self._spawn_workers(spec)
+        self.workers = actors or self._spawn(spec, self._family, spare=False)
         self.worker_nodes = ray.get([w.node_id.remote() for w in self.workers])
         phases.mark("spawn")
         node_id = ray.get_runtime_context().get_node_id()
@@ -255,7 +300,22 @@ class RayExecutor:
         self._loops = [w.run_loop.remote() for w in self.workers]
         phases.mark("subscribe")
         self.phases = phases.seconds
+        if self.spares_enabled:
+            self._spawn_spares()
         return WorkerInfo.from_ranks(self._num_blocks, infos, tiers, startup)
+
+    def _spawn_spares(self) -> None:
+        """Spares for the next restart, under the names the ranks before these had."""
+        if self._dying:  # killed at the restart: their names are free once they are gone
+            ray.wait(self._dying, num_returns=len(self._dying), timeout=_KILL_WAIT_S)
+            self._dying = []
+        try:
+            self._spares = self._spawn(self._restart_spec(), 1 - self._family, spare=True)
+        except Exception as e:  # a restart then starts new processes
+            log.warning("could not start spare ranks: %s", e)
+            return
+        self._spares_up = [a.node_id.remote() for a in self._spares]
+        self._ready_count = 0
 
     def _await_subscribers(self) -> None:
         try:
@@ -267,13 +327,17 @@ class RayExecutor:
         if self._loops:
             self._check_alive()
 
-    def _teardown(self) -> None:
-        """Kills every rank at once (a stuck one would not answer a request to stop) and waits
-        until they are gone, which frees their names and bundles; closes the data plane."""
+    def _teardown(self, wait: bool = True) -> None:
+        """Kills every rank at once (a stuck one would not answer a request to stop) and,
+        with wait, waits until they are gone, which frees their names and bundles; closes
+        the data plane."""
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        if self._loops:
-            ray.wait(self._loops, num_returns=len(self._loops), timeout=_KILL_WAIT_S)
+        # Each resolves (with an error) once its actor is gone.
+        self._dying = self._loops or [w.node_id.remote() for w in self.workers]
+        if wait and self._dying:
+            ray.wait(self._dying, num_returns=len(self._dying), timeout=_KILL_WAIT_S)
+            self._dying = []
         self.workers, self._loops = [], []
         if self._plane is not None:
             self._dropped += self._plane.drops.count
@@ -281,6 +345,9 @@ class RayExecutor:
             self._plane = None
 
     def shutdown(self) -> None:
+        for a in self._spares:
+            ray.kill(a, no_restart=True)
+        self._spares, self._spares_up = [], []
         if self.workers:
             try:
                 self._plane.broadcast(ShutdownWorker())
@@ -296,9 +363,22 @@ class RayExecutor:
 
     def stats(self) -> dict:
         """dropped_frames: data-plane replies dropped, never applied (unauthenticated,
-        malformed, or not an answer to the step waiting), since start."""
-        return {"dropped_frames": self._dropped + (
+        malformed, or not an answer to the step waiting), since start; spare_ranks_ready:
+        spares started and waiting (where spares are kept)."""
+        out = {"dropped_frames": self._dropped + (
             self._plane.drops.count if self._plane is not None else 0)}
+        if self.spares_enabled:
+            out["spare_ranks_ready"] = self._spares_ready()
+        return out
+
+    def _spares_ready(self) -> int:
+        """Polled at most once a second (stats are read every step)."""
+        now = time.monotonic()
+        if self._ready_count < len(self._spares_up) and now >= self._next_ready_poll:
+            self._next_ready_poll = now + 1.0
+            done, _ = ray.wait(self._spares_up, num_returns=len(self._spares_up), timeout=0)
+            self._ready_count = len(done)
+        return min(self._ready_count, len(self._spares_up))
 
     def dataplane(self) -> dict:
         """Where the data plane listens (no keys: those are never shown), the id of the last
@@ -356,9 +436,14 @@ class RayExecutor:
     def _fail(self, error: WorkerError) -> None:
         """One rank failed mid-step: the others may be blocked in a collective it never joined,
         so the TP group is unusable. Name a dead worker if there is one, it is the cause."""
-        self._check_alive()
-        time.sleep(_LIVENESS_POLL_S)  # a peer's death often surfaces as a collective error first
-        self._check_alive()
+        # A peer's death often surfaces as a collective error first: give Ray a moment to
+        # report it.
+        deadline = time.monotonic() + _LIVENESS_POLL_S
+        while True:
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         raise EngineDeadError(f"worker rank {error.rank} failed step {error.step_id}: "
                               f"{error.message}")
 

@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, \
     remove_placement_group
 
-from tierserve.deploy.placement import make_placement_group, worker_bundle
+from tierserve.deploy.placement import make_placement_group, worker_bundle, worker_names
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.workers.worker import resolve_device
@@ -112,10 +112,11 @@ def kill_replica(actor, uid: str, replica: int, tp_size: int, namespace: str | N
             pass
     prefix = replica_uid(uid, replica)
     for rank in range(tp_size):
-        try:
-            ray.kill(ray.get_actor(f"{prefix}-rank{rank}", namespace=ns), no_restart=True)
-        except ValueError:  # not there
-            pass
+        for worker_name in worker_names(prefix, rank):  # ranks and spares
+            try:
+                ray.kill(ray.get_actor(worker_name, namespace=ns), no_restart=True)
+            except ValueError:  # not there
+                pass
 
 
 def stop_replica(actor, pg: PlacementGroup | None, uid: str, replica: int, tp_size: int,

@@ -112,6 +112,10 @@ class CpuTier:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_slots if self.slots else 0.0
 
+    @property
+    def num_evictable_dirty(self) -> int:
+        return len(self._dirty)
+
     def available(self) -> int:
         """Slots `allocate` could hand out now: free ones and evictable cached ones."""
         return len(self._free) + len(self._clean) + len(self._dirty)

@@ -31,9 +31,13 @@ __all__ = ["PREEMPTION_MODES", "TierPolicy", "TierAdmission", "TierHit", "CopyBa
            "CostModel", "TierStats", "TieredRequest"]
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-# Spills started per step at most: write-back never makes a step's host work grow with the
-# tier (a burst of cold slots is written over the next steps).
-MAX_SPILLS_PER_STEP = 64
+# Spills a step starts at most: this many, plus two per block the step copies into the CPU
+# tier, so that write-back keeps up with demotions while a step's host work grows with the
+# step's own copies, never with the tier (a backlog is written over the next steps, idle ones
+# included).
+MIN_SPILLS_PER_STEP = 64
+# Spills failing in a row (a full or read-only folder) turn write-back off for this engine.
+MAX_SPILL_FAILURES = 8
 
 
 class TieredRequest(Protocol):
@@ -117,6 +121,7 @@ class TierStats:
     cpu_dropped: int = 0  # cached CPU blocks dropped without an SSD copy
     ssd_dropped: int = 0  # SSD blocks the record forgot for room
     checksum_failures: int = 0  # SSD entries that failed their checks (or vanished) on load
+    spill_failures: int = 0  # SSD writes that failed
     swap_outs: int = 0  # preempted requests swapped to the CPU tier
     swap_ins: int = 0
     bytes_copied: int = 0
@@ -169,6 +174,7 @@ class TierPolicy:
         # that what it waits for is still there when it is admitted.
         self._held: dict[str, list[CpuSlot]] = {}
         self._swapped: dict[str, _Swapped] = {}
+        self._spill_failures = 0  # in a row
 
     @property
     def enabled(self) -> bool:
@@ -384,16 +390,24 @@ class TierPolicy:
 
     # ---------------------------------------------------------------- write-back
 
+    def _write_back_need(self) -> int:
+        """How many dirty CPU slots to spill for `headroom` free or clean ones (0: none can
+        be, or write-back is off)."""
+        index = self.index
+        cpu = index.cpu
+        if not index.ssd.capacity or self._spill_failures >= MAX_SPILL_FAILURES \
+                or not cpu.num_evictable_dirty:
+            return 0
+        room = cpu.num_free + cpu.num_clean + index.num_in_flight(CopyKind.CPU_TO_SSD)
+        return max(self.headroom - room, 0)
+
     def _write_back(self) -> None:
         """Spills the coldest dirty CPU slots until `headroom` slots are free or clean."""
-        index = self.index
-        cpu, ssd = index.cpu, index.ssd
-        if not ssd.capacity:
-            return
-        room = cpu.num_free + cpu.num_clean + index.num_in_flight(CopyKind.CPU_TO_SSD)
-        need = min(self.headroom - room, MAX_SPILLS_PER_STEP)
+        need = min(self._write_back_need(), MIN_SPILLS_PER_STEP + 2 * len(self._step.fills))
         if need <= 0:
             return
+        index = self.index
+        cpu, ssd = index.cpu, index.ssd
         for slot in cpu.coldest_dirty(need):
             if ssd.find(slot.block_hash) is not None:
                 cpu.mark_clean(slot)  # already in the folder (this engine's or another's)
@@ -509,12 +523,17 @@ class TierPolicy:
                 cpu.mark_clean(slot)
             self.counters.spills += 1
             self.counters.bytes_copied += self.costs.block_bytes
+            self._spill_failures = 0
         else:
             ssd.void(copy.entry)
+            self.counters.spill_failures += 1
+            self._spill_failures += 1
 
     def has_work(self) -> bool:
-        """Copies in flight whose completion only a step can report, or copies to send."""
-        return self.index.has_in_flight() or bool(self._step)
+        """Copies in flight whose completion only a step can report, copies to send, or
+        dirty CPU slots to write back (an idle engine finishes writing its blocks through to
+        the shared folder, where other engines find them)."""
+        return self.index.has_in_flight() or bool(self._step) or self._write_back_need() > 0
 
     # ---------------------------------------------------------------- shutdown, reset, loss
 
@@ -571,7 +590,8 @@ class TierPolicy:
             tier_promotions=s.promotions, tier_demotions=s.demotions,
             tier_demotions_dropped=s.demotions_dropped, tier_loads=s.loads,
             tier_spills=s.spills, tier_cpu_dropped=s.cpu_dropped, tier_ssd_dropped=s.ssd_dropped,
-            tier_checksum_failures=s.checksum_failures, tier_swap_outs=s.swap_outs,
+            tier_checksum_failures=s.checksum_failures, tier_spill_failures=s.spill_failures,
+            tier_swap_outs=s.swap_outs,
             tier_swap_ins=s.swap_ins, tier_bytes_copied=s.bytes_copied,
             num_loading=len(self._loading))
         return out

@@ -121,6 +121,10 @@ class EngineConfig:
         "within 10 minutes by rebuilding its workers and re-admitting the in-flight requests, "
         "whose streams continue; the next failure in the window kills the engine (every "
         "request fails); 0: the first one does", low=0)
+    spare_workers: bool = _opt(
+        True, "on Ray, on CPU, with max_restarts: keep a started process per rank (imports "
+        "done, nothing loaded; about 170 MB each) that replaces a lost rank without starting "
+        "a process")
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(

@@ -260,6 +260,7 @@ class EngineCore:
         self.healing = False
         self.restart_reason: str | None = None
         self.restart_s = 0.0
+        self._shutting_down = False
 
     @staticmethod
     def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
@@ -463,7 +464,8 @@ class EngineCore:
             return outputs
 
     def _may_restart(self) -> bool:
-        if not self.executor.restartable or self.config.max_restarts == 0:
+        if not self.executor.restartable or self.config.max_restarts == 0 \
+                or self._shutting_down:
             return False
         now = time.monotonic()
         while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
@@ -696,6 +698,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """A clean shutdown first writes every cached block not yet on SSD to it (within
         FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
+        self._shutting_down = True  # workers lost now are not replaced
         try:
             if self._dead is None:
                 self.drain()

@@ -237,7 +237,9 @@ def test_a_killed_worker_is_replaced_and_every_stream_continues(tiny, tmp_path, 
         assert asyncio.run(_streams(llm, HEAL_STREAMS, kill_rank1)) == reference
         stats = llm.stats()
         assert stats["restarts"] == 1 and "rank" in stats["restart_reason"], stats
-        assert not set(llm.info()["worker_pids"]) & set(before)
+        info = llm.info()
+        assert not set(info["worker_pids"]) & set(before)
+        assert all(n.endswith("-b") for n in info["worker_names"])  # the spares took over
         ray.get(actor.check_integrity.remote())
 
         poisoned = HEAL_STREAMS[:2] + [([4, POISON, 4], HEAL_STREAMS[0][1])]

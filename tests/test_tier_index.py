@@ -160,6 +160,23 @@ def test_salts_never_share_a_slot():
     assert len(t.find(_Req("a", a), 0)) == 2 and t.find(_Req("b", b), 0) == []
 
 
+def test_write_back_keeps_up_with_demotions_and_stops_on_a_failing_folder():
+    t = _policy(300, 1000)
+    for block in range(100):
+        t.on_evict(block, _h(block), None)
+    t.end_step(0)
+    t.complete(0)
+    for block in range(100, 200):  # more demotions in a step than the minimum budget
+        t.on_evict(block, _h(block), None)
+    spills = _end(t, 1)[CopyKind.CPU_TO_SSD]
+    assert len(spills.src) == 100 and spills.src[:3] == [0, 1, 2]  # the coldest first
+    assert t.has_work()
+    t.complete(1, [-1, 100], [x for seq in range(100) for x in (CopyKind.CPU_TO_SSD, seq)])
+    assert t.counters.spill_failures == 100 and not t.has_work()  # write-back is off
+    assert CopyKind.CPU_TO_SSD not in _end(t, 2)
+    t.check_integrity()
+
+
 def test_no_tiers_is_a_layer_of_capacity_zero():
     t = TierPolicy(block_size=BS)
     t.on_evict(1, _h(1), None)
