@@ -46,6 +46,7 @@ __all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDead
            "rejection", "check_model"]
 
 log = logging.getLogger("tierserve.engine")
+progress = logging.getLogger("tierserve.progress")  # a start's steps, on the CLI's terminal
 
 # Longest context a default config admits, whatever the model's positions allow.
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -233,6 +234,7 @@ class EngineCore:
         # Seconds each part of the start took (rank 0's for the workers' parts).
         self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
                         "total": time.perf_counter() - started}
+        progress.info("engine ready in %.1f s", self.startup["total"])
         self.config = config
         self.request_log = self._make_request_log(config, spec, info)
         self.max_model_len = self.scheduler.max_model_len

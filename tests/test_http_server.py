@@ -291,6 +291,31 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     assert ("tierserve:num_preemptions_total", ()) in after
 
 
+def test_every_series_exists_from_the_start_and_says_whose_it_is(engine):
+    """A fresh server (tiers off, no traffic) already has every series, at zero, and each
+    family's HELP names the engine's or this server's scope."""
+    srv = Server(engine)
+    try:
+        text = httpx.get(srv.base + "/metrics", timeout=10).text
+        first = _metrics(srv.base)
+    finally:
+        srv.stop()
+    zero = [("tierserve:kv_cache_usage_perc", (("tier", "cpu"),)),
+            ("tierserve:kv_cache_usage_perc", (("tier", "ssd"),)),
+            *[(f"tierserve:kv_tier_{k}_total", ()) for k in
+              ("promotions", "demotions", "loads", "spills")],
+            ("tierserve:requests_refused_total", (("status", "404"), ("tenant", ""))),
+            ("tierserve:request_success_total", (("finished_reason", "stop"), ("tenant", ""))),
+            ("tierserve:prompt_cached_tokens_total", (("tenant", ""), ("tier", "cpu"))),
+            ("tierserve:generation_tokens_total", (("tenant", ""),))]
+    for key in zero:
+        assert first.get(key) == 0, key
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("tierserve:") and family.name != "tierserve:engine_dead":
+            assert "(the engine: every client" in family.documentation or \
+                "(this server's requests)" in family.documentation, family.name
+
+
 def test_a_full_queue_answers_503_at_once(engine):
     """With the engine held between steps, no request gets a first token: two are admitted,
     the rest are refused at once; once the engine goes on, the admitted ones complete."""

@@ -124,6 +124,10 @@ def test_the_readme_flow_as_a_new_user(fresh_user):
                 head_pid = json.loads((cache / "ray-head.json").read_text())["pid"]
             if line.startswith("tierserve status smol"):
                 assert all(part in out.stdout for part in ("running", "KV tiers", "backend"))
+                assert "INFO" not in out.stderr, out.stderr  # none of Ray's log lines
+                _talks_without_torch(flow, line)
+            if line.startswith("tierserve generate --name"):
+                _talks_without_torch(flow, line)
         _api_server_and_curls(flow)
         assert "stopped the local Ray head" in flow.ok("tierserve stop smol").stdout
         assert _gone(head_pid), "processes of the Ray head outlived `tierserve stop`"
@@ -144,6 +148,22 @@ def _gone(head_pid: int | None, timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+_NO_TORCH = """
+import sys
+from tierserve.deploy.cli import main
+code = main(sys.argv[1:])
+print("torch" in sys.modules, code)
+"""
+
+
+def _talks_without_torch(flow: _Flow, line: str) -> None:
+    """A command to a running deployment imports Ray and the client alone, never torch."""
+    argv = shlex.split(line)[1:]
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], env=flow.env,
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.stdout.strip().splitlines()[-1] == "False 0", out.stdout + out.stderr[-2000:]
 
 
 def _refusal_names_serve(flow: _Flow, serve_line: str) -> None:

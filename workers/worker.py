@@ -161,6 +161,9 @@ class Worker:
         if self.device.type == "cpu":
             with self._phase("kernels"):
                 self._start_kernels()
+            if self._kernels is not None and self._kernels.available and self.rank == 0:
+                progress.info("%s CPU kernels ready in %.1f s", self._kernels.isa,
+                              self.startup["kernels"])
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
@@ -217,13 +220,15 @@ class Worker:
                          self._kernels.isa, self._kernels.isa)
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
+        if self.rank == 0:
+            progress.info("loading the weights of %s (%s, %s backend)",
+                          os.path.basename(os.path.normpath(self.spec.model)), self.spec.dtype,
+                          self.backend.name)
         with self._phase("weights"), self._load_threads():
             config, self.model = load_model(self.spec.model, self.dtype, self.device,
                                             self.backend)
         if self.rank == 0:
-            progress.info("weights of %s (%s, %s backend) loaded in %.1f s",
-                          os.path.basename(os.path.normpath(self.spec.model)), self.spec.dtype,
-                          self.backend.name, self.startup["weights"])
+            progress.info("weights loaded in %.1f s", self.startup["weights"])
         block_bytes = kv_cache_bytes_per_block(config, self.spec.tensor_parallel_size,
                                                self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
