@@ -443,6 +443,8 @@ class EngineCore:
                 return outputs + self._die(self._death_message(reason))
             self._failures.append(time.monotonic())
             self._in_flight.clear()
+            # Prompt logprobs not yet delivered are computed again, from the first chunk.
+            self._prompt_logprobs.clear()
             outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
             log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
                       "minutes)", reason, len(self._failures), self.config.max_restarts,
