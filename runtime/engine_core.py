@@ -222,13 +222,13 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             info = self.executor.start()
+            self.worker_start_s = time.perf_counter() - t0  # what a restart compares with
             self.tokenizer = tokenizer.result()
             self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             tokenizer.wait()
             raise
-        self.worker_start_s = time.perf_counter() - t0
         # Seconds each part of the start took (rank 0's for the workers' parts).
         self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
                         "total": time.perf_counter() - started}
