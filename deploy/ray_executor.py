@@ -43,6 +43,8 @@ log = logging.getLogger("tierserve.ray_executor")
 _LIVENESS_POLL_S = 0.5
 # How long a restart waits for the killed ranks to be gone before it starts their successors.
 _KILL_WAIT_S = 10.0
+# How long a restart waits for the spares' answers (a spare still starting answers later).
+_SPARE_PING_S = 0.2
 
 
 def restore_priority() -> None:
@@ -255,10 +257,12 @@ class RayExecutor:
 
     def _take_spares(self) -> list:
         """The spares, if every one of them is alive (still starting counts); else none (the
-        ones left are killed)."""
-        spares, ups = self._spares, self._spares_up
+        ones left are killed). A started spare answers at once; one whose node died fails."""
+        spares = self._spares
         self._spares, self._spares_up = [], []
-        done, _ = ray.wait(ups, num_returns=len(ups), timeout=0) if ups else ([], [])
+        pings = [a.node_id.remote() for a in spares]
+        done, _ = ray.wait(pings, num_returns=len(pings), timeout=_SPARE_PING_S) \
+            if pings else ([], [])
         try:
             ray.get(done)
             return spares

@@ -202,7 +202,7 @@ class AsyncEngine:
     def _check_workers(self) -> None:
         """While idle, now and then: a worker that died meanwhile is replaced at once."""
         now = time.monotonic()
-        if now < self._next_worker_check:
+        if now < self._next_worker_check or self.core.dead_reason is not None:
             return
         self._next_worker_check = now + _WORKER_CHECK_S
         restarts = self.core.restarts

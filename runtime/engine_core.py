@@ -224,13 +224,13 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             info = self.executor.start()
+            self.worker_start_s = time.perf_counter() - t0  # what a restart compares with
             self.tokenizer = tokenizer.result()
             self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             tokenizer.wait()
             raise
-        self.worker_start_s = time.perf_counter() - t0
         # Seconds each part of the start took (rank 0's for the workers' parts).
         self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
                         "total": time.perf_counter() - started}
@@ -469,6 +469,8 @@ class EngineCore:
                 return outputs + self._die(self._death_message(reason))
             self._failures.append(time.monotonic())
             self._in_flight.clear()
+            # Prompt logprobs not yet delivered are computed again, from the first chunk.
+            self._prompt_logprobs.clear()
             outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
             log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
                       "minutes)", reason, len(self._failures), self.config.max_restarts,

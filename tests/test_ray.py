@@ -221,17 +221,22 @@ async def _streams(llm, streams, during=None):
     return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
 
-def test_a_killed_worker_is_replaced_and_every_stream_continues(tiny, tmp_path, monkeypatch):
+def test_a_killed_worker_is_replaced_and_every_stream_continues(tiny, tmp_path, monkeypatch,
+                                                                capsys):
     """A rank SIGKILLed mid-stream (TP=2 on Ray, CPU and SSD tiers on): new workers replace
     both ranks, reattach the SSD folder, and every stream completes with an undisturbed run's
     tokens (greedy, and seeded sampling too); no block is left in any tier. A request that
     crashes a rank each time it is sent (TIERSERVE_DEBUG_CRASH) fails alone at the second
-    crash, naming it; the streams beside it continue."""
+    crash, naming it; the streams beside it continue. `tierserve status` counts the
+    restarts."""
     import ray
+    from tierserve.deploy import cli
     monkeypatch.setenv("TIERSERVE_DEBUG_CRASH", f"1:{POISON}")
-    llm = tierserve.AsyncLLM(tiny["llama"], tensor_parallel_size=2, block_size=4,
-                             kv_offload_cpu_bytes=64 * 1536, kv_offload_ssd_bytes=256 * 1536,
-                             kv_offload_ssd_path=str(tmp_path / "ssd"))
+    ns = "tierserve-tests"
+    llm = tierserve.serve("t-heal", namespace=ns, model=tiny["llama"], tensor_parallel_size=2,
+                          block_size=4, kv_offload_cpu_bytes=64 * 1536,
+                          kv_offload_ssd_bytes=256 * 1536,
+                          kv_offload_ssd_path=str(tmp_path / "ssd"))
     try:
         actor = llm.engine.actor
         reference = asyncio.run(_streams(llm, HEAL_STREAMS))
@@ -257,8 +262,11 @@ def test_a_killed_worker_is_replaced_and_every_stream_continues(tiny, tmp_path, 
         assert stats["restarts"] == 3 and "rank 1" in stats["restart_reason"], stats
         ray.get(actor.check_integrity.remote())
         assert llm.engine.health()
+        capsys.readouterr()
+        assert cli.main(["status", "t-heal", "--namespace", ns]) == 0
+        assert "worker restarts    3" in capsys.readouterr().out
     finally:
-        llm.shutdown()
+        tierserve.stop("t-heal", namespace=ns)
 
 
 async def _poison_beside(llm, streams):

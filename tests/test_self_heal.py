@@ -41,6 +41,7 @@ def test_losing_the_workers_readmits_every_request_and_keeps_only_ssd():
     mirror = WorkerMirror()
     for i in range(5):
         sched.add_request(f"r{i}", [10 * i + j for j in range(1, 13)], GREEDY)
+    sched.add_request("pair", [7, 8, 9, 10, 11], SamplingParams(n=2, max_tokens=10, seed=3))
     for _ in range(4):
         _step(sched, mirror)
         sched.check_integrity()
@@ -66,9 +67,12 @@ def test_losing_the_workers_readmits_every_request_and_keeps_only_ssd():
     assert sent == [(running[0], sched.requests[running[0]].num_output_tokens)]
     sched.update_from_output(out, ModelRunnerOutput(out.step_id, fresh.apply(out)))
     assert running[0] not in sched.suspects  # through a step of the new workers
+    finished = []
     while sched.has_unfinished_requests():
-        _step(sched, fresh)
+        finished += [(o.req_id, o.index) for o in _step(sched, fresh) if o.finish_reason]
         sched.check_integrity()
+    assert sorted(finished) == sorted([(f"r{i}", 0) for i in range(5)] + [("pair", 0),
+                                                                          ("pair", 1)])
 
 
 def test_a_suspect_in_flight_at_the_next_loss_is_the_poison_pill():
@@ -117,6 +121,8 @@ def _run(core: EngineCore, requests: list[EngineCoreRequest], late: list[EngineC
                 got[o.req_id] = o.error
             else:
                 got[o.req_id].extend(o.new_token_ids)
+                # Prompt logprobs arrive once, with the first output.
+                got[o.req_id].extend(round(lp.logprobs[0], 4) for lp in o.prompt_logprobs)
         steps += 1
         if steps == 2:
             for r in late:
@@ -129,6 +135,9 @@ def _run(core: EngineCore, requests: list[EngineCoreRequest], late: list[EngineC
 def _requests(poison: int | None = None) -> tuple[list, list]:
     first = [EngineCoreRequest(f"g{i}", GREEDY, prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
     first.append(EngineCoreRequest("seeded", SEEDED, prompt_token_ids=PROMPTS[1]))
+    with_prompt_logprobs = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                          prompt_logprobs=1)
+    first.append(EngineCoreRequest("plp", with_prompt_logprobs, prompt_token_ids=PROMPTS[3]))
     late = [EngineCoreRequest("late", GREEDY, prompt_token_ids=[9, 8, 7, 6])]
     if poison is not None:
         late.append(EngineCoreRequest("poison", GREEDY, prompt_token_ids=[4, poison, 4]))

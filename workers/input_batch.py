@@ -202,8 +202,11 @@ class InputBatch:
         self.token_ids[row, :n] = new.prompt_token_ids
         self.num_tokens[row] = n
         self.num_computed[row] = new.num_computed_tokens
-        self.num_prompt[row] = n
-        if new.sampling_params.prompt_logprobs is not None and new.num_computed_tokens < n - 1:
+        prompt_end = n - new.num_output_tokens
+        self.num_prompt[row] = prompt_end
+        # A request with outputs (re-sent after a restart) had its prompt logprobs already.
+        if new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens \
+                and new.num_computed_tokens < n - 1:
             self.prompt_logprob_rows.add(row)
         self.blocks.clear(row)
         if new.block_ids:
@@ -211,7 +214,6 @@ class InputBatch:
             self.blocks.append(rows, np.arange(len(rows)), new.block_ids)
         self.rows[new.req_id] = row
         self.params[row] = new.sampling_params
-        prompt_end = n - new.num_output_tokens
         self.sampling.add_request(new.req_id, new.sampling_params,
                                   new.prompt_token_ids[:prompt_end],
                                   new.prompt_token_ids[prompt_end:])
