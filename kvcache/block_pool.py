@@ -46,6 +46,7 @@ class BlockPool:
         # computed a block another request also cached keeps its own copy (seed 002).
         # Value: one block, or {block_id: block} when duplicated.
         self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self._num_shared_hashes = 0  # values of _cached that are dicts
         self.tenants = TenantLedger()
         self._caps: dict[str | None, int | None] = {}  # tenant -> its share in blocks
         # The one tenant allocated to so far, while the ledger sleeps (_NOBODY: none yet).
@@ -84,17 +85,15 @@ class BlockPool:
                      stop: int) -> list[KVCacheBlock]:
         """The cached blocks of hashes[:stop] in order, up to the first miss (one loop: a long
         prompt's lookup is the admission's hottest path)."""
-        cached = self._cached
-        hits: list[KVCacheBlock] = []
         if keys is None or not self.verify_hits:
-            for block_hash in hashes[:stop]:
-                block = cached.get(block_hash)
-                if block is None:
-                    break
-                if block.__class__ is not KVCacheBlock:
-                    block = next(iter(block.values()))
-                hits.append(block)
+            hits = list(map(self._cached.get, hashes[:stop]))
+            if None in hits:
+                del hits[hits.index(None):]
+            if self._num_shared_hashes:  # a hash with several blocks: take one
+                hits = [b if b.__class__ is KVCacheBlock else next(iter(b.values()))
+                        for b in hits]
             return hits
+        hits = []
         for i in range(stop):
             block = self.get_cached_block(hashes[i], keys[i])
             if block is None:
@@ -175,6 +174,11 @@ class BlockPool:
     def _queue(self) -> list[KVCacheBlock]:
         return [self.blocks[i] for i in self.free_queue.peek_ids()]
 
+    def check_hash_map(self) -> None:
+        """The count of hashes several blocks share is the map's; O(cached hashes)."""
+        assert self._num_shared_hashes == sum(
+            1 for e in self._cached.values() if not isinstance(e, KVCacheBlock))
+
     def check_tenants(self) -> None:
         """Asserts the tenant ledger (or, while it sleeps, that one tenant holds every block
         that is not plain free); O(num_blocks)."""
@@ -238,6 +242,7 @@ class BlockPool:
             for block_hash in self._cached:
                 self.events.removed(KVTier.DEVICE, block_hash)
         self._cached.clear()
+        self._num_shared_hashes = 0
         self.tenants.deactivate()  # every block is plain free: nobody holds the pool
         self._sole_tenant = _NOBODY
         return True
@@ -264,6 +269,7 @@ class BlockPool:
                 self.events.stored(KVTier.DEVICE, block.block_hash)
         elif isinstance(entry, KVCacheBlock):
             self._cached[block.block_hash] = {entry.block_id: entry, block.block_id: block}
+            self._num_shared_hashes += 1
         else:
             entry[block.block_id] = block
 
@@ -278,6 +284,7 @@ class BlockPool:
             del entry[block.block_id]
             if len(entry) == 1:
                 self._cached[block_hash] = next(iter(entry.values()))
+                self._num_shared_hashes -= 1
         block.reset_hash()
         self.num_evictions += 1
         if self.on_evict is not None:

@@ -223,5 +223,6 @@ class KVCacheManager:
             assert not block.is_null
         for rid, blocks in self.req_to_blocks.items():
             assert all(b.block_hash is not None for b in blocks[:self._num_cached[rid]])
+        pool.check_hash_map()
         pool.check_tenants()
         self.tiers.check_integrity()

@@ -169,7 +169,10 @@ class RequestLog:
         self._closed = True
         self._wake.set()
         self._thread.join(30.0)
-        self._write_pending()
+        try:
+            self._write_pending()
+        except Exception:  # a shutdown goes on without the last records
+            log.exception("request log %s: the last records could not be written", self.path)
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -193,14 +196,24 @@ class RequestLog:
         if not pending:
             return
         offset = time.time() - time.monotonic()
-        frames = []
+        chunk: list[bytes] = []
+        size = self._size
         while pending:
             request, finished_at = pending.popleft()
-            frames.append(_frame(self._encoder.encode(self._record(request, finished_at,
-                                                                   offset))))
+            frame = _frame(self._encoder.encode(self._record(request, finished_at, offset)))
+            if size > self._header_size and size + len(frame) > self.max_bytes:
+                self._write(chunk)
+                chunk = []
+                self._rotate()
+                size = self._size
+            chunk.append(frame)
+            size += len(frame)
+        self._write(chunk)
+
+    def _write(self, frames: list[bytes]) -> None:
+        if not frames:
+            return
         data = b"".join(frames)
-        if self._size > self._header_size and self._size + len(data) > self.max_bytes:
-            self._rotate()
         try:
             self._file.write(data)
             self._file.flush()

@@ -168,6 +168,33 @@ def test_chat_requests_as_openai_jsonl_hash_like_the_engine(tiny, tmp_path):
     assert ours == logged
 
 
+def test_the_log_rotates_by_size_and_keeps_its_newest_files(tmp_path):
+    from types import SimpleNamespace
+    from tierserve.runtime.request_log import RequestLog
+    from tierserve.scheduler import RequestStatus
+    path = str(tmp_path / "r.tslog")
+    log = RequestLog(path, _header(num_blocks=64), max_bytes=4096, keep=2)
+    for n in range(200):  # about 100 bytes each: several rotations
+        log.add(SimpleNamespace(
+            block_hashes=[bytes([n % 256]) * 16] * 8, first_token_time=n + 0.5,
+            admitted_at=n + 0.1, cached_by_tier=(4, 0, 0), arrival_time=float(n),
+            num_prompt_tokens=30, num_output_tokens=3, cache_salt=None, index=0,
+            status=RequestStatus.FINISHED_LENGTH, all_token_ids=[]), finished_at=n + 1.0)
+        if n % 50 == 49:
+            log._wake.set()
+            while log._pending:  # the writer thread takes them
+                log._wake.wait(0.01)
+    log.close()
+    assert sorted(os.listdir(tmp_path)) == ["r.tslog", "r.tslog.1", "r.tslog.2"]
+    header, records = read_log(path + ".2")
+    first = next(records)
+    assert header.num_blocks == 64 and first.prompt_len == 30
+    assert first.queued == pytest.approx(0.1)
+    assert first.ttft == pytest.approx(0.5) and first.e2e == pytest.approx(1.0)
+    assert first.finish == 1 and len(first.hashes) == 8 * 8
+    assert max(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path)) <= 4096
+
+
 def _header(**kw) -> LogHeader:
     return LogHeader(MAGIC, LOG_VERSION, BS, **kw)
 

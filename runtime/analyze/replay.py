@@ -256,7 +256,9 @@ class Replay:
         kv, tiers, bs = self.kv, self.tiers, self.block_size
         prompt_len = req.num_tokens = req.trace.prompt_len
         if self.clock is not None:
-            self.clock.begin(self.now, req.request_id, req.interval)
+            ttft = req.trace.ttft
+            self.clock.begin(self.now, req.request_id, req.interval,
+                             self.now + ttft if ttft is not None else None)
         hits, num_hit = kv.get_computed_blocks(req)
         below = 0
         admission = None

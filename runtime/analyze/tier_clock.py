@@ -40,18 +40,25 @@ class TierClock:
         self._began: float | None = None  # the open step's first event
         self._members: set = set()  # the requests with an event in it
         self._step_s = 0.0  # the open step's length: its requests' shortest decode interval
+        self._first_token: float | None = None  # an admitted request's, in the open step
         self.ready: list = []
 
-    def begin(self, now: float, request_id, interval: float) -> None:
+    def begin(self, now: float, request_id, interval: float,
+              first_token: float | None = None) -> None:
         """An event of a request (decoding a token every `interval` seconds) at `now` takes
         part in a step: the open step, or a new one (the open step ended) past its window or
-        where the request already took part in it (a request is in a step once)."""
+        where the request already took part in it (a request is in a step once). An admission
+        (`first_token`: when its prefill step ended) joins a step that admitted requests whose
+        first tokens came with its own, however late its admission was stamped (a scheduler
+        thread descheduled in the middle of a step)."""
         if request_id in self._members:
             self.end_open_step(now)
-        else:
-            self.settle(now)
+        elif self._began is not None and now > self._began + 0.5 * self._step_s and not (
+                first_token is not None and self._first_token is not None and
+                abs(first_token - self._first_token) <= 0.25 * min(interval, self._step_s)):
+            self._end_step(now)
         if self._began is None:
-            self._began, self._step_s = now, interval
+            self._began, self._step_s, self._first_token = now, interval, first_token
         elif interval < self._step_s:
             self._step_s = interval
         self._members.add(request_id)
