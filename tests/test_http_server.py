@@ -313,7 +313,7 @@ def test_every_series_exists_from_the_start_and_says_whose_it_is(engine):
     for family in text_string_to_metric_families(text):
         if family.name.startswith("tierserve:") and family.name != "tierserve:engine_dead":
             assert "(the engine: every client" in family.documentation or \
-                "(this server's requests)" in family.documentation, family.name
+                "(this server's: its requests" in family.documentation, family.name
 
 
 def test_a_full_queue_answers_503_at_once(engine):
