@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -16,6 +18,8 @@ from tierserve import LLM, SamplingParams
 from tierserve.deploy.cli import main as cli_main
 from tierserve.kvcache import BlockHasher
 from tierserve.runtime.analyze import analyze
+from tierserve.runtime.analyze.stats import PrefixStats, TenantStats, add_to_dict
+from tierserve.runtime.analyze.traces import Trace
 from tierserve.runtime.analyze.text_inputs import hash_chain
 from tierserve.runtime.request_log import (
     LOG_VERSION, MAGIC, LogHeader, RequestRecord, read_log, tenant_id, write_log,
@@ -230,6 +234,58 @@ def test_the_seeds_statistics_on_a_hand_made_log(tmp_path):
     assert stats["reuse_distance"] == {1: 5}
     # An unbounded cache hits A B C, A B, nothing: 5 blocks of 68 prompt tokens.
     assert stats["unbounded_hit_rate"] == pytest.approx(5 * BS / 68)
+
+
+def _stats_by_dict(traces, bs: int) -> dict:
+    """The statistics block by block in a dict (stats.add_to_dict), one trace at a time."""
+    blocks, hist, total, tenants = {}, [0] * 64, TenantStats(), {}
+    for idx, t in enumerate(traces):
+        num_prompt = min(t.prompt_len // bs, len(t.chain))
+        computed = min(max(t.prompt_len + t.output_len - 1, 0) // bs, len(t.chain))
+        unique, shared, hit = add_to_dict(blocks, hist, t.chain, idx, num_prompt,
+                                          min((t.prompt_len - 1) // bs, num_prompt), computed)
+        for s in (total, tenants.setdefault(t.tenant, TenantStats())):
+            s.requests += 1
+            s.prompt_tokens += t.prompt_len
+            s.total_blocks += num_prompt
+            s.unique_blocks += unique
+            s.shared_blocks += shared
+            s.unbounded_hit_tokens += hit * bs
+    return {"total": total, "tenants": tenants, "hist": hist, "distinct": len(blocks)}
+
+
+@pytest.mark.parametrize("huge_key_at", [None, 150])
+def test_chunked_statistics_equal_the_block_by_block_ones(huge_key_at):
+    """Random traces (shared prefixes, repeated and output-only blocks, empty prompts, three
+    tenants), folded a few requests at a time, give the dict's figures exactly; a key past 64
+    bits moves the rest to the dict."""
+    rng = random.Random(7)
+    bs, traces = 4, []
+    for n in range(400):
+        chain = [rng.randrange(40) for _ in range(rng.randrange(0, 6))]
+        chain += [rng.randrange(1 << 64) for _ in range(rng.randrange(0, 4))]
+        chain += [rng.choice(chain)] if chain and rng.random() < 0.2 else []
+        if n == huge_key_at:
+            chain.append(1 << 70)
+        prompt = rng.randrange(0, len(chain) * bs + 3)
+        traces.append(Trace(None, rng.randrange(3), prompt, rng.randrange(1, 12), chain))
+    want = _stats_by_dict(traces, bs)
+    stats = PrefixStats(bs, chunk=37)
+    for t in traces:
+        stats.add(t)
+    assert stats.figures()["total_blocks"] == want["total"].total_blocks
+    assert stats.total == want["total"]
+    assert stats.tenants == want["tenants"]
+    assert stats.reuse_distance == want["hist"]
+    assert stats.distinct_blocks == want["distinct"]
+
+
+def test_a_blocks_bytes_are_read_without_torch(tiny):
+    """Sizing tiers from --model reads the model's config only: no torch in the process."""
+    code = ("import sys; from tierserve.runtime.analyze.model import kv_block_bytes; "
+            f"assert kv_block_bytes({tiny!r}, 'float32', 1, {BS}) == ({BLOCK_BYTES}, 1); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_two_tenants_never_share_a_hit_in_the_replay(tmp_path):

@@ -1,5 +1,5 @@
-"""What the analysis needs of a model: one KV block's bytes per rank. Reads the model's config
-through the workers' loader (which imports torch), only when asked."""
+"""What the analysis needs of a model: one KV block's bytes per rank, from its config (read
+without torch), only when asked."""
 from __future__ import annotations
 
 __all__ = ["kv_block_bytes", "DTYPE_BYTES"]
@@ -16,8 +16,8 @@ def kv_block_bytes(model: str, dtype: str, tensor_parallel_size: int,
         dtype = "float32"  # the CPU engine's default; pass --dtype for a GPU deployment
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    from tierserve.workers.model.layers import partition_heads
-    from tierserve.workers.model.loader import load_model_config
+    from tierserve.workers.model.config import partition_heads
+    from tierserve.workers.model.config_files import load_model_config
     try:
         config = load_model_config(model)
     except (OSError, KeyError, ValueError) as e:

@@ -93,14 +93,16 @@ class _Segments:
     tokens take no neighbouring whitespace, and only while it agrees with encoding the whole
     text (checked on the first batch)."""
 
-    _MAX = 1 << 18  # pieces remembered (the oldest half goes past it)
+    # Pieces remembered (the oldest half goes past it), their ids as 4-byte arrays: enough for
+    # the messages of some thousands of conversations in flight at once, in tens of MiB.
+    _MAX = 1 << 15
 
     def __init__(self, backend, added: dict[str, int]) -> None:
         self.backend = backend
         self.added = added
         self.split = re.compile("(" + "|".join(
             re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")").split
-        self.cache: dict[str, list[int]] = {}
+        self.cache: dict[str, array.array] = {}
         self.checked = False
         self.exact = True
 
@@ -127,7 +129,7 @@ class _Segments:
         if missing:
             for piece, e in zip(missing, self.backend.encode_batch(
                     missing, add_special_tokens=False)):
-                cache[piece] = e.ids
+                cache[piece] = array.array("i", e.ids)
         out = []
         added = self.added
         for ps in pieces:

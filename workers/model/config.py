@@ -130,3 +130,32 @@ def _sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """The TP sizes a model's heads split over: dividing the query heads, and dividing the KV
+    heads or a multiple of them."""
+    return [t for t in range(1, num_heads + 1)
+            if num_heads % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+
+
+def partition_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) held by one rank.
+
+    KV heads split evenly when tp_size divides them; when tp_size is a multiple of them each
+    rank holds one KV head, replicated across tp_size // num_kv_heads neighbouring ranks.
+    """
+    valid = ", ".join(map(str, valid_tp_sizes(num_heads, num_kv_heads)))
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be divisible by the TP size ({tp_size}); "
+            f"tensor_parallel_size for this model: {valid}"
+        )
+    if num_kv_heads % tp_size == 0:
+        return num_heads // tp_size, num_kv_heads // tp_size
+    if tp_size % num_kv_heads == 0:
+        return num_heads // tp_size, 1
+    raise ValueError(
+        f"num_key_value_heads ({num_kv_heads}) must divide, or be divisible by, the TP size "
+        f"({tp_size}); tensor_parallel_size for this model: {valid}"
+    )
