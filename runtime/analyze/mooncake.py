@@ -15,6 +15,8 @@ __all__ = ["MOONCAKE_BLOCK", "mooncake_trace", "is_mooncake"]
 
 MOONCAKE_BLOCK = 512
 _ROOT = hash(("tierserve-mooncake", MOONCAKE_BLOCK))
+# Keys as unsigned 64-bit ints (Python's hash is signed), as block-hash chains are.
+_U64 = (1 << 64) - 1
 
 
 def is_mooncake(obj: dict) -> bool:
@@ -48,13 +50,13 @@ def _chain(ids: list, prompt_len: int, bs: int) -> list[int]:
         per = MOONCAKE_BLOCK // bs
         for j in range(prompt_len // bs):
             h = hash((h, ids[j // per], j % per))
-            chain.append(h)
+            chain.append(h & _U64)
         return chain
     for j in range(prompt_len // bs):
         start, end = j * bs, (j + 1) * bs - 1
         h = hash((h, start % MOONCAKE_BLOCK,
                   *ids[start // MOONCAKE_BLOCK:end // MOONCAKE_BLOCK + 1]))
-        chain.append(h)
+        chain.append(h & _U64)
     return chain
 
 
