@@ -16,7 +16,7 @@ import array
 import itertools
 import re
 import sys
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from tierserve.kvcache import BlockHasher, encode_extra_keys
 from tierserve.runtime.analyze.traces import Trace
@@ -57,7 +57,7 @@ class TextHasher:
             raise ValueError(f"{where}: the input holds text; pass --model (its tokenizer) to "
                              f"tokenize it")
 
-    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[Sequence[int]]:
         if self._backend is None:
             return [self.tokenizer.encode(t, add_special_tokens) for t in texts]
         if not add_special_tokens and self._segments is not None:
@@ -73,11 +73,11 @@ class TextHasher:
             raise ValueError(f"{where}: cannot render the messages with the chat template: "
                              f"{type(e).__name__}: {e}") from None
 
-    def chain(self, token_ids: list[int], salt: str | None) -> list[int]:
+    def chain(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         return hash_chain(self.hasher, token_ids, salt)
 
 
-def hash_chain(hasher: BlockHasher, token_ids: list[int], salt: str | None) -> list[int]:
+def hash_chain(hasher: BlockHasher, token_ids: Sequence[int], salt: str | None) -> list[int]:
     """The ints of every full block's hash (its first 8 bytes, as the request log keeps)."""
     hashes, _ = hasher.hash_blocks(token_ids, 0, None, encode_extra_keys(salt), b"")
     out = array.array("Q", b"".join([h[:8] for h in hashes]))
@@ -102,7 +102,7 @@ class _Segments:
         self.added = added
         self.split = re.compile("(" + "|".join(
             re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")").split
-        self.cache: dict[str, array.array] = {}
+        self.cache: dict[str, array.array] = {}  # piece -> its ids
         self.checked = False
         self.exact = True
 
@@ -117,7 +117,8 @@ class _Segments:
             return None
         return cls(backend, {t.content: i for i, t in added.items()})
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: list[str]) -> list[array.array]:
+        """Each text's ids as a 4-byte array (what the block hasher packs them into)."""
         if not self.exact:
             return self._whole(texts)
         cache = self.cache
@@ -129,11 +130,11 @@ class _Segments:
         if missing:
             for piece, e in zip(missing, self.backend.encode_batch(
                     missing, add_special_tokens=False)):
-                cache[piece] = array.array("i", e.ids)
+                cache[piece] = array.array("I", e.ids)
         out = []
         added = self.added
         for ps in pieces:
-            ids: list[int] = []
+            ids = array.array("I")
             for i, p in enumerate(ps):
                 if i % 2:
                     ids.append(added[p])
@@ -148,8 +149,9 @@ class _Segments:
                 return whole
         return out
 
-    def _whole(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+    def _whole(self, texts: list[str]) -> list[array.array]:
+        return [array.array("I", e.ids)
+                for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def openai_traces(lines: Iterator[tuple[str, dict]], text: TextHasher,
@@ -239,9 +241,12 @@ def sharegpt_traces(convs: Iterator[tuple[str, dict]], text: TextHasher,
                 yield Trace(None, tenant_id(salt), len(tokens), default_output,
                             text.chain(tokens, salt))
                 continue
-            output = reply_ids + ([text.eos] if text.eos is not None else [])
-            yield Trace(None, tenant_id(salt), len(tokens), max(len(output), 1),
-                        text.chain(tokens + output, salt))
+            full = array.array("I", tokens)
+            full.extend(reply_ids)
+            if text.eos is not None:
+                full.append(text.eos)
+            yield Trace(None, tenant_id(salt), len(tokens), max(len(full) - len(tokens), 1),
+                        text.chain(full, salt))
 
 
 def _turns(obj: dict, where: str) -> list[dict]:
