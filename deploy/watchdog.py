@@ -46,8 +46,20 @@ async def next_or_dead(stream, alive: Liveness):
     """The stream's next item, or the EngineDeadError of an unresponsive engine;
     StopAsyncIteration at the end."""
     item = asyncio.ensure_future(stream.__anext__())
-    done, _ = await asyncio.wait({item, alive.dead}, return_when=asyncio.FIRST_COMPLETED)
+    # A caller cancelled while waiting (a consumer that stopped reading) leaves the item to
+    # end on its own; its StopAsyncIteration or error is then nobody's to report.
+    item.add_done_callback(_retrieved)
+    try:
+        done, _ = await asyncio.wait({item, alive.dead}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        item.cancel()
+        raise
     if item in done:
         return item.result()
     item.cancel()
     alive.dead.result()  # raises
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

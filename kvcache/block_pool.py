@@ -21,9 +21,9 @@ __all__ = ["BlockPool", "EvictCallback"]
 
 _NOBODY = object()
 
-# Called with (block_id, block_hash, hashed key) when a cached block loses its hash because its
-# slot is about to be reused (the tiers copy it out first).
-EvictCallback = Callable[[int, BlockHash, "bytes | None"], None]
+# Called with (block_id, block_hash, hashed key, tenant) when a cached block loses its hash
+# because its slot is about to be reused (the tiers copy it out first, charged to its tenant).
+EvictCallback = Callable[[int, BlockHash, "bytes | None", "str | None"], None]
 
 
 class BlockPool:
@@ -288,4 +288,4 @@ class BlockPool:
         block.reset_hash()
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(block.block_id, block_hash, key)
+            self.on_evict(block.block_id, block_hash, key, block.tenant)

@@ -26,6 +26,10 @@ only while it occupies at least as much of the pool as they do (ties go by LRU),
 block is left but theirs (every other free block is gone, and blocks held by running requests
 are never evicted). With one tenant the head is always taken: plain LRU, block for block.
 
+The tiers below the pool apply the same share with a simpler rule (`TierShares`, one per
+tier): when a tier needs room, the allocating tenant's own coldest item goes if it holds its
+share or more, else the coldest of a tenant holding more than its share, else the tier's LRU.
+
 Every operation is O(1): each tenant's cached free blocks and the plain free blocks sit in
 insertion-ordered maps (in free-queue order), the counts per tenant in buckets by count
 (`MaxCounter`). Until a second tenant allocates, nothing is tracked (TenantLedger.active).
@@ -33,11 +37,11 @@ insertion-ordered maps (in free-queue order), the counts per tenant in buckets b
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tierserve.kvcache.block import KVCacheBlock
 
-__all__ = ["TenantLedger", "MaxCounter", "tenant_of", "share_of"]
+__all__ = ["TenantLedger", "MaxCounter", "TierShares", "tenant_of", "share_of"]
 
 Tenant = str | None
 
@@ -243,3 +247,111 @@ class TenantLedger:
         assert expected._num_evictable.counts == self._num_evictable.counts
         self.occupancy.check()
         self._num_evictable.check()
+
+
+class TierShares:
+    """Per-tenant shares of one tier below the device pool (a CPU tier or an SSD record):
+    which tenant pays when the tier needs room.
+
+    Only tenants with a share are tracked (`cap` None: none; the tier then stores None as the
+    item's tenant and pays nothing here). For each: `held`, the items of the tier it holds
+    (what the tier's own record accounts for), and its evictable items in `lanes` ordered maps,
+    coldest first (lane 0 goes before lane 1: the CPU tier's clean slots before its dirty
+    ones). `_over` is the ordered set of tenants holding more than their cap with an item in a
+    lane. Each change is O(1); `victim` looks at the payer's lanes only."""
+
+    __slots__ = ("capacity", "num_lanes", "_caps", "held", "lanes", "_over")
+
+    def __init__(self, capacity: int, num_lanes: int = 1) -> None:
+        self.capacity = capacity
+        self.num_lanes = num_lanes
+        self._caps: dict[Tenant, int | None] = {}
+        self.held: dict[Tenant, int] = {}
+        self.lanes: dict[Tenant, list[OrderedDict]] = {}
+        self._over: dict[Tenant, None] = {}
+
+    def tracked(self, tenant: Tenant) -> Tenant:
+        """The tenant if it has a share of this tier, else None (untracked)."""
+        if tenant is None or "@" not in tenant:
+            return None
+        caps = self._caps
+        if tenant not in caps:
+            share = share_of(tenant)
+            caps[tenant] = None if share is None else max(1, int(share * self.capacity))
+        return tenant if caps[tenant] is not None else None
+
+    def cap(self, tenant: Tenant) -> int | None:
+        return self._caps.get(tenant) if tenant is not None else None
+
+    def hold(self, tenant: str) -> None:
+        self.held[tenant] = self.held.get(tenant, 0) + 1
+        self._update(tenant)
+
+    def drop(self, tenant: str) -> None:
+        count = self.held[tenant] - 1
+        if count:
+            self.held[tenant] = count
+        else:
+            del self.held[tenant]
+        self._update(tenant)
+
+    def add(self, tenant: str, lane: int, key: object, item: object) -> None:
+        """The item becomes evictable in `lane`, the hottest of its tenant's."""
+        lanes = self.lanes.get(tenant)
+        if lanes is None:
+            lanes = self.lanes[tenant] = [OrderedDict() for _ in range(self.num_lanes)]
+        lanes[lane][key] = item
+        self._update(tenant)
+
+    def remove(self, tenant: str, lane: int, key: object) -> None:
+        lanes = self.lanes[tenant]
+        del lanes[lane][key]
+        if not any(lanes):
+            del self.lanes[tenant]
+        self._update(tenant)
+
+    def touch(self, tenant: str, lane: int, key: object) -> None:
+        self.lanes[tenant][lane].move_to_end(key)
+
+    def _update(self, tenant: str) -> None:
+        if self.held.get(tenant, 0) > self._caps[tenant] and tenant in self.lanes:
+            self._over[tenant] = None
+        else:
+            self._over.pop(tenant, None)
+
+    def victim(self, tenant: Tenant, usable: Callable[[object], bool] | None = None
+               ) -> object | None:
+        """The item to evict for `tenant`'s new one: its own coldest if it holds its share or
+        more, else the coldest of a tenant holding more than its share; None: the tier's plain
+        LRU rule. `usable` skips items in use (a tier whose lanes keep busy items)."""
+        cap = self.cap(tenant)
+        if cap is not None and self.held.get(tenant, 0) >= cap and tenant in self.lanes:
+            item = self._coldest(tenant, usable)
+            if item is not None:
+                return item
+        for payer in self._over:
+            if payer != tenant:
+                item = self._coldest(payer, usable)
+                if item is not None:
+                    return item
+        return None
+
+    def _coldest(self, tenant: str, usable: Callable[[object], bool] | None) -> object | None:
+        for lane in self.lanes[tenant]:
+            for item in lane.values():
+                if usable is None or usable(item):
+                    return item
+        return None
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.lanes.clear()
+        self._over.clear()
+
+    def check(self, held: dict[Tenant, int], lanes: dict[Tenant, list[list]]) -> None:
+        """Asserts the counts and lanes against the tier's own (lane contents as key lists)."""
+        assert self.held == held, ("tier shares: held", self.held, held)
+        assert {t: [list(lane) for lane in ls] for t, ls in self.lanes.items()} == lanes, \
+            "tier shares: a tenant's evictable items are not the tier's, in its order"
+        over = {t for t in self.lanes if self.held.get(t, 0) > self._caps[t]}
+        assert set(self._over) == over, ("tier shares: over", set(self._over), over)

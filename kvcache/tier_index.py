@@ -19,7 +19,12 @@ answers lookups and keeps its structures consistent as the policy moves blocks.
 
 Eviction order in the CPU tier is two LRUs of evictable slots (READY, cached, no copy reading
 it): clean ones (also on SSD: dropping them loses nothing) go first, coldest first, then dirty
-ones. Every operation is O(1) in the tier's size (check_integrity, clear and
+ones. Tenants with a share (kvcache/tenants.py `share_of`: the same `@SHARE` in the cache salt
+that caps the device pool) come before that rule, in each tier (`TierShares`): when a slot or an
+SSD record entry must go to make room, the allocating tenant's own coldest goes first if it
+holds its share or more, else the coldest of a tenant holding more than its share; only then the
+plain LRU rule. So a tenant flooding the tiers pushes out its own blocks, not others'. Every
+operation is O(1) in the tier's size (check_integrity, clear and
 drop_worker_memory excepted): host work per step does not grow with the tiers.
 
 KV events (kvcache/events.py): with a recorder given to `record_events`, each tier reports the
@@ -39,6 +44,7 @@ from typing import Callable, Iterable
 
 from tierserve.kvcache.block import BlockHash
 from tierserve.kvcache.events import KVEventRecorder, KVTier
+from tierserve.kvcache.tenants import TierShares
 
 __all__ = ["SlotState", "CopyKind", "ASYNC_KINDS", "CpuSlot", "CpuTier", "SsdEntry", "SsdTier",
            "AsyncCopy", "TierIndex"]
@@ -74,6 +80,7 @@ class CpuSlot:
     owner: str | None = None  # the swapped-out request that owns it (then never hit)
     clean: bool = False  # also on SSD: dropping it loses nothing
     release_pending: bool = False  # free it when its copies complete
+    tenant: str | None = None  # the tenant with a share that cached it (None: no share)
 
     @property
     def busy(self) -> bool:
@@ -100,6 +107,8 @@ class CpuTier:
         self.num_clean = 0  # READY cached clean slots, busy or not
         self.num_collisions = 0
         self.events: KVEventRecorder | None = None
+        # Indexed slots and the LRUs' slots per tenant with a share (lane 0 clean, 1 dirty).
+        self.shares = TierShares(num_slots, num_lanes=2)
 
     @property
     def num_slots(self) -> int:
@@ -142,29 +151,40 @@ class CpuTier:
         lru = self._clean if slot.clean else self._dirty
         if slot.slot in lru:
             lru.move_to_end(slot.slot)
+            if slot.tenant is not None:
+                self.shares.touch(slot.tenant, not slot.clean, slot.slot)
 
-    def allocate(self, block_hash: BlockHash | None, key: bytes | None, owner: str | None = None
+    def allocate(self, block_hash: BlockHash | None, key: bytes | None, owner: str | None = None,
+                 tenant: str | None = None
                  ) -> tuple[CpuSlot | None, tuple[BlockHash, bool] | None]:
-        """A slot to copy into, FILLING: a free one, else the coldest evictable one (clean
-        first). Returns (slot, evicted), `evicted` the dropped slot's (hash, clean), or
-        (None, None) when every slot is busy or owned."""
+        """A slot to copy into, FILLING, for `tenant`'s block: a free one, else the slot
+        `TierShares.victim` names, else the coldest evictable one (clean first). Returns
+        (slot, evicted), `evicted` the dropped slot's (hash, clean), or (None, None) when
+        every slot is busy or owned."""
         evicted = None
+        shares = self.shares
+        tenant = shares.tracked(tenant) if owner is None and block_hash is not None else None
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
-            lru = self._clean or self._dirty
-            if not lru:
-                return None, None
-            _, slot = lru.popitem(last=False)
+            slot = shares.victim(tenant) if shares.lanes else None
+            if slot is None:
+                lru = self._clean or self._dirty
+                if not lru:
+                    return None, None
+                slot = next(iter(lru.values()))
             evicted = (slot.block_hash, slot.clean)
-            self._set_clean(slot, False)
             self._unindex(slot)
+            self._set_clean(slot, False)
         slot.state = SlotState.FILLING
         slot.block_hash, slot.hash_key, slot.owner = block_hash, key, owner
+        slot.tenant = tenant
         if owner is None and block_hash is not None:
             # Indexed at once, so that a second copy of the same block is never started; a
             # lookup sees it only when READY.
             self._index[block_hash] = slot
+            if tenant is not None:
+                shares.hold(tenant)
         return slot, evicted
 
     def commit(self, slot: CpuSlot, clean: bool = False) -> None:
@@ -202,7 +222,7 @@ class CpuTier:
     def pin(self, slot: CpuSlot) -> None:
         """A copy (or a request waiting to be admitted) reads the slot: not evictable."""
         slot.readers += 1
-        (self._clean if slot.clean else self._dirty).pop(slot.slot, None)
+        self._leave_lru(slot)
 
     def unpin(self, slot: CpuSlot) -> None:
         assert slot.readers > 0, f"cpu slot {slot.slot} unpinned too often"
@@ -215,19 +235,19 @@ class CpuTier:
     def mark_clean(self, slot: CpuSlot) -> None:
         """The slot's block is also on SSD."""
         if slot.state == SlotState.READY and slot.cached and not slot.clean:
-            in_lru = self._dirty.pop(slot.slot, None) is not None
+            in_lru = self._leave_lru(slot)
             self._set_clean(slot, True)
             if in_lru:
-                self._clean[slot.slot] = slot
+                self._settle(slot)
 
     def mark_dirty(self, block_hash: BlockHash) -> None:
         """The SSD copy of this hash is gone: a CPU copy of it is the only one."""
         slot = self._index.get(block_hash)
         if slot is not None and slot.clean:
-            in_lru = self._clean.pop(slot.slot, None) is not None
+            in_lru = self._leave_lru(slot)
             self._set_clean(slot, False)
             if in_lru:
-                self._dirty[slot.slot] = slot
+                self._settle(slot)
 
     def coldest_dirty(self, n: int) -> list[CpuSlot]:
         """Up to n evictable dirty slots, coldest first (write-back candidates)."""
@@ -265,6 +285,7 @@ class CpuTier:
         self._index.clear()
         self._clean.clear()
         self._dirty.clear()
+        self.shares.clear()
         self.num_clean = 0
 
     # ---------------------------------------------------------------- internals
@@ -279,6 +300,16 @@ class CpuTier:
         """Enters an idle READY cached slot in its LRU as the hottest."""
         if slot.state == SlotState.READY and slot.cached and not slot.busy:
             (self._clean if slot.clean else self._dirty)[slot.slot] = slot
+            if slot.tenant is not None:
+                self.shares.add(slot.tenant, not slot.clean, slot.slot, slot)
+
+    def _leave_lru(self, slot: CpuSlot) -> bool:
+        """Takes the slot out of its LRU (not evictable); True if it was in it."""
+        if (self._clean if slot.clean else self._dirty).pop(slot.slot, None) is None:
+            return False
+        if slot.tenant is not None:
+            self.shares.remove(slot.tenant, not slot.clean, slot.slot)
+        return True
 
     def _maybe_free(self, slot: CpuSlot) -> None:
         if not slot.busy:
@@ -287,17 +318,18 @@ class CpuTier:
     def _free_slot(self, slot: CpuSlot) -> None:
         self._set_clean(slot, False)
         slot.state = SlotState.FREE
-        slot.block_hash = slot.hash_key = slot.owner = None
+        slot.block_hash = slot.hash_key = slot.owner = slot.tenant = None
         slot.release_pending = False
         self._free.append(slot.slot)
 
     def _unindex(self, slot: CpuSlot) -> None:
         if slot.block_hash is not None and self._index.get(slot.block_hash) is slot:
             del self._index[slot.block_hash]
+            if slot.tenant is not None:
+                self.shares.drop(slot.tenant)
             if slot.state == SlotState.READY:
                 self._report(slot.block_hash, False)
-        self._clean.pop(slot.slot, None)
-        self._dirty.pop(slot.slot, None)
+        self._leave_lru(slot)
 
     def _report(self, block_hash: BlockHash, held: bool) -> None:
         """The tier starts (or stops) holding the hash: a KV event."""
@@ -331,6 +363,22 @@ class CpuTier:
         for block_hash, slot in self._index.items():
             assert slot.block_hash == block_hash and slot.owner is None
             assert slot.state in (SlotState.FILLING, SlotState.READY)
+        self._check_shares()
+
+    def _check_shares(self) -> None:
+        held: dict[str, int] = {}
+        for slot in self._index.values():
+            if slot.tenant is not None:
+                assert self.shares.cap(slot.tenant) is not None
+                held[slot.tenant] = held.get(slot.tenant, 0) + 1
+        lanes: dict[str, list[list[int]]] = {}
+        for lane, lru in enumerate((self._clean, self._dirty)):
+            for slot in lru.values():
+                if slot.tenant is not None:
+                    lanes.setdefault(slot.tenant, [[], []])[lane].append(slot.slot)
+        for slot in self.slots:
+            assert slot.tenant is None or slot.cached, f"cpu slot {slot.slot}: a private tenant"
+        self.shares.check(held, lanes)
 
 
 @dataclass(slots=True, eq=False)
@@ -342,10 +390,15 @@ class SsdEntry:
     state: SlotState = SlotState.READY
     readers: int = 0  # loads in flight
     release_pending: bool = False
+    tenant: str | None = None  # the tenant with a share that wrote or found it (None: no share)
 
     @property
     def busy(self) -> bool:
         return self.readers > 0 or self.state == SlotState.FILLING
+
+
+def _idle(entry: SsdEntry) -> bool:
+    return not entry.busy
 
 
 # Says whether the folder holds a block (every head range an engine's ranks need).
@@ -366,6 +419,9 @@ class SsdTier:
         self.num_collisions = 0
         self.num_found = 0  # hashes learnt from the folder on a miss
         self.events: KVEventRecorder | None = None
+        # The record's entries per tenant with a share, busy or not, coldest first: a share is
+        # of this record (what this engine accounts for), not of the shared folder.
+        self.shares = TierShares(capacity)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -373,11 +429,12 @@ class SsdTier:
     def usage(self) -> float:
         return len(self._entries) / self.capacity if self.capacity else 0.0
 
-    def lookup(self, block_hash: BlockHash, key: bytes | None) -> SsdEntry | None:
-        """The READY entry of this hash: known, or found in the folder now."""
+    def lookup(self, block_hash: BlockHash, key: bytes | None, tenant: str | None = None
+               ) -> SsdEntry | None:
+        """The READY entry of this hash: known, or found in the folder now (for `tenant`)."""
         entry = self._entries.get(block_hash)
         if entry is None:
-            entry = self.find(block_hash)
+            entry = self.find(block_hash, tenant)
         if entry is None or entry.state != SlotState.READY:
             return None
         if self.verify_hits and entry.hash_key is not None and entry.hash_key != key:
@@ -385,13 +442,14 @@ class SsdTier:
             return None
         return entry
 
-    def find(self, block_hash: BlockHash) -> SsdEntry | None:
-        """The known entry of this hash, else (probing the folder) one another engine wrote."""
+    def find(self, block_hash: BlockHash, tenant: str | None = None) -> SsdEntry | None:
+        """The known entry of this hash, else (probing the folder) one another engine wrote,
+        then recorded as `tenant`'s: the hash carries the salt, so it is that tenant's block."""
         entry = self._entries.get(block_hash)
         if entry is not None or self._probe is None or not self._probe(block_hash):
             return entry
         self.num_found += 1
-        return self._add(SsdEntry(block_hash))
+        return self._add(SsdEntry(block_hash, tenant=self.shares.tracked(tenant)))
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._entries
@@ -399,17 +457,21 @@ class SsdTier:
     def touch(self, entry: SsdEntry) -> None:
         if entry.block_hash in self._entries:
             self._entries.move_to_end(entry.block_hash)
+            if entry.tenant is not None:
+                self.shares.touch(entry.tenant, 0, entry.block_hash)
 
-    def start_write(self, block_hash: BlockHash, key: bytes | None
+    def start_write(self, block_hash: BlockHash, key: bytes | None, tenant: str | None = None
                     ) -> tuple[SsdEntry | None, list[BlockHash]]:
-        """A FILLING entry for a spill, and the hashes the record forgot to make room; (None,
-        []) when the record is full of entries in use."""
+        """A FILLING entry for a spill of `tenant`'s block, and the hashes the record forgot
+        to make room; (None, []) when the record is full of entries in use."""
         if not self.capacity:
             return None, []
-        forgotten = self._make_room()
+        tenant = self.shares.tracked(tenant)
+        forgotten = self._make_room(tenant)
         if forgotten is None:
             return None, []
-        return self._add(SsdEntry(block_hash, key, SlotState.FILLING)), forgotten
+        entry = SsdEntry(block_hash, key, SlotState.FILLING, tenant=tenant)
+        return self._add(entry), forgotten
 
     def commit(self, entry: SsdEntry) -> None:
         assert entry.state == SlotState.FILLING
@@ -434,6 +496,9 @@ class SsdTier:
     def _unrecord(self, entry: SsdEntry) -> None:
         if self._entries.get(entry.block_hash) is entry:
             del self._entries[entry.block_hash]
+            if entry.tenant is not None:
+                self.shares.remove(entry.tenant, 0, entry.block_hash)
+                self.shares.drop(entry.tenant)
             if entry.state == SlotState.READY:
                 self._report(entry.block_hash, False)
 
@@ -470,21 +535,25 @@ class SsdTier:
 
     def _add(self, entry: SsdEntry) -> SsdEntry:
         self._entries[entry.block_hash] = entry
+        if entry.tenant is not None:
+            self.shares.hold(entry.tenant)
+            self.shares.add(entry.tenant, 0, entry.block_hash, entry)
         if entry.state == SlotState.READY:
             self._report(entry.block_hash, True)
         return entry
 
-    def _make_room(self) -> list[BlockHash] | None:
-        """Forgets the coldest idle entries until one more fits; None if none can go."""
-        forgotten = []
+    def _make_room(self, tenant: str | None) -> list[BlockHash] | None:
+        """Forgets an idle entry if the record is full (the one `TierShares.victim` names for
+        `tenant`, else the coldest); None if none can go."""
         if len(self._entries) < self.capacity:
-            return forgotten
-        for entry in self._entries.values():
-            if not entry.busy:
-                self.release(entry)
-                forgotten.append(entry.block_hash)
-                return forgotten
-        return None
+            return []
+        victim = self.shares.victim(tenant, _idle) if self.shares.lanes else None
+        if victim is None:
+            victim = next((e for e in self._entries.values() if not e.busy), None)
+            if victim is None:
+                return None
+        self.release(victim)
+        return [victim.block_hash]
 
     def _maybe_forget(self, entry: SsdEntry) -> None:
         if not entry.busy:
@@ -492,8 +561,15 @@ class SsdTier:
 
     def check_integrity(self) -> None:
         assert len(self._entries) <= self.capacity
+        held: dict[str, int] = {}
+        lanes: dict[str, list[list[BlockHash]]] = {}
         for block_hash, entry in self._entries.items():
             assert entry.block_hash == block_hash and not entry.release_pending
+            if entry.tenant is not None:
+                assert self.shares.cap(entry.tenant) is not None
+                held[entry.tenant] = held.get(entry.tenant, 0) + 1
+                lanes.setdefault(entry.tenant, [[]])[0].append(block_hash)
+        self.shares.check(held, lanes)
 
 
 @dataclass(slots=True, eq=False)

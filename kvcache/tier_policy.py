@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash
+from tierserve.kvcache.tenants import tenant_of
 from tierserve.kvcache.tier_index import (
     ASYNC_KINDS, AsyncCopy, CopyKind, CpuSlot, SlotState, SsdEntry, TierIndex,
 )
@@ -46,6 +47,7 @@ class TieredRequest(Protocol):
     request_id: str
     block_hashes: list[BlockHash]
     block_keys: list[bytes] | None
+    cache_salt: str | None  # its tenant's share of each tier (kvcache/tenants.py)
 
     @property
     def num_tokens(self) -> int: ...
@@ -190,13 +192,15 @@ class TierPolicy:
 
     # ---------------------------------------------------------------- device -> CPU
 
-    def on_evict(self, block_id: int, block_hash: BlockHash, key: bytes | None) -> None:
-        """The pool evicts a cached block: demote it to the CPU tier (copied before the block
-        is reused, in this step), unless it is there already or no slot can take it."""
+    def on_evict(self, block_id: int, block_hash: BlockHash, key: bytes | None,
+                 tenant: str | None = None) -> None:
+        """The pool evicts `tenant`'s cached block: demote it to the CPU tier (copied before
+        the block is reused, in this step), unless it is there already or no slot can take
+        it."""
         cpu = self.index.cpu
         if cpu.contains(block_hash) or not cpu.slots:
             return
-        slot, evicted = cpu.allocate(block_hash, key)
+        slot, evicted = cpu.allocate(block_hash, key, tenant=tenant)
         if slot is None:
             self.counters.demotions_dropped += 1
             return
@@ -219,6 +223,7 @@ class TierPolicy:
         is computed for logits)."""
         stop = min((req.num_tokens - 1) // self.block_size, len(req.block_hashes))
         cpu, ssd, keys = self.index.cpu, self.index.ssd, req.block_keys
+        tenant = tenant_of(req.cache_salt)
         hits = []
         for i in range(start, stop):
             block_hash, key = req.block_hashes[i], keys[i] if keys is not None else None
@@ -232,7 +237,7 @@ class TierPolicy:
                 continue
             if cpu.contains(block_hash):
                 break  # on its way into the CPU tier this step: the rest is recomputed
-            entry = ssd.lookup(block_hash, key)
+            entry = ssd.lookup(block_hash, key, tenant)
             if entry is None:
                 break
             hits.append(TierHit("ssd", entry, key))
@@ -307,7 +312,8 @@ class TierPolicy:
         copy = index.load_of(entry.block_hash)
         if copy is not None:  # already loading for another request
             return copy
-        slot, evicted = index.cpu.allocate(entry.block_hash, key)
+        # The entry's tenant is the request's: the salt is in the hash.
+        slot, evicted = index.cpu.allocate(entry.block_hash, key, tenant=entry.tenant)
         if slot is None:
             return None
         self._dropped(evicted)
@@ -412,7 +418,7 @@ class TierPolicy:
             if ssd.find(slot.block_hash) is not None:
                 cpu.mark_clean(slot)  # already in the folder (this engine's or another's)
                 continue
-            entry, forgotten = ssd.start_write(slot.block_hash, slot.hash_key)
+            entry, forgotten = ssd.start_write(slot.block_hash, slot.hash_key, slot.tenant)
             if entry is None:
                 return
             for block_hash in forgotten:

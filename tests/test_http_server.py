@@ -480,6 +480,38 @@ def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(ch
         llm.shutdown()
 
 
+def test_a_flooding_tenant_cannot_push_anothers_prefix_out_of_the_cpu_tier(checkpoint):
+    """Alpha's warm prefix leaves the 32-block pool for a 64-slot CPU tier (alpha's own later
+    prompts push it out); beta (kv_share 0.5) then floods the pool and the CPU tier with twice
+    the tier's size, and alpha's prefix still hits from the CPU tier: over its half, beta's
+    demoted blocks take beta's own slots."""
+    block_bytes = 2 * 3 * 2 * 16 * 4 * 4  # k and v, layers, KV heads, head dim, block, fp32
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33,
+                   kv_offload_cpu_bytes=64 * block_bytes)
+    srv = Server(llm, keys=KeyTable.from_dict(KEYS))
+    try:
+        alpha, beta = _as(srv, "sk-alpha"), _as(srv, "sk-beta")
+
+        def cached(client, prompt):
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        warm = list(range(10, 30))  # 5 blocks
+        cached(alpha, warm)
+        for i in range(8):  # 40 blocks of alpha's own: the prefix goes to the CPU tier
+            cached(alpha, [200 + i] + list(range(60, 79)))
+        for i in range(26):  # 130 blocks
+            cached(beta, [100 + i] + list(range(40, 59)))
+        assert llm.stats()["cpu_tier_slots"] == 64
+        assert cached(alpha, warm) >= 16
+        hits = _metrics(srv.base)
+        assert hits[("tierserve:prompt_cached_tokens_total",
+                     (("tenant", "alpha"), ("tier", "cpu")))] >= 16
+    finally:
+        srv.stop()
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------------------- structured outputs
 
 PERSON = {"type": "object", "additionalProperties": False,

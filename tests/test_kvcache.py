@@ -181,7 +181,7 @@ def test_eviction_callback_reports_block_hash_and_key():
     hasher = BlockHasher(4)
     seen = []
     kv = KVCacheManager(4, 4, watermark=0.0)
-    kv.pool = BlockPool(4, on_evict=lambda bid, h, key: seen.append((bid, h, key)))
+    kv.pool = BlockPool(4, on_evict=lambda bid, h, key, tenant: seen.append((bid, h, key)))
     a = _req("a", list(range(9)), hasher)
     _admit(kv, a)
     hashes, keys = list(a.block_hashes), list(a.block_keys)

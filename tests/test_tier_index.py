@@ -28,8 +28,9 @@ def _h(i: int) -> BlockHash:
 class _Req:
     """The little of a request the policy reads."""
 
-    def __init__(self, rid, hashes, keys=None):
+    def __init__(self, rid, hashes, keys=None, cache_salt=None):
         self.request_id, self.block_hashes, self.block_keys = rid, list(hashes), keys
+        self.cache_salt = cache_salt
         self.num_tokens = BS * len(hashes) + 1
 
 
@@ -200,6 +201,81 @@ def test_worker_loss_drops_cpu_slots_and_copies_but_keeps_the_ssd_record():
     t.check_integrity()
     assert t.admit(_Req("w", [_h(0), _h(9)]), 0).wait  # the SSD hit loads again
     assert _end(t, 1)[CopyKind.SSD_TO_CPU].first_seq == 0
+
+
+def _cpu_fill(t: TierPolicy, tenant, *blocks, step=0) -> None:
+    """Demotes `tenant`'s blocks (block id i holds hash _h(i)) and completes the copies."""
+    for block in blocks:
+        t.on_evict(block, _h(block), None, tenant)
+    t.end_step(step)
+    t.complete(step)
+    t.check_integrity()
+
+
+def _cpu_hashes(t: TierPolicy) -> list:
+    return [s.block_hash[0] if s.block_hash else None for s in t.cpu.slots]
+
+
+def test_a_tenant_over_its_cpu_share_pays_for_room_first_its_coldest_clean_first():
+    t = _policy(4)  # b's share 0.5: 2 slots
+    _cpu_fill(t, "a", 1)  # slot 0, the coldest
+    _cpu_fill(t, "b@0.5", 2, 3, 4)  # free slots: b holds 3, over its share
+    assert _cpu_hashes(t) == [1, 2, 3, 4] and t.cpu.shares.held == {"b@0.5": 3}
+    _cpu_fill(t, "a", 5)  # b is over: its coldest (slot 1) goes, not a's colder slot 0
+    assert _cpu_hashes(t) == [1, 5, 3, 4]
+    _cpu_fill(t, "b@0.5", 6)  # b holds its share: its own coldest (slot 2) again
+    assert _cpu_hashes(t) == [1, 5, 6, 4]
+    t.cpu.mark_clean(t.cpu.slots[3])  # b's clean slot goes before its colder dirty one
+    t.cpu.touch(t.cpu.slots[3])
+    _cpu_fill(t, "b@0.5", 7)
+    assert _cpu_hashes(t) == [1, 5, 6, 7] and t.cpu.shares.held == {"b@0.5": 2}
+    _cpu_fill(t, "a", 8)  # nobody over: plain LRU (clean first, then a's slot 0)
+    assert _cpu_hashes(t) == [8, 5, 6, 7]
+    _cpu_fill(t, "a", 9)  # slot 1 (a's) is the coldest now
+    assert _cpu_hashes(t) == [8, 9, 6, 7]
+    _cpu_fill(t, "a", 10)  # b is at its share, not over: LRU takes b's slot 2
+    assert _cpu_hashes(t) == [8, 9, 10, 7] and t.cpu.shares.held == {"b@0.5": 1}
+
+
+def test_an_over_share_tenants_busy_slots_are_skipped_and_private_slots_uncounted():
+    t = _policy(3, preemption_mode="swap")
+    _cpu_fill(t, "b@0.34", 1, 2)  # cap 1: b holds 2
+    _cpu_fill(t, "a", 3)
+    for slot in t.cpu.slots[:2]:
+        t.cpu.pin(slot)  # b's slots are read: not evictable, so the plain rule goes on
+    t.check_integrity()
+    _cpu_fill(t, "a", 4)
+    assert _cpu_hashes(t) == [1, 2, 4]
+    for slot in t.cpu.slots[:2]:
+        t.cpu.unpin(slot)
+    assert t.try_swap_out("r", [5], BS)  # an owned slot: b's coldest goes, none is charged
+    assert _cpu_hashes(t)[0] is None and t.cpu.slots[0].owner == "r"
+    assert t.cpu.slots[0].tenant is None and t.cpu.shares.held == {"b@0.34": 1}
+    t.end_step(1)
+    t.complete(1)
+    t.check_integrity()
+    t.drop_worker_memory()
+    assert t.cpu.shares.held == {} and not t.cpu.shares.lanes
+    t.check_integrity()
+
+
+def test_a_tenant_over_its_ssd_share_is_forgotten_first_and_found_entries_are_charged():
+    from tierserve.kvcache import SsdTier
+    ssd = SsdTier(3)  # b's share 0.34 of this record: 1 entry
+    for i, tenant in ((1, "a"), (2, "b@0.34"), (3, "b@0.34")):
+        ssd.commit(ssd.start_write(_h(i), None, tenant)[0])
+    ssd.check_integrity()
+    assert ssd.start_write(_h(4), None, "a")[1] == [_h(2)]  # b's coldest, not a's h1
+    assert ssd.start_write(_h(5), None, "b@0.34")[1] == [_h(3)]  # b at its share: its own
+    ssd.check_integrity()
+    assert ssd.shares.held == {"b@0.34": 1}
+    assert ssd.start_write(_h(6), None, "a")[1] == [_h(1)]  # nobody over: the coldest
+    ssd.check_integrity()
+    folder = {_h(9)}
+    t = _policy(2, 4, probe=folder.__contains__)
+    hits = t.find(_Req("r", [_h(9), _h(8)], cache_salt="c@0.5|client"), 0)
+    assert [h.tier for h in hits] == ["ssd"] and hits[0].slot.tenant == "c@0.5"
+    t.check_integrity()
 
 
 # ---------------------------------------------------------------- through the scheduler

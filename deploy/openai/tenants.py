@@ -9,7 +9,7 @@ JSON of one shape:
     [tenants.acme]                        # optional limits
     requests_per_second = 5
     tokens_per_minute = 20000
-    kv_share = 0.25                       # of the device KV pool its cached blocks may hold
+    kv_share = 0.25                       # of the device pool and of each tier: its cached blocks
 
 A key is looked up by its SHA-256 digest and then compared with `hmac.compare_digest`, so the
 time an answer takes does not depend on how much of a key a client guessed. Keys are never
@@ -19,7 +19,8 @@ A tenant's cache salt is derived here, HMAC-SHA256(secret, tenant name): a clien
 another tenant's salt, and its own `cache_salt` is nested under its tenant's
 (`<tenant salt>|<client salt>`), so two tenants never share a block in any tier whatever they
 send. kvcache/ charges eviction to the part of a salt before its first `|`: the tenant, whose
-`kv_share` (written into its salt as `@SHARE`) caps the device pool its cached blocks hold.
+`kv_share` (written into its salt as `@SHARE`) caps what its cached blocks hold of the device
+pool, of the CPU tier and of this engine's SSD record (kvcache/tenants.py TierShares).
 The secret is the file's `secret`, else random per process: give every server in front of one
 deployment (and an SSD tier meant to outlive a restart) the same file.
 """
