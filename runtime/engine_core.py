@@ -63,6 +63,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
+        quantization=config.quantization,
         debug_stall=envs.debug_stall(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
@@ -147,6 +148,7 @@ class EngineCore:
         self.ssd_restored = 0 if tiering is None or tiering.tiers.ssd is None else \
             len(tiering.tiers.ssd.coldest_ids())
         self.backends = info.backends
+        self.weight_bytes = info.weight_bytes
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
@@ -429,6 +431,7 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats["max_model_len"] = self.max_model_len
         stats["block_size"] = self.config.block_size
+        stats["weight_bytes"] = self.weight_bytes
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])

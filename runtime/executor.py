@@ -33,13 +33,14 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    backends: tuple[dict, ...]  # each rank's CpuBackend.describe()
+    backends: tuple[dict, ...]  # each rank's Backend.describe()
     kv_block_bytes: int = 0  # one block id on one rank
     cpu_slots: int = 0  # KV tiers: CPU slots and SSD entries, the same ids on every rank
     ssd_entries: int = 0
     # SSD entries from an earlier run found whole on every rank: (entry, block hash, key).
     ssd_found: tuple[tuple[int, bytes, bytes], ...] = ()
     copy_bytes_per_s: float = 0.0
+    weight_bytes: int = 0  # the model's weights as the ranks hold them, all ranks
 
     @classmethod
     def from_ranks(cls, num_blocks: int, ranks: list[ModelInfo],
@@ -54,7 +55,8 @@ class WorkerInfo:
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
                    min(t.cpu_slots for t in tiers), min(t.ssd_entries for t in tiers),
-                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers))
+                   tuple(sorted(found)), min(t.copy_bytes_per_s for t in tiers),
+                   sum(r.weight_bytes for r in ranks))
 
 
 class Executor(Protocol):

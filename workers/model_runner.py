@@ -6,7 +6,7 @@ import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tierserve.workers import parallel
-from tierserve.workers.attention import copy_blocks
+from tierserve.workers.kv_pool import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
