@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tierserve.kvcache import HASH_ALGORITHMS
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.scheduler.queues import POLICIES
+from tierserve.scheduler.spec import SpeculativeConfig
 from tierserve.scheduler.tiering import PREEMPTION_MODES
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
@@ -110,6 +111,12 @@ class EngineConfig:
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
         "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "
         "q8_0); default: the weights as stored", choices=QUANTIZATIONS)
+    speculative_config: SpeculativeConfig | None = _opt(
+        None, "speculative decoding, vLLM's names: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}: "
+        "up to K drafts a step from the latest earlier occurrence of the request's last tokens; "
+        "greedy output unchanged, sampled output distributed as without it",
+        parse=SpeculativeConfig.parse)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

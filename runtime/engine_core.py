@@ -189,7 +189,8 @@ class EngineCore:
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
                               preemption_mode=config.preemption_mode,
                               max_queued_requests=config.max_queued_requests,
-                              async_scheduling=config.pipelined)
+                              async_scheduling=config.pipelined,
+                              speculative_config=config.speculative_config)
         if scheduler.tiering is not None:
             costs = scheduler.tiering.costs
             costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s

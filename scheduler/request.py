@@ -24,6 +24,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
         "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
         "num_swapped_tokens", "family_id", "index", "num_output_placeholders",
+        "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -54,6 +55,8 @@ class Request:
         # Async scheduling: tokens a step in flight will sample, not yet known here. The
         # workers append them themselves; the scheduler already schedules their positions.
         self.num_output_placeholders = 0
+        # Speculation: the drafts the step in flight computes after its last known token.
+        self.spec_token_ids: list[int] = []
         # Unbounded until the scheduler clamps it to max_model_len.
         self.max_output_tokens = sampling_params.max_tokens
         # Swap preemption: the CPU tier slots holding its first num_swapped_tokens tokens' KV.

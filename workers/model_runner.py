@@ -10,6 +10,7 @@ from tierserve.workers.kv_pool import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
+from tierserve.workers.spec_decode import SampleRows
 from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.tiers import TierStore
 
@@ -71,27 +72,29 @@ class ModelRunner:
             return ModelRunnerOutput(out.step_id)
         inputs = self.batch.prepare(out)
         sampled = [-1] * len(out.num_scheduled_tokens)
-        last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
-        if not len(last):  # a partial prefill chunk alone: its K/V is the step's whole work
-            last = np.zeros(1, dtype=np.int64)
-        hidden = self._forward(inputs, torch.from_numpy(last).to(self.device))
+        rows = SampleRows.of(inputs, self.batch)
+        # A partial prefill chunk alone: its K/V is the step's whole work.
+        keep = rows.keep if len(rows.keep) else np.zeros(1, dtype=np.int64)
+        hidden = self._forward(inputs, torch.from_numpy(keep).to(self.device))
         if not len(inputs.sample_rows):
             return ModelRunnerOutput(out.step_id, sampled)
-        batch = self.batch.sampling.make_batch(inputs.sample_req_ids) if self.is_driver else None
+        batch = self.batch.sampling.make_batch(rows.req_ids) if self.is_driver else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
         # on whether compute_logits (with its collectives) runs.
         if batch is not None and batch.plain_greedy:
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
-                return self._to_output(out.step_id, inputs, SamplerOutput(tokens), sampled)
+                return self._to_output(out, inputs, rows, SamplerOutput(tokens), sampled)
         logits = self.model.compute_logits(hidden)  # None off the driver rank
         if not self.is_driver:
             if self.append_sampled:
-                tokens = torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device)
+                width = 1 + max(out.num_spec_tokens, default=0)
+                tokens = torch.empty(len(inputs.sample_rows), width, dtype=torch.long,
+                                     device=self.device)
                 self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens))
             return ModelRunnerOutput(out.step_id)
         result = self.sampler(logits, batch)
-        return self._to_output(out.step_id, inputs, result, sampled)
+        return self._to_output(out, inputs, rows, result, sampled)
 
     def _forward(self, inputs: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         """The final hidden states of the rows in keep: [len(keep), hidden_size]."""
@@ -100,25 +103,35 @@ class ModelRunner:
             keep = None  # every row: nothing to skip (a decode-only step)
         return self.model(input_ids, positions, attn, self.kv_caches, keep)
 
-    def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
-                   sampled: list[int]) -> ModelRunnerOutput:
+    def _to_output(self, out: SchedulerOutput, inputs: StepInputs, rows: SampleRows,
+                   result: SamplerOutput, sampled: list[int]) -> ModelRunnerOutput:
+        final, accepted, step_tokens = rows.accept(result.token_ids.cpu().numpy())
         if self.append_sampled:
-            tokens = result.token_ids.to(torch.long)
-            self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens.contiguous()))
-        token_ids = result.token_ids.tolist()
+            width = 1 + max(out.num_spec_tokens, default=0)
+            tokens = torch.full((len(final), width), -1, dtype=torch.long)
+            tokens[:, : step_tokens.shape[1]] = torch.from_numpy(step_tokens)
+            self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens.to(self.device)))
+        token_ids = final.tolist()
         packed = inputs.order[inputs.sample_rows].tolist()
         for i, token in zip(packed, token_ids):
             sampled[i] = token
+        num_accepted = []
+        if accepted:
+            num_accepted = [0] * len(sampled)
+            for i, n in zip(packed, accepted):
+                num_accepted[i] = n
         logprobs: list[SampleLogprobs | None] = []
         if result.logprobs is not None:
+            # Requests with logprobs have no drafts: one row each, its first.
             logprobs = [None] * len(sampled)
             lp = result.logprobs
             top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
             chosen, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-            for j, (i, rid) in enumerate(zip(packed, inputs.sample_req_ids)):
+            for token, i, rid, j in zip(token_ids, packed, inputs.sample_req_ids,
+                                        rows.first.tolist()):
                 k = self.batch.params_of(rid).logprobs
                 if k is None:
                     continue
-                logprobs[i] = SampleLogprobs(
-                    [token_ids[j]] + top_ids[j][:k], [chosen[j]] + top_lps[j][:k], ranks[j])
-        return ModelRunnerOutput(step_id, sampled, logprobs)
+                logprobs[i] = SampleLogprobs([token] + top_ids[j][:k],
+                                             [chosen[j]] + top_lps[j][:k], ranks[j])
+        return ModelRunnerOutput(out.step_id, sampled, logprobs, num_accepted=num_accepted)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 __all__ = ["Metrics", "Tracker", "EngineCollector"]
 
@@ -43,7 +43,33 @@ class EngineCollector:
         for name in ("promotions", "demotions", "loads", "spills"):
             if f"tier_{name}" in s:
                 yield _counter(f"kv_tier_{name}", f"KV tier block {name}", s[f"tier_{name}"])
+        yield from _spec_metrics(s)
         yield _gauge("engine_dead", "1 once the engine cannot serve", int(bool(s.get("dead"))))
+
+
+def _spec_metrics(s: dict):
+    """Speculative decoding (vLLM's names), where the engine speculates: drafts, draft and
+    accepted tokens, accepted tokens by draft position, and a histogram of each finished
+    request's acceptance rate."""
+    if "spec_num_drafts" not in s:
+        return
+    yield _counter("spec_decode_num_drafts", "steps of a request with drafts",
+                   s["spec_num_drafts"])
+    yield _counter("spec_decode_num_draft_tokens", "draft tokens verified",
+                   s["spec_num_draft_tokens"])
+    yield _counter("spec_decode_num_accepted_tokens", "draft tokens accepted",
+                   s["spec_num_accepted_tokens"])
+    per_pos = CounterMetricFamily("tierserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted, by position", labels=["position"])
+    for pos, count in enumerate(s["spec_accepted_per_position"]):
+        per_pos.add_metric([str(pos)], count)
+    yield per_pos
+    counts, bounds = s["spec_request_acceptance_buckets"], s["spec_request_acceptance_bounds"]
+    buckets = [(str(b), c) for b, c in zip(bounds[:-1], counts[:-1])]
+    buckets.append(("+Inf", counts[-1]))
+    yield HistogramMetricFamily("tierserve:spec_decode_request_acceptance_rate",
+                                "accepted drafts per draft of each finished request",
+                                buckets=buckets, sum_value=s["spec_request_acceptance_sum"])
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
