@@ -1,15 +1,43 @@
-"""tierserve: a Ray-based distributed LLM serving runtime with tensor parallelism."""
-from tierserve.runtime import client as _client
-from tierserve.runtime.client import AsyncLLM, connect
-from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.executor import EngineDeadError
-from tierserve.runtime.llm import LLM
-from tierserve.runtime.outputs import CompletionOutput, RequestOutput
-from tierserve.scheduler.params import SamplingParams
+"""tierserve: a Ray-based distributed LLM serving runtime with tensor parallelism.
+
+The public names load on first use (PEP 562), so that `import tierserve.deploy.cli` (the
+`tierserve` command's `--help` and argument errors) never imports torch or Ray.
+"""
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineDeadError", "connect", "serve", "stop"]
+           "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
+           "stop", "analyze"]
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "LLM": "tierserve.runtime.llm",
+    "AsyncLLM": "tierserve.runtime.client",
+    "connect": "tierserve.runtime.client",
+    "DuplicateRequestError": "tierserve.runtime.client",
+    "EngineConfig": "tierserve.runtime.config",
+    "EngineDeadError": "tierserve.runtime.errors",
+    "CompletionOutput": "tierserve.runtime.outputs",
+    "RequestOutput": "tierserve.runtime.outputs",
+    "SamplingParams": "tierserve.scheduler.params",
+    "analyze": "tierserve.runtime.analyze",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 class _RayDeployments:
@@ -28,10 +56,15 @@ class _RayDeployments:
         return self._impl().connect(name, namespace)
 
 
-_client.set_deployments(_RayDeployments())
+def _register_transport() -> None:
+    from tierserve.runtime import client
+    client.set_deployments(_RayDeployments())
 
 
-def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
+_register_transport()
+
+
+def serve(name: str, namespace: str | None = None, **options):
     """Starts the named deployment on Ray (detached), or connects to the running one."""
     from tierserve.deploy.ray_engine import serve as _serve
     return _serve(name, namespace, **options)

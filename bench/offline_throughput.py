@@ -47,6 +47,7 @@ Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -57,7 +58,7 @@ import torch
 os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 
 import side_by_side  # noqa: E402
-from report import emit  # noqa: E402
+from report import Rows  # noqa: E402
 from tierserve import LLM, SamplingParams  # noqa: E402
 from tierserve.runtime import envs  # noqa: E402
 from tierserve.runtime.tokenizer import load_tokenizer  # noqa: E402
@@ -297,8 +298,21 @@ def decode_prompts_of(workload: str, tokenizer, prompts: list[list[int]]):
     return None
 
 
+def check_dependencies(args) -> None:
+    """Everything a run needs, before its first measurement: a run must not measure for
+    minutes and then die on a missing package."""
+    needs_hf = args.against or not args.skip_hf
+    if needs_hf and importlib.util.find_spec("accelerate") is None:
+        raise SystemExit("the transformers baseline (and --against's HF export) loads the GGUF "
+                         "through accelerate, which is not installed: pip install -e "
+                         "'.[bench]' (or pass --skip-hf)")
+    if args.against and not os.access(args.against, os.X_OK):
+        raise SystemExit(f"--against {args.against}: not an executable interpreter")
+
+
 def main() -> None:
     args = parse_args()
+    check_dependencies(args)
     torch.set_num_threads(os.cpu_count() or 1)
     features = detect_cpu_features()
     model, hf_folder = resolve_model(args.model)
@@ -312,45 +326,54 @@ def main() -> None:
                              decode_prompts=decode_prompts_of(args.decode_workload, tokenizer,
                                                               prompts))
         return
+    with Rows(args.json) as rows:
+        measure(args, features, rows, model, hf_folder, limits, cost)
+
+
+def measure(args, features, rows: Rows, model: str | None, hf_folder: str | None,
+            limits: dict | None, cost: ModelCost) -> None:
+    """Each figure is reported as soon as it is measured."""
     with LLM(model, cpu_isa=args.cpu_isa, **args.engine) as llm:
         prompts = make_chat_prompts(llm.tokenizer, args.num_prompts)
         chosen = llm.stats()["cpu_backend"]
     backends = ("torch",) + features.isas if args.all_backends else (chosen,)
-    result: dict[str, float | str] = {"cpu": features.model_name,
-                                      "cpu_features": " ".join(features.describe()["flags"]),
-                                      "torch_capability": features.torch_capability,
-                                      "chosen_backend": chosen, "model": args.model or "default"}
-    if limits is not None:
-        result.update({k: limits[k] for k in ("bandwidth_gb_s", "matmul_gflop_s",
-                                              "matmul_gflop_s_bf16")})
+    for key, value in (("cpu", features.model_name),
+                       ("cpu_features", " ".join(features.describe()["flags"])),
+                       ("torch_capability", features.torch_capability),
+                       ("chosen_backend", chosen), ("model", args.model or "default")):
+        rows.add(key, value)
+    for key in ("bandwidth_gb_s", "matmul_gflop_s", "matmul_gflop_s_bf16") if limits else ():
+        rows.add(key, limits[key])
+    for key, value in args.engine.items():
+        rows.add(f"engine_{key}", str(value))
+    result = rows.result
+    lengths = [len(p) for p in prompts]
     for dtype in (args.dtypes or "float32,bfloat16").split(","):
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         for backend in backends:
-            result[f"{backend}_tok_s_{short}"] = bench_tierserve(
-                dtype, prompts, backend, args.output_len, args.engine, model)
-        result[f"tierserve_tok_s_{short}"] = result[f"{chosen}_tok_s_{short}"]
+            rows.add(f"{backend}_tok_s_{short}", bench_tierserve(
+                dtype, prompts, backend, args.output_len, args.engine, model))
+        rows.add(f"tierserve_tok_s_{short}", result[f"{chosen}_tok_s_{short}"])
         if limits is not None:
-            result[f"tierserve_offline_frac_{short}"] = offline_frac(
-                limits, cost, result[f"tierserve_tok_s_{short}"], dtype,
-                [len(p) for p in prompts], args.output_len)
+            rows.add(f"tierserve_offline_frac_{short}", offline_frac(
+                limits, cost, result[f"tierserve_tok_s_{short}"], dtype, lengths,
+                args.output_len))
         if args.all_backends:
-            result[f"chosen_vs_torch_{short}"] = (result[f"tierserve_tok_s_{short}"]
-                                                  / result[f"torch_tok_s_{short}"])
+            rows.add(f"chosen_vs_torch_{short}",
+                     result[f"tierserve_tok_s_{short}"] / result[f"torch_tok_s_{short}"])
         if not args.skip_hf:
-            result[f"transformers_tok_s_{short}"] = bench_transformers(
-                dtype, prompts, args.output_len, hf_folder)
-            result[f"ratio_{short}"] = (result[f"tierserve_tok_s_{short}"]
-                                        / result[f"transformers_tok_s_{short}"])
+            rows.add(f"transformers_tok_s_{short}", bench_transformers(
+                dtype, prompts, args.output_len, hf_folder))
+            rows.add(f"ratio_{short}", result[f"tierserve_tok_s_{short}"]
+                     / result[f"transformers_tok_s_{short}"])
             if limits is not None:
-                result[f"transformers_offline_frac_{short}"] = offline_frac(
-                    limits, cost, result[f"transformers_tok_s_{short}"], dtype,
-                    [len(p) for p in prompts], args.output_len)
-    result["ttft_cold_ms"], result["ttft_cached_ms"] = bench_ttft(
-        cpu_isa=chosen, options=args.engine, model=model)
-    for key, value in args.engine.items():
-        result[f"engine_{key}"] = str(value)
-    result["ttft_speedup"] = result["ttft_cold_ms"] / result["ttft_cached_ms"]
-    emit(result, args.json)
+                rows.add(f"transformers_offline_frac_{short}", offline_frac(
+                    limits, cost, result[f"transformers_tok_s_{short}"], dtype, lengths,
+                    args.output_len))
+    cold_ms, cached_ms = bench_ttft(cpu_isa=chosen, options=args.engine, model=model)
+    rows.add("ttft_cold_ms", cold_ms)
+    rows.add("ttft_cached_ms", cached_ms)
+    rows.add("ttft_speedup", cold_ms / cached_ms)
 
 
 if __name__ == "__main__":

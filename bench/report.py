@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 
 def emit(result: dict, as_json: bool) -> None:
@@ -25,3 +26,34 @@ def print_table(rows: list[dict]) -> None:
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
     for c in cells:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+class Rows:
+    """A benchmark's results as each is measured, so that none is lost to a later failure:
+    with a table, each row prints when added; with --json, each goes to stderr as it comes and
+    the JSON object prints at the end (`close`), with an "error" key where the run failed."""
+
+    def __init__(self, as_json: bool, width: int = 34) -> None:
+        self.as_json, self.width, self.result = as_json, width, {}
+        if not as_json:
+            print(f"{'metric':<{width}} {'value':>12}", flush=True)
+
+    def add(self, key: str, value) -> None:
+        self.result[key] = value
+        text = f"{value:>12.2f}" if isinstance(value, float) else f"{value:>12}"
+        print(f"{key:<{self.width}} {text}", file=sys.stderr if self.as_json else sys.stdout,
+              flush=True)
+
+    def close(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.result["error"] = f"{type(error).__name__}: {error}"
+        if self.as_json:
+            print(json.dumps(self.result), flush=True)
+        elif error is not None:
+            print(f"stopped early: {self.result['error']}", flush=True)
+
+    def __enter__(self) -> "Rows":
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        self.close(error)

@@ -30,10 +30,21 @@ too: frames after which the deployment still served correctly and none of them h
 applied. The final check runs after the last frame, so frames_survived is frames_sent exactly
 when every check passed. Requests that fail because of a frame show in lost_requests.
 
-Reports completed, refused, rejected, disconnected, lost_requests, leaked_blocks,
-p99_ttft_admitted_ms, the engine's RSS at start and end (and the HTTP server's), and with
---frames: frames_sent, frames_survived, frames_read, dropped_frames and the checks. --check
-exits 1 unless lost_requests and leaked_blocks are 0 and frames_survived equals frames_sent.
+Beside the load, unless --no-hostile, the hostile clients of bench/hostile_clients.py: pairs of
+clients sending the same request_id (409 for the second, the first untouched), 1 MiB prompts
+(400 on their byte length), streams whose client leaves before the first token, and the engine
+actor's process stopped (SIGSTOP) for --stop-seconds every --stop-every seconds (/health must
+answer 503 within 2 s meanwhile; nothing in flight may be lost). Their unexpected outcomes
+count as lost requests. The storm's checks never run during a deliberate stop.
+
+Reports completed, refused, rejected, disconnected, lost_requests (load_lost from the load,
+hostile_lost from the hostile clients, with each kind's outcomes under `hostile`),
+leaked_blocks, p99_ttft_admitted_ms, max_chunk_gap_s and p99_chunk_gap_ms (between two chunks
+of a normal stream that completed, left out where an engine stop touched it), the engine stops
+and how long /health took during each, the engine's RSS at start and end (and the HTTP
+server's), and with --frames: frames_sent, frames_survived, frames_read, dropped_frames and the
+checks. --check exits 1 unless lost_requests and leaked_blocks are 0, frames_survived equals
+frames_sent and every engine stop went as expected.
 """
 from __future__ import annotations
 
@@ -57,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import frame_storm  # noqa: E402
+from hostile_clients import MIB_BODY_LIMIT, EngineStops, HostileClients  # noqa: E402
 from report import emit  # noqa: E402
 from serving import build_prompts, start_tierserve  # noqa: E402
 
@@ -65,22 +77,24 @@ _BAD = [{"temperature": -1}, {"n": 0}, {"top_p": 7}, {"bogus": 1},
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, kind: str,
-              output_len: int, rng: random.Random) -> tuple[str, float | None]:
+              output_len: int, rng: random.Random) -> tuple[str, float | None, tuple | None]:
+    """(outcome, time to first token, (start, end, largest gap between chunks) of a normal
+    stream that completed)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": output_len, "temperature": 0.7, "stream": True, "ignore_eos": True}
     if kind == "bad":
         body |= rng.choice(_BAD)
-    t0, ttft = time.perf_counter(), None
+    t0, m0, ttft = time.perf_counter(), time.monotonic(), None
     cut = rng.randint(1, max(output_len // 2, 1)) if kind == "disconnect" else None
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code == 503:
-                return "refused", None
+                return "refused", None, None
             if r.status_code == 400:
-                return ("rejected" if kind == "bad" else "lost"), None
+                return ("rejected" if kind == "bad" else "lost"), None, None
             if r.status_code != 200:
-                return "lost", None
-            chunks, finished, done = 0, False, False
+                return "lost", None, None
+            chunks, finished, done, last, gap = 0, False, False, None, 0.0
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -89,24 +103,30 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, kind
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return "lost", ttft
+                    return "lost", ttft, None
+                now = time.perf_counter()
                 for choice in chunk.get("choices", ()):
                     if choice["delta"].get("content") and ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft = now - t0
                     finished |= choice.get("finish_reason") is not None
+                if ttft is not None:  # gaps between chunks once tokens flow
+                    gap = max(gap, now - last) if last is not None else gap
+                    last = now
                 chunks += 1
                 if cut is not None and chunks >= cut:
-                    return "disconnected", ttft
+                    return "disconnected", ttft, None
             if kind == "bad":
-                return "lost", ttft
-            return ("completed" if finished and done else "lost"), ttft
+                return "lost", ttft, None
+            if not (finished and done):
+                return "lost", ttft, None
+            return "completed", ttft, (m0, time.monotonic(), gap)
     except httpx.HTTPError:
-        return "lost", ttft
+        return "lost", ttft, None
 
 
 async def offer(url: str, model: str, prompts: list[str], rate: float, seconds: float,
                 output_len: int, disconnect_share: float, bad_share: float,
-                seed: int) -> list[tuple[str, float | None]]:
+                seed: int) -> list[tuple[str, float | None, tuple | None]]:
     rng, arrivals = random.Random(seed), np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=4096)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
@@ -244,13 +264,19 @@ class Checker:
     """Whether the deployment still serves correctly and applied no hostile frame: the probe's
     text, /health, dropped_frames, the pickle marker, the passive subscribers."""
 
-    def __init__(self, base: str, model: str, actor, marker: str) -> None:
+    def __init__(self, base: str, model: str, actor, marker: str,
+                 guard: threading.Lock | None = None) -> None:
         import ray
         self.base, self.model, self.actor, self.marker = base, model, actor, marker
+        self.guard = guard or threading.Lock()  # held by a deliberate engine stop
         self.reference = probe(base, model)
         self.dropped_before = ray.get(actor.dataplane.remote(), timeout=60)["dropped_frames"]
 
     def problem(self, frames_read: int) -> str | None:
+        with self.guard:  # never while the engine is stopped on purpose
+            return self._problem(frames_read)
+
+    def _problem(self, frames_read: int) -> str | None:
         import ray
         try:
             text = probe(self.base, self.model)
@@ -347,6 +373,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--disconnect-share", type=float, default=0.1)
     ap.add_argument("--bad-share", type=float, default=0.1)
     ap.add_argument("--max-queued-requests", type=int, default=16)
+    ap.add_argument("--no-hostile", dest="hostile", action="store_false",
+                    help="leave out the hostile clients (duplicate ids, 1 MiB prompts, early "
+                    "disconnects, engine stops)")
+    ap.add_argument("--hostile-every", type=float, default=5.0, metavar="SECONDS",
+                    help="mean seconds between rounds of hostile clients")
+    ap.add_argument("--stop-seconds", type=float, default=3.0,
+                    help="how long each SIGSTOP of the engine lasts")
+    ap.add_argument("--stop-every", type=float, default=120.0, metavar="SECONDS",
+                    help="seconds between engine stops (the first at 40%% of the run, at most "
+                    "25 s in)")
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -363,7 +399,9 @@ def main() -> None:
     prompts = build_prompts(tokenizer, 64, args.input_len, args.seed)
     private = PrivateRay(max(os.cpu_count() or 1, args.tp))
     name, proc = f"soak-{os.getpid()}", None
-    args.server_arg += ["--name", name, "--namespace", NAMESPACE, "--tp", str(args.tp)]
+    args.server_arg += ["--name", name, "--namespace", NAMESPACE, "--tp", str(args.tp),
+                        "--max-body-bytes", str(MIB_BODY_LIMIT),
+                        "--max-connections-per-client", "8192"]
     try:
         proc, base, model = start_tierserve(args)
         result = soak(args, prompts, proc, base, model, name)
@@ -382,7 +420,8 @@ def main() -> None:
 
 def passed(result: dict) -> bool:
     return result["lost_requests"] == 0 and result["leaked_blocks"] == 0 and \
-        result.get("frames_survived", 0) == result.get("frames_sent", 0)
+        result.get("frames_survived", 0) == result.get("frames_sent", 0) and \
+        not result.get("engine_stop_problems")
 
 
 def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> dict:
@@ -397,22 +436,64 @@ def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> di
     t0 = time.perf_counter()
     calib = asyncio.run(_burst(url, model, prompts[:args.max_queued_requests], args.output_len))
     sustainable = sum(1 for c in calib if c[0] == "completed") / (time.perf_counter() - t0)
+    seconds = args.minutes * 60
+    stops = EngineStops(base, engine_pid, args.stop_seconds, args.stop_every,
+                        min(25.0, 0.4 * seconds)) if args.hostile else None
     storm = None
     if args.frames:
-        checker = Checker(base, model, actor, frame_storm.marker_path())
+        checker = Checker(base, model, actor, frame_storm.marker_path(),
+                          stops.lock if stops is not None else None)
         plane = ray.get(actor.dataplane.remote(), timeout=60)
-        storm = Storm(args, plane, actor, checker, 0.8 * args.minutes * 60)
+        storm = Storm(args, plane, actor, checker, 0.8 * seconds)
     rss_start = rss_mb(engine_pid), rss_mb(proc.pid)
-    results = asyncio.run(offer(url, model, prompts, 2 * sustainable, args.minutes * 60,
-                                args.output_len, args.disconnect_share, args.bad_share,
-                                args.seed + 1))
+    hostile = HostileClients(url, model, args.output_len, args.seed + 2,
+                             args.hostile_every) if args.hostile else None
+    results = asyncio.run(_load(args, url, model, prompts, 2 * sustainable, hostile, stops))
     after = drain(base)
     storm_result = storm.finish() if storm is not None else {}
     rss_end = rss_mb(engine_pid), rss_mb(proc.pid)
     if storm is not None:
         storm_result["dropped_frames"] = ray.get(actor.dataplane.remote(),
                                                  timeout=60)["dropped_frames"]
-    return summarize(args, sustainable, results, after, rss_start, rss_end) | storm_result
+    result = summarize(args, sustainable, results, after, rss_start, rss_end) | \
+        hostile_summary(hostile, stops, results) | storm_result
+    result["lost_requests"] = result["load_lost"] + result.get("hostile_lost", 0)
+    return result
+
+
+async def _load(args, url: str, model: str, prompts: list[str], rate: float,
+                hostile: HostileClients | None, stops: EngineStops | None) -> list:
+    """The offered load, with the hostile clients and the engine stops beside it."""
+    seconds = args.minutes * 60
+    jobs = [offer(url, model, prompts, rate, seconds, args.output_len, args.disconnect_share,
+                  args.bad_share, args.seed + 1)]
+    if hostile is not None:
+        until = time.monotonic() + seconds
+        jobs += [hostile.run(until), stops.run(until)]
+    results, *_ = await asyncio.gather(*jobs)
+    return results
+
+
+def hostile_summary(hostile: HostileClients | None, stops: EngineStops | None,
+                    results: list) -> dict:
+    """The hostile clients' outcomes (their lost ones count as lost requests), the engine
+    stops, and the largest gap between two chunks of a normal stream that no stop touched."""
+    gaps = [r[2][2] for r in results if r[2] is not None
+            and (stops is None or not stops.overlaps(r[2][0], r[2][1]))]
+    out = {"max_chunk_gap_s": round(max(gaps), 3) if gaps else None,
+           "p99_chunk_gap_ms": round(float(np.percentile(gaps, 99)) * 1000, 1) if gaps
+           else None}
+    if hostile is None:
+        return out
+    counts: dict[str, dict[str, int]] = {}
+    for kind, outcome in hostile.outcomes:
+        counts.setdefault(kind, {}).setdefault(outcome, 0)
+        counts[kind][outcome] += 1
+    return out | {"hostile": counts,
+                  "hostile_lost": sum(n for c in counts.values() for o, n in c.items()
+                                      if o == "lost"),
+                  "engine_stops": len(stops.windows), "stopped_health_ms": stops.health_ms,
+                  "engine_stop_problems": stops.problems}
 
 
 def summarize(args, sustainable: float, results: list, after: dict, rss_start: tuple,
@@ -425,6 +506,7 @@ def summarize(args, sustainable: float, results: list, after: dict, rss_start: t
         "sustainable_req_per_s": round(sustainable, 3),
         "offered_req_per_s": round(2 * sustainable, 3), "requests": len(results),
         **{k: v for k, v in counts.items() if k != "lost"}, "lost_requests": counts["lost"],
+        "load_lost": counts["lost"],
         "leaked_blocks": int(after["tierserve:kv_cache_total_blocks"]
                              - after["tierserve:kv_cache_free_blocks"]),
         "p99_ttft_admitted_ms": round(float(np.percentile(ttfts, 99)) * 1000, 1)

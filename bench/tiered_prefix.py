@@ -7,8 +7,12 @@ TTFT of a 2,048-token prompt whose first 1,984 tokens are (best of --repeats):
   ttft_cpu_ms        only in the CPU tier (other prompts pushed it out of the pool)
   ttft_ssd_ms        only on SSD (pushed out of the CPU tier too)
   ttft_restart_ms    on SSD, in an engine started after the first one shut down
+  ttft_shared_ms     on SSD, written there by another engine (alive, on the same folder)
+  ttft_cross_tp_ms   on SSD, written by an engine of TP=3 (on Ray), read by one of TP=1
 Each measurement asks for the shared prefix with a suffix not seen before, so only the prefix
-can hit.
+can hit. shared_over_recompute and cross_tp_over_recompute: target <= 1/3. fingerprint_cold_s
+and fingerprint_cached_s: the KV fingerprint of the default model (its weights' bytes hashed),
+first time and from the cache.
 
 Multi-turn chat: --conversations conversations x --turns turns, each sharing a system prompt,
 each turn a user message of ~64 tokens and a greedy reply of --reply tokens; --concurrency
@@ -19,6 +23,7 @@ output tok/s with the tiers off, with a CPU tier, and with a small CPU tier over
 multiturn_ttft_{off,cpu,ssd}_ms, multiturn_tok_s_{off,cpu,ssd}.
 
 Usage: python bench/tiered_prefix.py [--json] [--pool-blocks 256] [--skip-multiturn]
+       [--skip-cross-tp]
 """
 from __future__ import annotations
 
@@ -87,12 +92,77 @@ def bench_ttft(pool_blocks: int, repeats: int, ssd_dir: str) -> dict:
     t0 = time.perf_counter()
     with LLM(**tiers) as llm:
         result["restart_start_s"] = time.perf_counter() - t0
-        result["restart_restored_blocks"] = llm.stats()["ssd_restored_blocks"]
         result["ttft_restart_ms"], result["cached_tokens_restart"] = _ttft(llm, fresh())
+        result["restart_found_blocks"] = llm.stats()["tier_ssd_found_blocks"]
     result["recompute_over_cpu"] = result["ttft_recompute_ms"] / result["ttft_cpu_ms"]
     result["recompute_over_ssd"] = result["ttft_recompute_ms"] / result["ttft_ssd_ms"]
     result["recompute_over_restart"] = result["ttft_recompute_ms"] / result["ttft_restart_ms"]
     return result
+
+
+def _tiers(pool_blocks: int, ssd_dir: str) -> dict:
+    return dict(num_kv_blocks=pool_blocks + 1, kv_offload_cpu_bytes=pool_blocks * BLOCK_BYTES,
+                kv_offload_ssd_path=ssd_dir, kv_offload_ssd_bytes=8 * pool_blocks * BLOCK_BYTES)
+
+
+def bench_shared(pool_blocks: int, repeats: int, ssd_dir: str) -> dict:
+    """TTFT of prefixes one engine computed and wrote to the folder, asked of another engine
+    on it while the first one still runs."""
+    rng = random.Random(1)
+    prefixes = [_tokens(rng, PREFIX) for _ in range(repeats)]
+    with LLM(**_tiers(pool_blocks, ssd_dir)) as writer:
+        for prefix in prefixes:
+            writer.generate([prefix + _tokens(rng, PROMPT - PREFIX)], ONE, use_tqdm=False)
+        _push_out(writer, rng, pool_blocks)  # out of the pool, into the CPU tier
+        # What an engine's own loop does between requests (AsyncLLM, every engine on Ray):
+        # step until the CPU tier is written through to the folder. LLM steps only in generate.
+        while writer.engine.has_work():
+            writer.engine.step()
+        with LLM(**_tiers(pool_blocks, ssd_dir)) as reader:
+            reader.generate([_tokens(rng, 64)], ONE, use_tqdm=False)  # warm-up
+            runs = [_ttft(reader, p + _tokens(rng, PROMPT - PREFIX)) for p in prefixes]
+            found = reader.stats()["tier_ssd_found_blocks"]
+    return {"ttft_shared_ms": min(t for t, _ in runs),
+            "cached_tokens_shared": min(c for _, c in runs), "shared_found_blocks": found}
+
+
+def bench_cross_tp(pool_blocks: int, repeats: int, ssd_dir: str) -> dict:
+    """TTFT of prefixes an engine of TP=3 (on Ray) computed and wrote, asked of one of TP=1."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False)
+    rng = random.Random(2)
+    prefixes = [_tokens(rng, PREFIX) for _ in range(repeats)]
+    tp3 = dict(_tiers(pool_blocks, ssd_dir), tensor_parallel_size=3, cpus_per_worker=1)
+    with LLM(**tp3) as writer:
+        for prefix in prefixes:
+            writer.generate([prefix + _tokens(rng, PROMPT - PREFIX)], ONE, use_tqdm=False)
+    # Its shutdown wrote every cached block to the folder, one entry per rank (head range).
+    with LLM(**_tiers(pool_blocks, ssd_dir)) as reader:
+        reader.generate([_tokens(rng, 64)], ONE, use_tqdm=False)  # warm-up
+        runs = [_ttft(reader, p + _tokens(rng, PROMPT - PREFIX)) for p in prefixes]
+        stats = reader.stats()
+    return {"ttft_cross_tp_ms": min(t for t, _ in runs),
+            "cached_tokens_cross_tp": min(c for _, c in runs),
+            "cross_tp_found_blocks": stats["tier_ssd_found_blocks"],
+            "cross_tp_checksum_failures": stats["tier_checksum_failures"]}
+
+
+def bench_fingerprint() -> dict:
+    from tierserve.workers.kv_fingerprint import kv_fingerprint
+    from tierserve.workers.model.loader import default_model_path, load_model_config
+    path = default_model_path()
+    config = load_model_config(path)
+    with tempfile.TemporaryDirectory() as cache:
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            kv_fingerprint(path, config, dtype="float32", block_size=16, hash_id="xxhash:0",
+                           cache_dir=cache)
+            times.append(time.perf_counter() - t0)
+    return {"fingerprint_cold_s": times[0], "fingerprint_cached_s": times[1],
+            "model_bytes": os.path.getsize(path)}
 
 
 def _conversations(n: int, seed: int = 1) -> tuple[str, list[list[str]]]:
@@ -178,14 +248,25 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--skip-multiturn", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--skip-cross-tp", action="store_true", help="no TP=3 engine (Ray)")
     ap.add_argument("--ssd-dir", default=None, help="default: a temporary folder")
     args = ap.parse_args()
     ssd_dir = args.ssd_dir or tempfile.mkdtemp(prefix="tierserve-ssd-")
     result: dict = {"pool_blocks": args.pool_blocks}
     try:
         if not args.skip_ttft:
+            result.update(bench_fingerprint())
             result.update(bench_ttft(args.pool_blocks, args.repeats,
                                      os.path.join(ssd_dir, "ttft")))
+            result.update(bench_shared(args.pool_blocks, args.repeats,
+                                       os.path.join(ssd_dir, "shared")))
+            if not args.skip_cross_tp:
+                result.update(bench_cross_tp(args.pool_blocks, args.repeats,
+                                             os.path.join(ssd_dir, "cross_tp")))
+            recompute = result["ttft_recompute_ms"]
+            for key in ("shared", "cross_tp"):
+                if f"ttft_{key}_ms" in result:
+                    result[f"{key}_over_recompute"] = result[f"ttft_{key}_ms"] / recompute
         if not args.skip_multiturn:
             result.update(bench_multiturn(args.pool_blocks, args.conversations, args.turns,
                                           args.reply, args.concurrency,

@@ -9,6 +9,7 @@ import textwrap
 
 from tierserve.runtime import envs
 from tierserve.runtime.config import field_kind, option_fields
+from tierserve.runtime.errors import EngineDeadError
 
 __all__ = ["main", "build_parser"]
 
@@ -20,7 +21,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     for f in option_fields():
         flag = "--" + f.name.replace("_", "-")
         meta, kind = f.metadata, field_kind(f)
-        help_text = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
+        help_text = meta["help"] + ("" if "default:" in meta["help"] else
+                                    f" (default: {'none' if f.default is None else f.default})")
         if kind is bool:
             g.add_argument(flag, *meta["flags"], dest=f.name, default=argparse.SUPPRESS,
                            action=argparse.BooleanOptionalAction, help=help_text)
@@ -45,16 +47,32 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+def _sampling_flags(p: argparse.ArgumentParser, chat: bool) -> None:
+    g = p.add_argument_group(
+        "sampling (a flag left out takes the model's default: --generation-config says where "
+        "defaults come from; `tierserve status` shows a deployment's)")
+    rest = "the rest of the context" if chat else "16, vLLM's"
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens to generate (default: the generation config's "
+                        f"max_new_tokens, else {rest})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the generation config's, else 1.0)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default: the generation config's, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k likeliest tokens; 0 or -1: all (default: the "
+                        "generation config's, else 0)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below this share of the likeliest one's probability "
+                        "(default: the generation config's, else 0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages repeating tokens (default: the generation config's, "
+                        "else 1.0)")
     g.add_argument("--sampling-seed", type=int, default=None,
-                   help="seed of this request's sampling (--seed is the engine's)")
-    g.add_argument("--stop", action="append", default=[])
+                   help="seed of this request's sampling (default: none; the engine's --seed "
+                        "seeds unseeded requests)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a string that ends the output (repeatable; default: none)")
 
 
 def options_table() -> str:
@@ -73,19 +91,29 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
 
 
-def sampling_params(args: argparse.Namespace):
-    from tierserve.scheduler.params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.sampling_seed, stop=args.stop)
+def sampling_params(args: argparse.Namespace, defaults: dict, chat: bool = False):
+    """The request's SamplingParams: the flags given, else the engine's generation defaults,
+    else vLLM's (a chat reply may take the rest of the context, as vLLM's server allows)."""
+    from tierserve.runtime.generation_config import sampling_params_with
+    if chat and "max_tokens" not in defaults:
+        defaults = dict(defaults, max_tokens=None)
+    return sampling_params_with(
+        defaults, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop or None)
 
 
 def _deployment_flags(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--name", required=required, default=None,
-                   help="the deployment's name" + ("" if required else
-                                                   " (run against a running deployment)"))
+                   help="the deployment's name" + (" (required)" if required else
+                                                   " (default: none, an engine of its own)"))
+    _namespace_flag(p)
+
+
+def _namespace_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None,
-                   help=f"Ray namespace (default: {envs.default_namespace()})")
+                   help=f"Ray namespace of the deployment (default: TIERSERVE_NAMESPACE, else "
+                        f"{envs.default_namespace()!r})")
 
 
 def _options_epilog() -> str:
@@ -101,67 +129,180 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to complete")
     _deployment_flags(gen, required=False)
     _engine_flags(gen)
-    _sampling_flags(gen)
+    _sampling_flags(gen, chat=False)
     srv = sub.add_parser("serve", help="start (or reuse) a named deployment on Ray")
     _deployment_flags(srv, required=True)
     _engine_flags(srv)
     for cmd, text in (("status", "a deployment's health, requests, KV usage and prefix hits "
                                  "(exits 1 when it is dead)"),
                       ("stop", "stop a deployment: engine, workers, placement group"),
-                      ("abort", "abort one request of a deployment")):
+                      ("abort", "abort one request of a deployment"),
+                      ("scale", "add replicas to a replicated deployment, or drain and remove "
+                                "some")):
         p = sub.add_parser(cmd, help=text)
-        p.add_argument("name")
-        p.add_argument("--namespace", default=None)
+        p.add_argument("name", help="the deployment's name")
+        _namespace_flag(p)
         if cmd == "status":
             p.add_argument("--requests", action="store_true",
-                           help="also list the unfinished requests")
+                           help="also list the unfinished requests (default: off)")
         if cmd == "abort":
-            p.add_argument("request_id")
+            p.add_argument("request_id", help="the request's id (`status --requests` lists "
+                                              "them)")
+        if cmd == "scale":
+            p.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
+                           required=True, help="the number of replicas wanted (required)")
     api = sub.add_parser("api-server", help="an OpenAI-compatible HTTP server in the "
                          "foreground (in front of --name, or of an engine of its own)")
     _deployment_flags(api, required=False)
-    api.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default: 127.0.0.1)")
+    api.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     api.add_argument("--served-model-name", default=None,
                      help="the `model` requests name (default: the model's file or folder "
                           "name)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                     help="larger request bodies are answered 413")
+                     help="larger request bodies are answered 413 (default: 1048576)")
+    api.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="a request head must arrive whole within this long, else 408 "
+                          "(default: 10)")
+    api.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="a request body must arrive whole within this long, else 408 "
+                          "(default: 30)")
+    api.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
+                     help="open connections one client address may hold; more are answered "
+                          "429 (default: 256)")
     keys = api.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on /v1 (one tenant, 'default')")
+                      help="require 'Authorization: Bearer KEY' on /v1 (one tenant, "
+                           "'default'; default: no key)")
     keys.add_argument("--api-keys-file", default=None, metavar="FILE",
                       help="TOML or JSON: [keys] key -> tenant, [tenants.NAME] limits "
-                           "(requests_per_second, tokens_per_minute), secret (README)")
+                           "(requests_per_second, tokens_per_minute), secret (README; "
+                           "default: none)")
     _engine_flags(api)
     chat = sub.add_parser("chat", help="chat with the model (one message, or a REPL)")
     chat.add_argument("message", nargs="?", default=None,
-                      help="one user message; without it, read messages from stdin")
-    chat.add_argument("--system", default=None, help="a system prompt")
+                      help="one user message (default: a REPL reading messages from stdin; "
+                           "Ctrl-D or Ctrl-C leaves it)")
+    chat.add_argument("--system", default=None,
+                      help="a system prompt (default: the chat template's)")
     _engine_flags(chat)
-    _sampling_flags(chat)
+    _sampling_flags(chat, chat=True)
+    _analyze_parser(sub)
     return parser
+
+
+def _analyze_parser(sub) -> None:
+    a = sub.add_parser(
+        "analyze", help="what prefix caches of each size would save on a request log",
+        description="Prefix-sharing statistics of a workload, and a replay through the "
+        "engine's own block manager and tiers at every capacity asked for: hit rate per tier, "
+        "prefill tokens and TTFT saved, and the smallest tiers within 2%% of an unbounded "
+        "cache.")
+    a.add_argument("inputs", nargs="+", metavar="LOG",
+                   help="request logs (--request-log), OpenAI request JSONL, ShareGPT JSON(L) "
+                        "or Mooncake trace JSONL")
+    a.add_argument("--model", default=None,
+                   help="its tokenizer reads text inputs, its config sizes a KV block "
+                        "(default: none; a log's header gives the block's size)")
+    a.add_argument("--device-blocks", type=_int_list, default=None, metavar="N[,N...]",
+                   help="device pool sizes in blocks, null block included (num_kv_blocks) "
+                        "(default: the engine's own, from its log)")
+    a.add_argument("--cpu-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
+                   help="CPU tier sizes per rank, e.g. 0,4GiB,16GiB, as kv_offload_cpu_bytes "
+                        "counts them (default: the engine's own from its log, else 0)")
+    a.add_argument("--ssd-bytes", type=_size_list, default=None, metavar="SIZE[,SIZE...]",
+                   help="SSD tier sizes, as kv_offload_ssd_bytes counts them (default: the "
+                        "engine's own from its log, else 0)")
+    a.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: a log's own, else 16)")
+    a.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="KV dtype for a block's bytes (default: a log's, else float32)")
+    a.add_argument("--tensor-parallel-size", "--tp", type=int, default=None,
+                   help="ranks (a block's bytes are per rank; default: a log's, else 1)")
+    a.add_argument("--rate", type=float, default=None,
+                   help="requests per second for inputs without times (default: each "
+                        "arrives when the one before has finished)")
+    a.add_argument("--output-len", type=int, default=128,
+                   help="output tokens of a request whose input does not say (default: 128)")
+    a.add_argument("--profile", action="store_true",
+                   help="measure prefill, decode and tier-copy costs with the engine on this "
+                        "machine, --model's (default: off; costs fitted to a log's TTFTs, "
+                        "else assumed)")
+    a.add_argument("--ssd-path", default=None,
+                   help="folder --profile measures SSD speed in (default: the temp folder)")
+    a.add_argument("--no-stats", dest="statistics", action="store_false",
+                   help="skip the sharing statistics, whose memory grows with distinct blocks "
+                        "(default: computed)")
+    a.add_argument("--json", action="store_true",
+                   help="print the figures as JSON (default: tables)")
+    a.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="hit-rate curves against tier size, with matplotlib (default: none)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of ints: {text!r}") from None
+
+
+def _size_list(text: str) -> list[int]:
+    from tierserve.runtime.analyze.report import parse_size
+    try:
+        return [parse_size(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    import json
+    from tierserve.runtime.analyze import analyze
+    from tierserve.runtime.analyze.report import check_plotting, format_report, plot_curves
+    if args.plot:
+        check_plotting()  # before the analysis, not after it
+    costs = None
+    if args.profile:
+        from tierserve.runtime.analyze.profile import profile_costs
+        costs = profile_costs(args.model, dtype=args.dtype or "auto",
+                              block_size=args.block_size or 16, ssd_path=args.ssd_path)
+    out = analyze(args.inputs, model=args.model, block_size=args.block_size,
+                  device_blocks=args.device_blocks, cpu_bytes=args.cpu_bytes,
+                  ssd_bytes=args.ssd_bytes, dtype=args.dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, costs=costs, rate=args.rate,
+                  output_len=args.output_len, statistics=args.statistics)
+    if args.plot:
+        plot_curves(out, args.plot)
+    print(json.dumps(out) if args.json else format_report(out))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import serve
+    _progress(f"serving {args.name!r}: joining its Ray cluster, starting the deployment if it "
+              f"is not running (loading the model takes a while)")
     handle = serve(args.name, args.namespace, **engine_options(args))
     info = handle.info()
     ns = args.namespace or envs.default_namespace()
+    replicas = info.get("data_parallel_size", 1)
+    where = f"{replicas} replicas behind a router ({info['routing_policy']} routing)" \
+        if replicas > 1 else f"engine on {info['node_ip']}"
     print(f"tierserve deployment {args.name!r} is running (namespace {ns!r}, "
           f"TP={info['tensor_parallel_size']}, max_model_len={info['max_model_len']}, "
-          f"engine on {info['node_ip']}).")
+          f"{where}).")
     print(f"  python: handle = tierserve.connect({args.name!r}, namespace={ns!r})")
     print(f"  shell:  tierserve generate --name {args.name} \"PROMPT\"")
+    print(f"  status: tierserve status {args.name}")
     print(f"  stop:   tierserve stop {args.name}")
     return 0
 
 
 def cmd_api_server(args: argparse.Namespace) -> int:
     from tierserve.deploy.openai import KeyTable, ServerConfig, serve_http
+    from tierserve.deploy.openai.connections import ConnectionLimits
     from tierserve.runtime.client import AsyncLLM
     keys = KeyTable.single(args.api_key) if args.api_key else \
         KeyTable.from_file(args.api_keys_file) if args.api_keys_file else None
@@ -176,7 +317,10 @@ def cmd_api_server(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_name=args.served_model_name or
                               model_name(info.get("model")),
                               max_queued_requests=info["max_queued_requests"],
-                              max_body_bytes=args.max_body_bytes, keys=keys)
+                              max_body_bytes=args.max_body_bytes, keys=keys,
+                              body_timeout_s=args.body_timeout,
+                              connections=ConnectionLimits(args.header_timeout,
+                                                           args.max_connections_per_client))
         print(f"tierserve: serving {config.served_model_name!r} on "
               f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         serve_http(engine, config, args.host, args.port)
@@ -195,52 +339,81 @@ def model_name(model: str | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from tierserve.deploy.cli_status import status_lines
     from tierserve.deploy.ray_engine import connect
-    from tierserve.runtime.executor import EngineDeadError
     try:
         llm = connect(args.name, args.namespace)
         stats = llm.stats()
+        info = llm.info() if not stats["dead"] else {}
     except EngineDeadError as e:
         print(f"deployment {args.name!r}: DEAD: {e}")
         return 1
     if stats["dead"]:
         print(f"deployment {args.name!r}: DEAD: {stats['dead']}")
         return 1
-    print(f"deployment {args.name!r}: running")
-    print(f"  running requests   {stats['num_running']}")
-    print(f"  waiting requests   {stats['num_waiting']}")
-    print(f"  KV usage           {stats['kv_usage']:.1%} of {stats['num_total_blocks']} blocks")
-    print(f"  prefix hit rate    {stats['prefix_cache_hit_rate']:.1%} "
-          f"({stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} tokens)")
-    print(f"  preemptions        {stats['num_preemptions']}")
-    backend = stats.get("backend")
-    if backend:
-        paths = ", ".join(backend["paths"]) or "plain torch ops"
-        print(f"  CPU backend        {backend['name']} ({paths}) on {backend['cpu']}")
+    print("\n".join(status_lines(args.name, stats, info)))
+    if "replicas" in stats:
+        _print_replicas(stats)
     if args.requests:
         requests = llm.list_requests()
         print(f"  requests ({len(requests)}):")
         for r in requests:
+            where = f"  replica {r['replica']}" if "replica" in r else ""
             print(f"    {r['request_id']}  {r['status']:<9} prompt {r['prompt_tokens']:>6}  "
-                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s")
+                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s{where}")
     return 0
+
+
+def _print_replicas(stats: dict) -> None:
+    router = stats["router"]
+    print(f"  routing            {router['policy']}: {router['routed']} requests, "
+          f"{router['route_us_mean']:.0f} us mean ({router['route_us_p99']:.0f} us p99), "
+          f"{router['indexed_blocks']} blocks indexed")
+    print(f"  replicas ({len(stats['replicas'])}):")
+    for rid, r in sorted(stats["replicas"].items()):
+        line = f"    {rid}  {r['state']:<8} node {(r['node'] or '?')[:12]}  restarts " \
+               f"{r['replica_restarts']}"
+        if "num_running" in r:
+            line += (f"  running {r['num_running']:>3}  waiting {r['num_waiting']:>3}  KV "
+                     f"{r['kv_usage']:.0%}  prefix hits {r['prefix_cache_hit_rate']:.0%}")
+        if r.get("error") and r["state"] != "live":
+            line += f"  ({r['error']})"
+        print(line)
 
 
 def cmd_abort(args: argparse.Namespace) -> int:
     from tierserve.deploy.ray_engine import connect
-    if args.request_id in connect(args.name, args.namespace).engine.abort_now([args.request_id]):
+    if connect(args.name, args.namespace).engine.abort_now([args.request_id]):
         print(f"aborted {args.request_id!r}")
         return 0
     print(f"no unfinished request {args.request_id!r} in {args.name!r}", file=sys.stderr)
     return 1
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from tierserve.deploy.ray_engine import connect
+    engine = connect(args.name, args.namespace).engine
+    if not hasattr(engine, "scale"):
+        print(f"deployment {args.name!r} runs one engine without a router; serve it with "
+              f"--dp 2 or more to scale it", file=sys.stderr)
+        return 1
+    result = engine.scale(args.data_parallel_size)
+    for error in result["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    print(f"deployment {args.name!r}: {result['replicas']} replicas")
+    return 1 if result["errors"] else 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
+    from tierserve.deploy import ray_cluster
     from tierserve.deploy.ray_engine import stop
+    head = ray_cluster.local_head()
     if not stop(args.name, args.namespace):
         print(f"no deployment named {args.name!r}", file=sys.stderr)
         return 1
     print(f"stopped {args.name!r}")
+    if head is not None and ray_cluster.local_head() is None:
+        print(f"stopped the local Ray head at {head.address} (its last deployment is gone)")
     return 0
 
 
@@ -248,9 +421,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
     import asyncio
     from tierserve.deploy.ray_engine import connect
     handle = connect(args.name, args.namespace)
+    params = sampling_params(args, handle.info()["generation_defaults"])
 
     async def run() -> str | None:
-        async for delta in handle.generate(args.prompt, sampling_params(args)):
+        async for delta in handle.generate(args.prompt, params):
             if delta.error:
                 return delta.error
             print(delta.outputs[0].text, end="", flush=True)
@@ -269,7 +443,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     from tierserve.runtime.llm import LLM
     with LLM(**engine_options(args)) as llm:
-        out = llm.generate(args.prompt, sampling_params(args), use_tqdm=False)[0]
+        params = sampling_params(args, llm.engine.info()["generation_defaults"])
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
@@ -278,25 +453,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """One reply, or a REPL; Ctrl-D (end of input) and Ctrl-C leave it without a trace."""
     from tierserve.runtime.llm import LLM
-    params = sampling_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None and sys.stdin.isatty()
     with LLM(**engine_options(args)) as llm:
-        messages = [args.message] if args.message is not None else _read_messages()
-        for message in messages:
-            history.append({"role": "user", "content": message})
-            out = llm.chat(history, params, use_tqdm=False)[0]
-            if out.error:
-                print(f"error: {out.error}", file=sys.stderr)
-                return 1
-            reply = out.outputs[0].text
-            history.append({"role": "assistant", "content": reply})
-            print(reply, flush=True)
+        params = sampling_params(args, llm.engine.info()["generation_defaults"], chat=True)
+        messages = [args.message] if args.message is not None else _read_messages(interactive)
+        try:
+            for message in messages:
+                history.append({"role": "user", "content": message})
+                out = llm.chat(history, params, use_tqdm=False)[0]
+                if out.error:
+                    print(f"error: {out.error}", file=sys.stderr)
+                    return 1
+                reply = out.outputs[0].text
+                history.append({"role": "assistant", "content": reply})
+                print(reply, flush=True)
+        except KeyboardInterrupt:
+            if interactive:
+                print()
+            return 130
+    if interactive:
+        print()
     return 0
 
 
-def _read_messages():
-    interactive = sys.stdin.isatty()
+def _read_messages(interactive: bool):
     while True:
         if interactive:
             print("> ", end="", flush=True)
@@ -307,19 +490,43 @@ def _read_messages():
             yield line.strip()
 
 
+def _progress(message: str) -> None:
+    """A line about a slow step, for a person watching a terminal."""
+    if sys.stderr.isatty():
+        print(f"tierserve: {message}", file=sys.stderr, flush=True)
+
+
+def _configure_logging() -> None:
+    """Warnings read as `tierserve: ...`; a chosen TIERSERVE_LOG_LEVEL below WARNING adds the
+    level and logger. On a terminal the start's progress lines (weights, KV pool, kernels)
+    show too."""
+    level = envs.log_level()
+    verbose = level in ("DEBUG", "INFO")
+    fmt = "%(levelname)s %(name)s: %(message)s" if verbose else "tierserve: %(message)s"
+    logging.basicConfig(level=level, format=fmt)
+    if sys.stderr.isatty() and not verbose:
+        progress = logging.getLogger("tierserve.progress")
+        progress.setLevel(logging.INFO)
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "api-server": cmd_api_server,
-            "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort}
+            "api-server": cmd_api_server, "analyze": cmd_analyze,
+            "status": cmd_status, "stop": cmd_stop, "abort": cmd_abort, "scale": cmd_scale}
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    _configure_logging()
     try:
         return COMMANDS[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EngineDeadError as e:
+        print(f"error: the engine is dead: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

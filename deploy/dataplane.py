@@ -311,11 +311,16 @@ class DataPlaneServer:
 
     def recv(self, timeout_s: float) -> tuple[FromWorker, int] | None:
         """The next reply that decodes and its sender's rank, or None if none came within
-        timeout_s. A frame without a rank's User-Id or that does not decode is dropped."""
+        timeout_s (0: what has already come). A frame without a rank's User-Id or that does
+        not decode is dropped."""
         deadline = time.monotonic() + timeout_s
+        looked = False
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._pull.poll(int(remaining * 1000) or 1):
+            if remaining <= 0 and looked:
+                return None
+            looked = True
+            if not self._pull.poll(max(int(remaining * 1000), 1) if remaining > 0 else 0):
                 return None
             parts = self._pull.recv_multipart(copy=False)
             sender = _sender_rank(parts[0])

@@ -4,20 +4,29 @@ from __future__ import annotations
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
-__all__ = ["make_placement_group", "rank_bundles", "worker_bundle"]
+__all__ = ["make_placement_group", "rank_bundles", "worker_bundle", "worker_names"]
 
 
-def worker_bundle(device: str, cpus_per_worker: int) -> dict:
+def worker_names(prefix: str, rank: int) -> tuple[str, str]:
+    """The two actor names rank `rank` of a deployment takes in turn with its spare
+    (deploy/ray_executor.py)."""
+    return f"{prefix}-rank{rank}", f"{prefix}-rank{rank}-b"
+
+
+def worker_bundle(device: str, cpus_per_worker: float) -> dict:
     if device == "cuda":
         return {"GPU": 1, "CPU": cpus_per_worker}
     return {"CPU": cpus_per_worker}
 
 
-def make_placement_group(tp_size: int, device: str, strategy: str, cpus_per_worker: int = 1,
-                         detached: bool = False, timeout_s: float = 60.0) -> PlacementGroup:
+def make_placement_group(tp_size: int, device: str, strategy: str, cpus_per_worker: float = 1,
+                         detached: bool = False, timeout_s: float = 60.0, name: str = "",
+                         target_node: str | None = None) -> PlacementGroup:
+    """target_node: where a STRICT_PACK group should go if it fits there (a preference)."""
     bundles = [worker_bundle(device, cpus_per_worker) for _ in range(tp_size)]
-    pg = placement_group(bundles, strategy=strategy,
-                         lifetime="detached" if detached else None)
+    pg = placement_group(bundles, strategy=strategy, name=name,
+                         lifetime="detached" if detached else None,
+                         _soft_target_node_id=target_node if strategy == "STRICT_PACK" else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)

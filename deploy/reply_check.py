@@ -7,14 +7,14 @@ this says whether it answers the step that is waiting.
 from __future__ import annotations
 
 from tierserve.scheduler.messages import (
-    FlushTiers, FromWorker, ModelRunnerOutput, SchedulerOutput, ToWorker, WorkerError,
-    req_ids_digest,
+    ASYNC_KINDS, FlushTiers, FromWorker, ModelRunnerOutput, SchedulerOutput, ToWorker,
+    WorkerError, req_ids_digest,
 )
 
 __all__ = ["reply_problem"]
 
-# The asynchronous copy kinds a reply may report (CopyKind: 1 load, 2 spill).
-_COPY_KINDS = (1, 2)
+# The asynchronous copy kinds a reply may report.
+_COPY_KINDS = tuple(int(k) for k in ASYNC_KINDS)
 
 
 def reply_problem(reply: FromWorker, sender: int, sent: ToWorker, vocab_size: int,
@@ -53,8 +53,8 @@ def _step_problem(reply: ModelRunnerOutput, sent: SchedulerOutput,
         if lp is not None and (len(lp.token_ids) != len(lp.logprobs) or any(
                 t < 0 or t >= vocab_size for t in lp.token_ids)):
             return "a logprob entry with mismatched lengths or a token id outside the vocabulary"
-    if reply.flushed_entries:
-        return "flushed SSD entries in the answer to a step"
+    if reply.flushed_blocks:
+        return "flushed SSD blocks in the answer to a step"
     if reply.num_accepted and (len(reply.num_accepted) != n or not sent.num_spec_tokens or any(
             not 0 <= a <= k for a, k in zip(reply.num_accepted, sent.num_spec_tokens))):
         return "accepted draft counts that do not match the step's drafts"
@@ -74,7 +74,7 @@ def _tier_problem(reply: ModelRunnerOutput) -> str | None:
 def _flush_problem(reply: ModelRunnerOutput, sent: FlushTiers) -> str | None:
     if reply.sampled_token_ids or reply.logprobs or reply.tier_failed:
         return "sampled tokens or tier copies in the answer to a flush"
-    asked = set(sent.device_entries) | set(sent.cpu_entries)
-    if not asked.issuperset(reply.flushed_entries):
-        return "flushed SSD entries the flush did not ask for"
+    asked = sum(len(batch) for batch in sent.copies)
+    if not 0 <= reply.flushed_blocks <= asked:
+        return f"{reply.flushed_blocks} blocks flushed of the {asked} the flush asked for"
     return None

@@ -7,7 +7,7 @@ the list order: the head is evicted first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NewType
+from typing import Iterable, NewType, Sequence
 
 BlockHash = NewType("BlockHash", bytes)
 BlockId = NewType("BlockId", int)
@@ -86,6 +86,17 @@ class FreeKVCacheBlockQueue:
         block.prev_free = self._head
         self.num_free_blocks -= n
         return out
+
+    def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Unlinks blocks that are all in the queue (remove, looped without a call each)."""
+        for block in blocks:
+            prev, nxt = block.prev_free, block.next_free
+            if prev is None or nxt is None:
+                raise RuntimeError(f"block {block.block_id} is not in the free queue")
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            block.prev_free = block.next_free = None
+        self.num_free_blocks -= len(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None or block.next_free is None:

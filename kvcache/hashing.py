@@ -8,6 +8,7 @@ across processes and restarts for a given (algorithm, seed) and changes when eit
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import struct
 import sys
@@ -57,15 +58,17 @@ class BlockHasher:
         self.root = BlockHash(self._digest(b"tierserve-root" + struct.pack("<Q", seed)))
 
     def hash_blocks(self, token_ids: Sequence[int], start_block: int, parent: BlockHash | None,
-                    extra_first: bytes = b"", extra: bytes = b""
+                    extra_first: bytes = b"", extra: bytes = b"", end_block: int | None = None
                     ) -> tuple[list[BlockHash], list[bytes]]:
-        """Hashes every full block from `start_block` on; returns (hashes, keys).
+        """Hashes every full block from `start_block` on (up to `end_block`, exclusive, when
+        given); returns (hashes, keys).
 
         `extra_first` goes into block 0 only (the cache salt: the chain carries it on);
         `extra` goes into every block (a LoRA id changes every block's KV).
         """
         bs = self.block_size
-        end_block = len(token_ids) // bs
+        full = len(token_ids) // bs
+        end_block = full if end_block is None else min(end_block, full)
         if end_block <= start_block:
             return [], []
         packed = array.array("I", token_ids[start_block * bs:end_block * bs])
@@ -88,7 +91,7 @@ class BlockHasher:
 
 def _make_digest(algorithm: str, seed: int) -> Callable[[bytes], bytes]:
     if algorithm == "xxhash":
-        xxh = xxhash.xxh3_128_digest
-        return lambda data: xxh(data, seed)
+        # A partial, not a lambda: one C call per block, no Python frame.
+        return functools.partial(xxhash.xxh3_128_digest, seed=seed)
     prefix = struct.pack("<Q", seed)
     return lambda data: hashlib.sha256(prefix + data).digest()

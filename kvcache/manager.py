@@ -11,8 +11,9 @@ from typing import Protocol, Sequence
 
 from tierserve.kvcache.block import BlockHash, KVCacheBlock
 from tierserve.kvcache.block_pool import BlockPool
+from tierserve.kvcache.events import KVEventRecorder
 from tierserve.kvcache.tenants import tenant_of
-from tierserve.kvcache.tiers import TierHit, TierManager
+from tierserve.kvcache.tier_policy import TierPolicy
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "CacheableRequest"]
 
@@ -46,17 +47,24 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  verify_hits: bool = True, watermark: float = 0.01,
-                 tiers: TierManager | None = None) -> None:
+                 tiers: TierPolicy | None = None,
+                 events: KVEventRecorder | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # With tiers, a cached block is demoted to the CPU tier when its slot is reused.
-        self.tiers = tiers if enable_caching else None
+        # The KV tiers below the pool (none: a policy over an index of capacity 0). A cached
+        # block the pool evicts is offered to them (demoted) before its slot is reused.
+        self.tiers = tiers if tiers is not None else TierPolicy(block_size=block_size)
+        if self.tiers.enabled and not enable_caching:
+            raise ValueError("KV tiers hold cached blocks: they need prefix caching")
         self.pool = BlockPool(num_blocks, enable_caching, verify_hits,
-                              self.tiers.demote if self.tiers is not None else None)
+                              self.tiers.on_evict if self.tiers.enabled else None,
+                              events if enable_caching else None)
+        if events is not None and self.tiers.enabled:
+            self.tiers.index.record_events(events)
         # Reserved from new admissions only, so running requests can always take a next block.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -76,23 +84,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        keys = request.block_keys
-        hits: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            block = self.pool.get_cached_block(request.block_hashes[i],
-                                               keys[i] if keys is not None else None)
-            if block is None:
-                break  # the chain broke: no later block can hit
-            hits.append(block)
+        # The chain broke at the first miss: no later block can hit.
+        hits = self.pool.lookup_chain(request.block_hashes, request.block_keys, max_blocks)
         return hits, len(hits) * self.block_size
-
-    def find_tier_hits(self, request: CacheableRequest, num_device_hits: int) -> list[TierHit]:
-        """The prefix continued below the device pool: the blocks after the device hits found in
-        the CPU tier or on SSD, up to the first miss; never the whole prompt either."""
-        if self.tiers is None:
-            return []
-        stop = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        return self.tiers.find(request.block_hashes, request.block_keys, num_device_hits, stop)
 
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
@@ -117,7 +111,7 @@ class KVCacheManager:
         num_held = len(held) if held is not None else 0
         num_new = max(num_required - num_held - len(new_computed_blocks), 0)
         # Hits sitting in the free queue leave it when touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_free_hits = [b.ref_cnt for b in new_computed_blocks].count(0)
         reserve = self.watermark_blocks if apply_watermark else 0
         if num_new + num_free_hits + reserve > self.pool.num_free_blocks:
             return None
@@ -171,9 +165,20 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():
             return False
-        if self.tiers is not None:
-            self.tiers.clear()
+        self.tiers.clear()
         return True
+
+    def drop_worker_memory(self) -> list:
+        """For a worker rebuild: the pool's KV and the CPU tier lived in the dead workers'
+        memory. Every cached device block is forgotten (never demoted: its KV is gone), and so
+        is the tiers' state in worker memory (TierPolicy.drop_worker_memory); the SSD record is
+        kept. No request may hold blocks (preempt them first). Returns the requests that waited
+        for SSD loads: they are waiting requests again."""
+        if self.req_to_blocks:
+            raise RuntimeError(f"{len(self.req_to_blocks)} requests still hold blocks")
+        reset = self.pool.reset_prefix_cache()
+        assert reset, "no request holds a block, yet the pool refused the reset"
+        return self.tiers.drop_worker_memory()
 
     def _cache_full_blocks(self, request: CacheableRequest, held: list[KVCacheBlock],
                            num_tokens: int) -> None:
@@ -218,6 +223,6 @@ class KVCacheManager:
             assert not block.is_null
         for rid, blocks in self.req_to_blocks.items():
             assert all(b.block_hash is not None for b in blocks[:self._num_cached[rid]])
+        pool.check_hash_map()
         pool.check_tenants()
-        if self.tiers is not None:
-            self.tiers.check_integrity()
+        self.tiers.check_integrity()

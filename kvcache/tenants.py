@@ -15,6 +15,12 @@ free blocks if it occupies more than t (two O(1) looks, not a search over every 
 no payer, a plain free block (no hash) goes instead if t occupies fewer blocks than the
 heaviest tenant.
 
+A tenant with a share (`share_of`: its name ends in "@SHARE") that occupies its share of the
+pool or more takes its own least recently freed cached block first, before a plain free block
+or anyone else's: it cannot hold more than its share of the pool with cached blocks. Below its
+share it still takes a plain free block, or else its own cached one, before it evicts another
+tenant's cached block (`capped_choice`).
+
 So a tenant that fills the cache evicts its own blocks first: another tenant's cached blocks go
 only while it occupies at least as much of the pool as they do (ties go by LRU), or when no
 block is left but theirs (every other free block is gone, and blocks held by running requests
@@ -31,7 +37,7 @@ from typing import Iterable
 
 from tierserve.kvcache.block import KVCacheBlock
 
-__all__ = ["TenantLedger", "MaxCounter", "tenant_of"]
+__all__ = ["TenantLedger", "MaxCounter", "tenant_of", "share_of"]
 
 Tenant = str | None
 
@@ -41,6 +47,18 @@ def tenant_of(cache_salt: str | None) -> Tenant:
     if cache_salt is None:
         return None
     return cache_salt.partition("|")[0]
+
+
+def share_of(tenant: Tenant) -> float | None:
+    """The share of the pool a tenant named `NAME@SHARE` (SHARE in (0, 1]) may hold cached;
+    None: no share of its own (the fair rule alone)."""
+    if tenant is None or "@" not in tenant:
+        return None
+    try:
+        share = float(tenant.rpartition("@")[2])
+    except ValueError:
+        return None
+    return share if 0.0 < share <= 1.0 else None
 
 
 class MaxCounter:
@@ -177,6 +195,21 @@ class TenantLedger:
         if not blocks:
             del self.evictable[block.tenant]
         self._num_evictable.dec(block.tenant)
+
+    def capped_choice(self, tenant: Tenant, cap: int, head: KVCacheBlock
+                      ) -> KVCacheBlock | None:
+        """The block a tenant with a share (`cap` blocks) takes instead of `head`: its own
+        least recently freed cached block once it occupies its share; else, while the head is
+        another tenant's cached block, a plain free block, or failing that its own cached
+        block. None: the usual rule (the head, or the fair rule's victim)."""
+        own = self.evictable.get(tenant)
+        if own and self.occupancy.counts.get(tenant, 0) >= cap:
+            return next(iter(own.values()))
+        if head.block_hash is None or head.tenant == tenant:
+            return None
+        if self.plain:
+            return next(iter(self.plain.values()))
+        return next(iter(own.values())) if own else None
 
     def victim(self, head: KVCacheBlock) -> KVCacheBlock | None:
         """The block to take instead of `head`, a cached free block at the queue's head; None

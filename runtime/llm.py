@@ -1,7 +1,8 @@
 """`tierserve.LLM`: offline batched generation, vLLM's shape.
 
 In-process (one device, no Ray) by default; on the registered remote transport (Ray) when
-tensor_parallel_size > 1 or distributed=True, with the same API (client.py).
+tensor_parallel_size > 1 or distributed=True, with the same API (client.py). Prompts are
+tokenized and outputs detokenized here, by the processors every frontend uses (processor.py).
 """
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from tierserve.runtime.client import SyncEngineClient, deployments, prompt_fields
+from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import RequestOutput
-from tierserve.scheduler.messages import EngineCoreRequest
+from tierserve.runtime.processor import InputProcessor, OutputProcessor, Processed
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["LLM", "PromptType"]
@@ -33,10 +34,19 @@ class LLM:
             from tierserve.runtime.engine_core import EngineCore
             self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        self._processors: tuple[InputProcessor, OutputProcessor] | None = None
+        self._defaults: dict | None = None
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without sampling parameters gets: the model's generation config
+        (engine option generation_config), else vLLM's defaults."""
+        if self._defaults is None:
+            self._defaults = self.engine.info()["generation_defaults"]
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -63,32 +73,44 @@ class LLM:
         return self.generate([{"messages": list(c)} for c in conversations], sampling_params,
                              use_tqdm=use_tqdm)
 
-    def _request(self, prompt: PromptType, params, salt,
-                 priority) -> EngineCoreRequest | RequestOutput:
+    @property
+    def processors(self) -> tuple[InputProcessor, OutputProcessor]:
+        if self._processors is None:
+            tok, engine = self.engine.tokenizer, self.engine
+            self._processors = (InputProcessor(tok, engine.vocab_size, engine.max_model_len),
+                                OutputProcessor(tok))
+        return self._processors
+
+    def _request(self, prompt: PromptType, params, salt, priority) -> Processed | RequestOutput:
         rid = str(next(self._ids))
         try:
             if isinstance(params, dict):
                 params = SamplingParams(**params)
             elif params is None:
-                params = SamplingParams()
+                params = self.get_default_sampling_params()
             elif not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams or a dict, got "
                                  f"{type(params).__name__}")
-            fields = prompt_fields(prompt)
+            return self.processors[0].process(rid, prompt, params, priority, salt)
         except (ValueError, TypeError) as e:
             return RequestOutput.failed(rid, prompt if isinstance(prompt, str) else None, [],
                                         str(e))
-        return EngineCoreRequest(rid, params, priority=priority, cache_salt=salt, **fields)
 
-    def _run(self, requests: list, progress: bool) -> list[RequestOutput]:
+    def _run(self, items: list, progress: bool) -> list[RequestOutput]:
         results = [r if isinstance(r, RequestOutput) else RequestOutput.start(
-            r.req_id, r.prompt, r.sampling_params.logprobs is not None, r.sampling_params.n)
-            for r in requests]
+            r.request.req_id, r.prompt, r.request.sampling_params.logprobs is not None,
+            r.request.sampling_params.n) for r in items]
         by_id = {r.request_id: r for r in results if not r.finished}
+        requests = [r.request for r in items if isinstance(r, Processed)]
+        processor = self.processors[1]
+        for request in requests:
+            processor.add(request)
         bar = tqdm(total=len(by_id), desc="generating", disable=not progress)
         try:
-            for outputs in self.engine.stream_batch([r for r in requests
-                                                     if not isinstance(r, RequestOutput)]):
+            for outputs in self.engine.stream_batch(requests):
+                outputs, stopped = processor.process(outputs)
+                if stopped:
+                    self.engine.stop_sequences(stopped)
                 for delta in outputs:
                     result = by_id.get(delta.req_id)
                     if result is not None:
@@ -96,6 +118,8 @@ class LLM:
                         bar.update(int(result.finished))
         finally:
             bar.close()
+            for request in requests:
+                processor.remove(request.req_id)
         return results
 
     def stats(self) -> dict:

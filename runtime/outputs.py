@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from tierserve.scheduler.messages import EngineCoreOutput
 from tierserve.scheduler.params import ErrorKind, FinishReason
 
-__all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict", "Outstanding"]
+__all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict", "prompt_logprobs_of",
+           "Outstanding"]
 
 
 @dataclass(slots=True)
@@ -38,10 +39,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # Of those, the prompt tokens the CPU tier held (loaded from SSD or demoted there).
+    num_tier_cached_tokens: int = 0
     # Set when the request failed (bad input, engine error); outputs then hold what was made.
     error: str | None = None
     # Why it failed: an ErrorKind name (bad_request, overloaded, engine_dead, internal).
     error_kind: str | None = None
+    # With prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def start(cls, request_id: str, prompt: str | None, want_logprobs: bool,
@@ -65,6 +70,8 @@ class RequestOutput:
         completion = self.outputs[delta.index if delta.index < len(self.outputs) else 0]
         if delta.prompt_token_ids:
             self.prompt_token_ids = delta.prompt_token_ids
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs_of(delta.prompt_logprobs)
         completion.token_ids.extend(delta.new_token_ids)
         completion.text += delta.new_text
         if completion.logprobs is not None:
@@ -72,6 +79,7 @@ class RequestOutput:
                 completion.logprobs.append(logprob_dict(lp))
                 completion.cumulative_logprob += lp.logprobs[0]
         self.num_cached_tokens = max(delta.num_cached_tokens, 0)
+        self.num_tier_cached_tokens = delta.num_tier_cached_tokens
         if delta.error:
             self.error = delta.error
             self.error_kind = str(ErrorKind(delta.error_kind or ErrorKind.INTERNAL))
@@ -79,6 +87,10 @@ class RequestOutput:
             completion.finish_reason = str(FinishReason(delta.finish_reason))
             self.finished = bool(delta.error) or all(c.finish_reason is not None
                                                      for c in self.outputs)
+
+
+def prompt_logprobs_of(lps) -> list[dict[int, Logprob] | None]:
+    return [None] + [logprob_dict(lp) for lp in lps]
 
 
 def logprob_dict(lp) -> dict[int, Logprob]:

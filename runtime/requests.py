@@ -1,52 +1,95 @@
-"""Validation of a client's request at the engine's door, types included.
+"""Validation of a request, types included, in the two places it is checked.
 
-A request reaches the EngineCore from Python callers, Ray actor calls and (later) HTTP, so
-nothing about its fields can be assumed: every check here raises ValueError naming the field,
-and a request that passes can be tokenized, scheduled, encoded on the wire and decoded by the
-workers. Token ids are checked against the vocabulary by the scheduler.
+A user's prompt (text, chat messages or token ids) is checked in the client's process, before
+any text work (`check_prompt`, `token_ids`); the EngineCore takes token ids only and checks
+what reaches it again at its door (`check_request`), since it is also reached by Ray actor calls
+that no client of ours made. Nothing about a field can be assumed: every check raises
+ValueError naming the field, and a request that passes can be scheduled, encoded on the wire
+and decoded by the workers. Token ids are checked against the vocabulary by the scheduler too.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from tierserve.scheduler.messages import EngineCoreRequest
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers.structured import check_structured
 
-__all__ = ["check_request", "token_ids", "MAX_INT64"]
+__all__ = ["check_request", "check_prompt", "check_messages", "check_params", "token_ids",
+           "prompt_fields", "Prompt", "MAX_INT64"]
 
 MAX_INT64 = 2**63 - 1
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def check_request(request: EngineCoreRequest) -> None:
+@dataclass(slots=True)
+class Prompt:
+    """Exactly one of text, token_ids and messages (chat, rendered by the model's template)."""
+
+    text: str | None = None
+    token_ids: list | None = None
+    messages: list | None = None
+
+
+def prompt_fields(prompt) -> Prompt:
+    """A prompt as text, token ids, chat messages, or a dict of prompt / prompt_token_ids /
+    messages; ValueError for anything else (check_prompt checks the values)."""
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
+        if unknown or not prompt:
+            raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages; got "
+                             f"{sorted(map(str, prompt)) or 'nothing'}")
+        given = [k for k in ("prompt", "prompt_token_ids", "messages") if prompt.get(k) is not None]
+        if len(given) != 1:
+            raise ValueError("a request takes exactly one of prompt, prompt_token_ids and "
+                             f"messages; got {', '.join(given) if given else 'none'}")
+        return Prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("messages"))
+    if isinstance(prompt, (list, tuple)):
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return Prompt(messages=list(prompt))
+        return Prompt(token_ids=list(prompt))
+    raise ValueError(f"a prompt is a string, a list of token ids, a list of chat messages or a "
+                     f"dict, got {type(prompt).__name__}")
+
+
+def check_prompt(prompt: Prompt) -> None:
+    """The prompt's own checks (types, Unicode), before anything tokenizes it."""
+    if prompt.text is not None:
+        if not isinstance(prompt.text, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt.text).__name__}")
+        _check_text("prompt", prompt.text)
+    elif prompt.messages is not None:
+        check_messages(prompt.messages)
+
+
+def check_params(params, priority, cache_salt) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    # Checked when built, and again here: fields can be set past the constructor.
+    params.__post_init__()
+    if params.structured_outputs is not None:
+        check_structured(params.structured_outputs)
+    if type(priority) is not int or abs(priority) > MAX_INT64:
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        _check_text("cache_salt", cache_salt)
+
+
+def check_request(request: EngineCoreRequest) -> list[int]:
+    """The engine's door: the request's token ids as Python ints, or ValueError."""
     if not isinstance(request.req_id, str) or not request.req_id:
         raise ValueError(f"request_id must be a non-empty string, got {request.req_id!r}")
     _check_text("request_id", request.req_id)
-    given = [name for name in ("prompt", "prompt_token_ids", "messages")
-             if getattr(request, name) is not None]
-    if len(given) != 1:
-        raise ValueError("a request takes exactly one of prompt, prompt_token_ids and messages; "
-                         f"got {', '.join(given) if given else 'none'}")
-    if request.prompt is not None:
-        if not isinstance(request.prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(request.prompt).__name__}")
-        _check_text("prompt", request.prompt)
-    if request.messages is not None:
-        check_messages(request.messages)
-    if not isinstance(request.sampling_params, SamplingParams):
-        raise ValueError(f"sampling_params must be SamplingParams, got "
-                         f"{type(request.sampling_params).__name__}")
-    # Checked when built, and again here: fields can be set past the constructor.
-    request.sampling_params.__post_init__()
-    if request.sampling_params.structured_outputs is not None:
-        check_structured(request.sampling_params.structured_outputs)
-    if type(request.priority) is not int or abs(request.priority) > MAX_INT64:
-        raise ValueError(f"priority must be an int, got {request.priority!r}")
-    if request.cache_salt is not None:
-        if not isinstance(request.cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {request.cache_salt!r}")
-        _check_text("cache_salt", request.cache_salt)
+    if not isinstance(request.label, str):
+        raise ValueError(f"label must be a string, got {type(request.label).__name__}")
+    _check_text("label", request.label)
+    check_params(request.sampling_params, request.priority, request.cache_salt)
+    return token_ids(request.prompt_token_ids)
 
 
 def check_messages(messages) -> None:
@@ -70,9 +113,9 @@ def check_messages(messages) -> None:
             raise ValueError(f"messages[{i}].name must be a string")
 
 
-def token_ids(ids, field: str = "prompt_token_ids") -> list[int]:
+def token_ids(ids, field: str = "prompt_token_ids", vocab_size: int | None = None) -> list[int]:
     """ids as a list of Python ints (numpy integers accepted); bools, floats, strings and
-    values outside int64 are refused."""
+    values outside int64 (or, given vocab_size, outside [0, vocab_size)) are refused."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"{field} must be a list of token ids, got {type(ids).__name__}")
     out = []
@@ -85,6 +128,8 @@ def token_ids(ids, field: str = "prompt_token_ids") -> list[int]:
             raise ValueError(f"{field}[{i}] must be an int, got {type(t).__name__}") from None
         if not -MAX_INT64 - 1 <= value <= MAX_INT64:
             raise ValueError(f"{field}[{i}] = {value} is outside int64")
+        if vocab_size is not None and not 0 <= value < vocab_size:
+            raise ValueError(f"{field}[{i}] = {value} is out of range [0, {vocab_size})")
         out.append(value)
     return out
 

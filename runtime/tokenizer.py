@@ -10,6 +10,7 @@ version, whose conversion may change) and later loads read the saved tokenizer.j
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -19,7 +20,6 @@ import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import transformers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -68,6 +68,19 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return getattr(self.hf, "chat_template", None)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for, plus one (a SentencePiece token
+        decoded alone drops its leading space): a text of B bytes has at least
+        B / max_token_bytes tokens, which bounds a prompt's length before it is tokenized. A
+        token that is part of a character decodes alone to U+FFFD, 3 bytes: never too few."""
+        ids = [[i] for i in range(self.vocab_size)]
+        if self._backend is not None:
+            texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = [self.decode(i, skip_special_tokens=False) for i in ids]
+        return max((len(t.encode("utf-8", "replace")) for t in texts), default=0) + 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -137,7 +150,7 @@ def gguf_cache_folder(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike
     gguf_path = os.path.abspath(os.fspath(gguf_path))
     st = os.stat(gguf_path)
     key = json.dumps([_CACHE_FORMAT, gguf_path, st.st_size, st.st_mtime_ns,
-                      transformers.__version__])
+                      _transformers_version()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return os.path.join(os.fspath(cache_dir), "tokenizers", digest)
 
@@ -155,6 +168,13 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
     hf = _convert_gguf(gguf_path)
     _store(hf, folder, gguf_path)
     return hf
+
+
+def _transformers_version() -> str:
+    # transformers is imported where a tokenizer is loaded, not with this module: an engine
+    # loads it on a thread of its own while its weights load (runtime/engine_core.py).
+    from importlib.metadata import version
+    return version("transformers")
 
 
 def _auto_tokenizer() -> type:
@@ -250,7 +270,7 @@ def _store(hf: PreTrainedTokenizerBase, folder: str, gguf_path: str) -> None:
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         hf.save_pretrained(tmp)
         with open(os.path.join(tmp, "source.json"), "w") as f:
-            json.dump({"gguf": gguf_path, "transformers": transformers.__version__}, f)
+            json.dump({"gguf": gguf_path, "transformers": _transformers_version()}, f)
         os.rename(tmp, folder)
         tmp = None
     except OSError as exc:

@@ -5,7 +5,7 @@ Pure CPU bookkeeping: imports kvcache and msgspec only (never torch or ray).
 from tierserve.scheduler.messages import (
     CachedRequestData, ClientChannelCodec, EngineChannelCodec, EngineCoreOutput,
     EngineCoreOutputs, EngineCoreRequest, MalformedFrameError, ModelRunnerOutput, NewRequestData,
-    SampleLogprobs, SchedulerOutput, ShutdownWorker, TierOps, FlushTiers, WorkerChannelCodec,
+    SampleLogprobs, SchedulerOutput, ShutdownWorker, TierCopyBatch, FlushTiers, WorkerChannelCodec,
     WorkerError,
 )
 from tierserve.scheduler.params import FinishReason, RequestStatus, SamplingParams
@@ -15,7 +15,7 @@ from tierserve.scheduler.scheduler import Scheduler
 __all__ = [
     "CachedRequestData", "ClientChannelCodec", "EngineChannelCodec", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "MalformedFrameError", "ModelRunnerOutput",
-    "NewRequestData", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker", "TierOps",
+    "NewRequestData", "SampleLogprobs", "SchedulerOutput", "ShutdownWorker", "TierCopyBatch",
     "FlushTiers",
     "WorkerChannelCodec", "WorkerError", "FinishReason", "RequestStatus", "SamplingParams",
     "Request", "Scheduler",

@@ -17,10 +17,12 @@ from typing import Union
 
 import msgspec
 
+from tierserve.kvcache.tier_index import ASYNC_KINDS, CopyKind
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = [
-    "NewRequestData", "CachedRequestData", "SchedulerOutput", "TierOps", "FlushTiers",
+    "NewRequestData", "CachedRequestData", "SchedulerOutput", "TierCopyBatch", "CopyKind",
+    "ASYNC_KINDS", "FlushTiers",
     "ShutdownWorker", "SampleLogprobs", "ModelRunnerOutput", "WorkerError", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineCoreRequest", "ToWorker", "FromWorker", "MalformedFrameError", "WorkerChannelCodec",
     "EngineChannelCodec", "ClientChannelCodec", "req_ids_digest",
@@ -37,6 +39,10 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    # The last num_output_tokens of prompt_token_ids are the request's outputs so far (a
+    # request re-sent to new workers after a restart): penalties count them as outputs, and
+    # a seeded generator continues past the draws that sampled them.
+    num_output_tokens: int = 0
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -91,27 +97,34 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
         return out
 
 
-class TierOps(msgspec.Struct, **_WIRE):
-    """A step's KV tier copies, executed by every rank on its own head shard before the forward,
-    in this order: swap-outs (device block -> CPU slot), swap-ins (CPU slot -> device block),
-    then the asynchronous copies it starts (kvcache/tiers.py). Ids match on every rank."""
+class TierCopyBatch(msgspec.Struct, **_WIRE):
+    """One kind of KV tier copy of one step (kvcache/tier_policy.py CopyBatch), executed by every
+    rank on its own head shard. A step's batches run in list order, before the forward:
+    device -> CPU first (before a block id is reused), then the forked samples' block copies,
+    then CPU -> device (before a block is read), then the asynchronous copies are queued.
+    Ids mean the same place on every rank.
 
-    out_blocks: list[int] = []
-    out_slots: list[int] = []
-    in_slots: list[int] = []
-    in_blocks: list[int] = []
-    # Asynchronous copies, flat: sequence number (increasing within its kind), kind (CopyKind:
-    # 1 load SSD -> CPU, 2 spill CPU -> SSD), CPU slot, SSD entry, and the block's hash and
-    # hashed key (an SSD entry's header carries them and a load checks them).
-    seqs: list[int] = []
-    kinds: list[int] = []
-    cpu_slots: list[int] = []
-    ssd_entries: list[int] = []
+      kind            src                 dst
+      DEVICE_TO_CPU   device block ids    CPU slot ids
+      CPU_TO_DEVICE   CPU slot ids        device block ids
+      SSD_TO_CPU      -                   CPU slot ids      (asynchronous)
+      CPU_TO_SSD      CPU slot ids        -                 (asynchronous)
+      DEVICE_TO_SSD   device block ids    -                 (a shutdown's flush)
+
+    An SSD side is named by the block's hash (entries are content-addressed); keys hold the
+    blocks' hashed keys (token ids and extra keys), which an entry stores and a load checks
+    (b"" where hits are not verified). Asynchronous copies are numbered first_seq,
+    first_seq + 1, ... within their kind."""
+
+    kind: CopyKind
+    src: list[int] = []
+    dst: list[int] = []
+    first_seq: int = 0
     hashes: list[bytes] = []
     keys: list[bytes] = []
 
-    def __bool__(self) -> bool:
-        return bool(self.out_blocks or self.in_slots or self.seqs)
+    def __len__(self) -> int:
+        return max(len(self.src), len(self.dst))
 
 
 class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
@@ -124,7 +137,7 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
     finished_req_ids: list[str] = []
     # The workers keep these requests' tokens but forget their blocks until they resume.
     preempted_req_ids: list[str] = []
-    tier_ops: TierOps = msgspec.field(default_factory=TierOps)
+    tier_copies: list[TierCopyBatch] = []
     # Copy-on-write of forked samples: device block copy_src[i] is copied to copy_dst[i] after
     # the tier copies and before the forward (the source's owner writes it this step).
     copy_src: list[int] = []
@@ -148,18 +161,11 @@ class ShutdownWorker(msgspec.Struct, tag=3, **_WIRE):
 
 
 class FlushTiers(msgspec.Struct, tag=4, **_WIRE):
-    """A clean shutdown's last step: write these cached blocks to their SSD entries, device
-    blocks and CPU slots alike, stopping at the deadline (seconds from receipt)."""
+    """A clean shutdown's last message: write these cached blocks (DEVICE_TO_SSD and CPU_TO_SSD
+    batches) to the SSD folder, stopping at the deadline (seconds from receipt)."""
 
     step_id: int
-    device_blocks: list[int] = []
-    device_entries: list[int] = []
-    device_hashes: list[bytes] = []
-    device_keys: list[bytes] = []
-    cpu_slots: list[int] = []
-    cpu_entries: list[int] = []
-    cpu_hashes: list[bytes] = []
-    cpu_keys: list[bytes] = []
+    copies: list[TierCopyBatch] = []
     deadline_s: float = 30.0
 
 
@@ -178,13 +184,16 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     sampled_token_ids: list[int] = []
     # Aligned with sampled_token_ids where any request asked for logprobs; None elsewhere.
     logprobs: list[SampleLogprobs | None] = []
-    # Asynchronous tier copies, per kind (loads, spills): every rank has completed those with
-    # seq < tier_done[kind - 1] (-1: no news); tier_failed holds (kind, seq) pairs, flat, of
-    # copies that failed on some rank.
+    # Aligned the same way where a request asked for prompt logprobs: one per prompt token
+    # this step's chunk predicted (the token first, then the top-n); None elsewhere.
+    prompt_logprobs: list[list[SampleLogprobs] | None] = []
+    # Asynchronous tier copies, per kind in ASYNC_KINDS order (SSD_TO_CPU, CPU_TO_SSD): every
+    # rank has completed those with seq < tier_done[i] (-1: no news); tier_failed holds
+    # (CopyKind, seq) pairs, flat, of copies that failed on some rank.
     tier_done: list[int] = []
     tier_failed: list[int] = []
-    # A FlushTiers step: the SSD entries every rank wrote.
-    flushed_entries: list[int] = []
+    # The answer to a FlushTiers: how many of its blocks rank 0 wrote.
+    flushed_blocks: int = 0
     # Speculative decoding: how many of each scheduled request's drafts were accepted (they
     # precede sampled_token_ids[i] in its output); empty when the step had no drafts.
     num_accepted: list[int] = []
@@ -209,33 +218,40 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
 
     req_id: str
     new_token_ids: list[int] = []
-    # Detokenized text of new_token_ids (filled by the EngineCore; may lag behind the tokens
-    # while a stop string could still be forming).
+    # Text of new_token_ids, filled by the client's OutputProcessor (runtime/processor.py);
+    # the engine leaves it empty: it emits token ids only. It may lag behind the tokens while
+    # a stop string could still be forming.
     new_text: str = ""
     # A FinishReason value once the request has finished.
     finish_reason: int | None = None
     logprobs: list[SampleLogprobs] = []
     num_cached_tokens: int = 0
     error: str = ""
-    # Set on a request's first output only.
+    # Set by the client's OutputProcessor on a request's first output only.
     prompt_token_ids: list[int] = []
     # Which of the request's n samples this delta belongs to.
     index: int = 0
     # An ErrorKind value when error is set.
     error_kind: int = 0
+    # With the first output, when asked for: prompt tokens 1.. given the ones before.
+    prompt_logprobs: list[SampleLogprobs] = []
+    # Of num_cached_tokens, those the CPU tier held (loaded from SSD or demoted there).
+    num_tier_cached_tokens: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):
-    """A client's request. Exactly one of prompt, prompt_token_ids, messages is set."""
+    """A request as the engine takes it: token ids, which the client's InputProcessor made
+    from the user's text or chat messages (runtime/processor.py)."""
 
+    # The engine's id: unique among the engine's requests, chosen by the client's process.
     req_id: str
     sampling_params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    # Chat messages ({"role", "content"}), rendered with the model's chat template.
-    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None
+    # The caller's own name for the request (its request_id, namespaced by its frontend),
+    # shown by list_requests and matched by an operator's abort; never used to route outputs.
+    label: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

@@ -134,6 +134,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words_token_ids: list[list[int]] | None = None
     # A stop string that ends the output stays in its text.
     include_stop_str_in_output: bool = False
+    # Logprobs of each prompt token given the ones before (and the top-n there); the prompt
+    # is then computed in full, without prefix cache hits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +160,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+        if self.prompt_logprobs is not None:
+            _check_int(self.prompt_logprobs, "prompt_logprobs", lambda v: 0 <= v <= 20,
+                       "must be in [0, 20]")
         _check_int(self.n, "n", lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):

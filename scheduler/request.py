@@ -21,9 +21,11 @@ class Request:
     __slots__ = (
         "request_id", "sampling_params", "eos_token_id", "arrival_time", "priority", "cache_salt",
         "all_token_ids", "output_token_ids", "num_prompt_tokens", "status", "num_computed_tokens",
-        "num_cached_tokens", "num_preemptions", "num_sent_tokens", "block_hashes", "block_keys",
-        "_hasher", "_extra_first", "_extra", "max_output_tokens", "swapped_slots",
-        "num_swapped_tokens", "family_id", "index", "num_output_placeholders",
+        "num_cached_tokens", "num_tier_cached_tokens", "num_preemptions", "num_sent_tokens",
+        "block_hashes", "block_keys",
+        "_hasher", "_extra_first", "_extra", "max_output_tokens",
+        "family_id", "index", "num_output_placeholders",
+        "first_token_time", "cached_by_tier", "ssd_loaded_blocks", "admitted_at",
         "spec_token_ids",
     )
 
@@ -49,6 +51,17 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (reported to the user).
         self.num_cached_tokens = -1
+        # ... of which the CPU tier held (loaded there from SSD, or demoted there).
+        self.num_tier_cached_tokens = 0
+        # ... found in the device pool, the CPU tier (demoted there) and on SSD (loaded from
+        # there while it waited).
+        self.cached_by_tier = (0, 0, 0)
+        # Blocks loaded from SSD for it while it waited (CPU hits by the time it is admitted).
+        self.ssd_loaded_blocks = 0
+        # time.monotonic() when it was first scheduled, and when its first output token was
+        # appended (None: not yet).
+        self.admitted_at: float | None = None
+        self.first_token_time: float | None = None
         self.num_preemptions = 0
         # How many of all_token_ids the workers hold; the next message carries the rest.
         self.num_sent_tokens = 0
@@ -59,9 +72,6 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Unbounded until the scheduler clamps it to max_model_len.
         self.max_output_tokens = sampling_params.max_tokens
-        # Swap preemption: the CPU tier slots holding its first num_swapped_tokens tokens' KV.
-        self.swapped_slots: list[int] | None = None
-        self.num_swapped_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self.block_keys: list[bytes] | None = [] if keep_keys else None
         self._hasher = hasher
@@ -80,6 +90,8 @@ class Request:
                         family_id=self.family_id, index=index)
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_tier_cached_tokens = self.num_tier_cached_tokens
+        child.cached_by_tier = self.cached_by_tier
         child._hasher, child._extra_first, child._extra = (self._hasher, self._extra_first,
                                                            self._extra)
         child.block_hashes = self.block_hashes[:]
@@ -97,6 +109,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         if self._hasher is not None and len(self.all_token_ids) % self._hasher.block_size == 0:
             self._hash_new_blocks()
 

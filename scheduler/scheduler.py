@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import array
 import itertools
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
-from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager
+from tierserve.kvcache import (
+    BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager, TierAdmission,
+)
 from tierserve.scheduler.messages import (
-    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
-    TierOps,
+    CachedRequestData, EngineCoreOutput, FlushTiers, ModelRunnerOutput, NewRequestData,
+    SchedulerOutput, TierCopyBatch,
 )
 from tierserve.scheduler.params import (
     QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
@@ -35,9 +39,13 @@ from tierserve.scheduler.params import (
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
-from tierserve.scheduler.tiering import Tiering
 
 __all__ = ["Scheduler"]
+
+
+def _wire(batch: CopyBatch) -> TierCopyBatch:
+    return TierCopyBatch(batch.kind, batch.src, batch.dst, batch.first_seq, batch.hashes,
+                         batch.keys)
 
 
 @dataclass(slots=True)
@@ -83,8 +91,8 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
-                 vocab_size: int | None = None, preemption_mode: str = "recompute",
-                 max_queued_requests: int | None = None, async_scheduling: bool = False,
+                 vocab_size: int | None = None, max_queued_requests: int | None = None,
+                 async_scheduling: bool = False,
                  speculative_config: SpeculativeConfig | None = None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -122,9 +130,15 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
-        # The KV tiers' part of scheduling, where the cache has tiers (kvcache/tiers.py).
-        self.tiering = Tiering(kv_cache_manager.tiers, kv_cache_manager.block_size,
-                               preemption_mode) if kv_cache_manager.tiers is not None else None
+        # Called with each sequence that finishes, however it finished (the request log).
+        self.on_finish: Callable[[Request], None] | None = None
+        # Sequences in a step in flight when the workers were last lost, not yet through a
+        # step of the new workers: one found in flight at the next loss fails (a poison
+        # pill), so they are re-admitted one at a time (_quarantined).
+        self.suspects: set[str] = set()
+        # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
+        # the end of each step; capacity 0 where the engine has no tiers.
+        self.tiers = kv_cache_manager.tiers
         self.speculator = Speculator(speculative_config) if speculative_config else None
 
     # ---------------------------------------------------------------- requests in and out
@@ -205,18 +219,20 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif self.tiering is None or req.request_id not in self.tiering.loading:
+            elif not self.tiers.is_loading(req.request_id):
                 self.waiting.remove(req)
             done.extend(self._finish(req, status))
         return done
 
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
+        self.suspects.discard(req.request_id)
         self.kv.free(req)
-        if self.tiering is not None:
-            self.tiering.forget(req)
+        self.tiers.forget(req.request_id)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
+        if self.on_finish is not None:
+            self.on_finish(req)
         del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
@@ -328,8 +344,9 @@ class Scheduler:
         preemption, with its KV copied to the CPU tier and back on resume."""
         self.running.remove(req)
         plan.drop(req)
-        if self.tiering is not None:
-            self.tiering.try_swap_out(req, self.kv.get_block_ids(req.request_id))
+        # Drafts in flight are not computed tokens until verified: their KV stays behind.
+        self.tiers.try_swap_out(req.request_id, self.kv.get_block_ids(req.request_id),
+                                req.num_computed_tokens - len(req.spec_token_ids))
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -340,47 +357,71 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
-        loading = len(self.tiering.loading) if self.tiering is not None else 0
+        loading = self.tiers.num_loading
         while self.waiting and plan.budget > 0 and len(self.running) + loading < self.max_num_seqs:
+            if self.suspects and self._quarantined(self.waiting.peek()):
+                break
             admitted = self._admit(self.waiting.peek(), plan)
             if admitted is None:
                 break  # head-of-line: later requests wait their turn
             loading += not admitted
 
+    def _quarantined(self, req: Request) -> bool:
+        """A suspect waits while another runs, so that a step holds at most one: the next loss
+        of the workers then blames one sequence, never a batch."""
+        return req.request_id in self.suspects and any(
+            r.request_id in self.suspects for r in self.running)
+
     def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
         """True: running from this step. False: it left the queue to wait for SSD loads
         (the next may go). None: no room (nobody behind it goes either)."""
         assert not req.num_output_placeholders, "admitted before its step in flight returned"
-        if req.swapped_slots:
-            return self._resume_swapped(req, plan)
-        hits, num_hit = self.kv.get_computed_blocks(req)
-        admission = None
-        if self.tiering is not None:
-            admission = self.tiering.lookup(req, self.kv.find_tier_hits(req, len(hits)))
-            if admission.wait:
-                self.waiting.pop()
-                return False
-            if admission.defer:
-                return None
-            num_hit += len(admission.cpu_hits) * self.kv.block_size
+        swapped = self.tiers.swapped_tokens(req.request_id)
+        if swapped:
+            return self._resume_swapped(req, swapped, plan)
+        # Prompt logprobs want every prompt position's logits: no hit in any tier.
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            hits, num_hit, admission = [], 0, TierAdmission()
+        else:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            loaded = self.tiers.counters.ssd_hit_blocks
+            admission = self.tiers.admit(req, len(hits))
+            req.ssd_loaded_blocks += self.tiers.counters.ssd_hit_blocks - loaded
+        if admission.wait:
+            self.waiting.pop()
+            return False
+        if admission.defer:
+            return None
+        num_hit += len(admission.cpu_hits) * self.kv.block_size
         n = self._chunk(req.num_tokens - num_hit, plan.budget)
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
-            if admission is not None:
-                self.tiering.refused(admission)
+            self.tiers.refused(admission)
             return None
-        if admission is not None:
-            self.tiering.promoted(req, admission, blocks)
+        if req.num_cached_tokens < 0:  # its first admission: the hits it reports
+            req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
+            req.num_tier_cached_tokens = sum(req.cached_by_tier[1:])
+            req.admitted_at = time.monotonic()
+        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         self._start_running(req, num_hit, n, plan)
         return True
 
-    def _resume_swapped(self, req: Request, plan: _StepPlan) -> bool | None:
-        n = self._chunk(req.num_tokens - req.num_swapped_tokens, plan.budget)
-        blocks = self.kv.allocate_slots(req, n, (), req.num_swapped_tokens, apply_watermark=True)
+    def _cached_by_tier(self, req: Request, num_device_blocks: int,
+                        num_hit: int) -> tuple[int, int, int]:
+        """(device, CPU, SSD) tokens of a first admission's hits; blocks loaded from SSD for
+        the request are CPU hits by now."""
+        device = num_device_blocks * self.kv.block_size
+        below = num_hit - device
+        ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
+        return device, below - ssd, ssd
+
+    def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
+        n = self._chunk(req.num_tokens - num_swapped, plan.budget)
+        blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
         if blocks is None:
             return None
-        self.tiering.swap_in(req, blocks)
-        self._start_running(req, req.num_swapped_tokens, n, plan)
+        self.tiers.swap_in(req.request_id, [b.block_id for b in blocks])
+        self._start_running(req, num_swapped, n, plan)
         return True
 
     def _start_running(self, req: Request, num_computed: int, n: int, plan: _StepPlan) -> None:
@@ -399,7 +440,7 @@ class Scheduler:
         for req in plan.new_reqs:
             new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
                                            req.sampling_params, plan.block_ids[req.request_id],
-                                           req.num_computed_tokens))
+                                           req.num_computed_tokens, req.num_output_tokens))
             req.num_sent_tokens = req.num_tokens
         cached = CachedRequestData()
         for req in plan.cached_reqs:
@@ -420,23 +461,23 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         copies, self._copies = self._copies, []
         step_id = next(self._step_ids)
-        tier_ops = self.tiering.end_schedule(step_id) if self.tiering is not None else TierOps()
+        tier_copies = [_wire(b) for b in self.tiers.end_step(step_id)]
         return SchedulerOutput(
             step_id=step_id, scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
-            tier_ops=tier_ops, copy_src=[c[0] for c in copies], copy_dst=[c[1] for c in copies],
-            spec_token_ids=spec_ids, num_spec_tokens=num_spec)
+            tier_copies=tier_copies, copy_src=[c[0] for c in copies],
+            copy_dst=[c[1] for c in copies], spec_token_ids=spec_ids, num_spec_tokens=num_spec)
 
     # ---------------------------------------------------------------- after the forward
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes stopped requests and frees their blocks."""
-        if self.tiering is not None:
-            self._requeue(self.tiering.complete(scheduler_output, runner_output))
+        self._requeue(self.tiers.complete(scheduler_output.step_id, runner_output.tier_done,
+                                          runner_output.tier_failed))
         outputs = []
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
@@ -458,6 +499,8 @@ class Scheduler:
                 if status is not None:
                     del tokens[n:]
                     break
+            if self.suspects:
+                self.suspects.discard(req.request_id)  # the new workers computed it
             if self.async_scheduling:  # the workers appended them themselves
                 req.num_output_placeholders -= 1
                 req.num_sent_tokens += num_sampled
@@ -470,6 +513,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req.family_id, tokens, finish_reason=reason,
                                             logprobs=[lp] if lp else [],
                                             num_cached_tokens=req.num_cached_tokens,
+                                            num_tier_cached_tokens=req.num_tier_cached_tokens,
                                             index=req.index))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -528,16 +572,53 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def next_step_id(self) -> int:
-        """A step id for a message outside schedule() (a shutdown flush)."""
-        return next(self._step_ids)
+    def flush_message(self, deadline_s: float) -> FlushTiers | None:
+        """A clean shutdown's write of every cached block the SSD folder lacks (no step in
+        flight); None when there is nothing to write or no SSD tier."""
+        batches = self.tiers.plan_flush(
+            (b.block_id, b.block_hash, b.hash_key) for b in self.kv.pool.iter_cached_blocks())
+        if not batches:
+            return None
+        return FlushTiers(next(self._step_ids), [_wire(b) for b in batches], deadline_s)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time: its prefill throughput feeds swap-vs-recompute."""
+        if seconds > 0 and max(out.num_scheduled_tokens, default=1) > 1:
+            self.tiers.costs.observe_prefill(sum(out.num_scheduled_tokens), seconds)
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
         for req in self._in_flight.pop(scheduler_output.step_id, ()):
             req.spec_token_ids = []
-        if self.tiering is not None:
-            self._requeue(self.tiering.complete(scheduler_output, None))
+        self.tiers.step_failed(scheduler_output.step_id)
+
+    def workers_lost(self) -> list[str]:
+        """The workers were lost (a rank died, or a step hung) and replaced by new ones that
+        hold nothing: every step in flight is void, the pool's and the CPU tier's contents are
+        gone (SSD entries stay), and every unfinished sequence waits again, preempted, to be
+        recomputed from its prompt and the tokens it has (prefix hits where SSD has them);
+        the running ones first, in their order. Returns the suspects of the last loss found
+        in a step in flight again (poison pills), for the caller to fail; the sequences in
+        flight now become the suspects."""
+        in_flight = [r.request_id for reqs in self._in_flight.values() for r in reqs
+                     if self.requests.get(r.request_id) is r]
+        poisoned = [sid for sid in dict.fromkeys(in_flight) if sid in self.suspects]
+        if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
+            self.suspects = set(in_flight) - set(poisoned)
+        self._in_flight.clear()
+        self._copies, self._finished_ids = [], []
+        running, self.running = self.running, []
+        for req in running:
+            self.kv.free(req)
+        lost = running + self.kv.drop_worker_memory()  # and those waiting for SSD loads
+        for req in reversed(lost):
+            self.waiting.prepend(req)
+        for req in self.requests.values():
+            if req.num_sent_tokens or req.status == RequestStatus.RUNNING:
+                req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = req.num_output_placeholders = req.num_sent_tokens = 0
+            req.spec_token_ids = []
+        return poisoned
 
     def _requeue(self, ready: list[Request]) -> None:
         """Requests whose SSD loads completed go back to the head of the waiting queue."""
@@ -552,7 +633,7 @@ class Scheduler:
     def has_pending_worker_updates(self) -> bool:
         """Something only a step (even without tokens) tells the workers or learns from them:
         finished requests to drop, tier copies to start or in flight."""
-        return bool(self._finished_ids or self._copies) or (self.tiering is not None and self.tiering.has_work())
+        return bool(self._finished_ids or self._copies) or self.tiers.has_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -572,21 +653,19 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        } | (self.tiering.stats() if self.tiering is not None else {}) \
+        } | self.tiers.stats() \
           | (self.speculator.stats() if self.speculator is not None else {})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
-        loading_ids = set(self.tiering.loading) if self.tiering is not None else set()
+        loading_ids = self.tiers.loading_ids()
         assert len(running_ids) + len(loading_ids) <= self.max_num_seqs
         assert len(running_ids) == len(self.running)
         assert not running_ids & waiting_ids and not loading_ids & (running_ids | waiting_ids)
         assert running_ids | waiting_ids | loading_ids == set(self.requests), \
             "requests lost or leaked"
-        for rid in loading_ids:
-            assert self.tiering.tiers.is_loading(rid), f"{rid} waits for no load"
         assert set(self.kv.req_to_blocks) <= running_ids, "a non-running request holds blocks"
         bs = self.kv.block_size
         for req in self.running:
@@ -595,6 +674,7 @@ class Scheduler:
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
+        assert self.suspects <= set(self.requests), "a finished sequence is still suspect"
         in_flight = len(self._in_flight)
         assert in_flight <= (2 if self.async_scheduling else 1), "steps lost in flight"
         for req in self.requests.values():

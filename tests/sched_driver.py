@@ -1,6 +1,6 @@
 """Drives a Scheduler the way the engine does, with a deterministic fake "model" whose sampled
 token is a function of the request's tokens (so preemption and resumption are checkable)."""
-from tierserve.kvcache import BlockHasher, KVCacheManager
+from tierserve.kvcache import ASYNC_KINDS, BlockHasher, CopyKind, KVCacheManager
 from tierserve.scheduler import ModelRunnerOutput, Scheduler
 
 EOS = 0
@@ -88,10 +88,12 @@ def step(sched: Scheduler, mirror: WorkerMirror):
 
 class TieredMirror(WorkerMirror):
     """A WorkerMirror that also holds the KV itself, as the token each slot of each block was
-    computed for, in the pool, the CPU tier and on SSD, and runs the tier copies as a rank
-    would (asynchronous ones completing `delay` steps later, those in `corrupt` failing their
-    checks). Every step it checks that the context every scheduled token attends to is in the
-    pool: a hit, a promotion or a swap-in that brought the wrong KV fails at once."""
+    computed for, in the pool, the CPU tier and the SSD folder (by block hash, as the folder's
+    content-addressed entries are), and runs the tier copies as a rank would (asynchronous
+    ones completing `delay` steps later, loads of hashes in `corrupt` failing their checks).
+    Every step it checks that the context every scheduled token attends to is in the pool: a
+    hit, a promotion or a swap-in that brought the wrong KV fails at once. `probe` is the
+    folder lookup an engine's SSD tier makes on a miss."""
 
     def __init__(self, block_size: int, delay: int = 1):
         super().__init__()
@@ -99,49 +101,66 @@ class TieredMirror(WorkerMirror):
         self.delay = delay
         self.device: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
-        self.ssd: dict[int, list] = {}
-        self.corrupt: set[int] = set()  # SSD entries whose reads fail
-        # (due step, seq, kind, slot, entry); each kind completes in its own seq order.
-        self.queue: list[tuple[int, int, int, int, int]] = []
-        self.done = {1: 0, 2: 0}
+        self.ssd: dict[bytes, list] = {}
+        self.corrupt: set[bytes] = set()  # block hashes whose entries fail their checks
+        # (due step, seq, kind, slot, block hash); each kind completes in its own seq order.
+        self.queue: list[tuple[int, int, CopyKind, int, bytes]] = []
+        self.done = {kind: 0 for kind in ASYNC_KINDS}
         self.step_no = 0
+
+    def probe(self, block_hash: bytes) -> bool:
+        return block_hash in self.ssd
 
     def _block(self, b):
         return self.device.setdefault(b, [None] * self.bs)
 
-    def run_tiers(self, ops) -> None:
-        for b, s in zip(ops.out_blocks, ops.out_slots):
-            self.cpu[s] = list(self._block(b))
+    def _cow(self) -> None:
         for src, dst in zip(self.copy_src, self.copy_dst):
             self.device[dst] = list(self._block(src))
-        for s, b in zip(ops.in_slots, ops.in_blocks):
-            self.device[b] = list(self.cpu[s])
-        for seq, kind, slot, entry in zip(ops.seqs, ops.kinds, ops.cpu_slots, ops.ssd_entries):
-            self.queue.append((self.step_no + self.delay, seq, kind, slot, entry))
+
+    def run_tiers(self, batches) -> None:
+        cow_done = False
+        for batch in batches:
+            if not cow_done and batch.kind != CopyKind.DEVICE_TO_CPU:
+                self._cow()
+                cow_done = True
+            if batch.kind == CopyKind.DEVICE_TO_CPU:
+                for b, s in zip(batch.src, batch.dst):
+                    self.cpu[s] = list(self._block(b))
+            elif batch.kind == CopyKind.CPU_TO_DEVICE:
+                for s, b in zip(batch.src, batch.dst):
+                    self.device[b] = list(self.cpu[s])
+            else:
+                slots = batch.dst if batch.kind == CopyKind.SSD_TO_CPU else batch.src
+                for i, slot in enumerate(slots):
+                    self.queue.append((self.step_no + self.delay, batch.first_seq + i,
+                                       batch.kind, slot, batch.hashes[i]))
+        if not cow_done:
+            self._cow()
 
     def finish_async(self) -> tuple[list[int], list[int]]:
         if not self.queue:
             return [], []
         failed = []
         for copy in sorted(self.queue, key=lambda c: (c[2], c[1])):
-            due, seq, kind, slot, entry = copy
+            due, seq, kind, slot, block_hash = copy
             if due > self.step_no or seq != self.done[kind]:
                 continue  # not yet, or waits for an earlier copy of its kind
             self.queue.remove(copy)
-            if kind == 2:  # spill
-                self.ssd[entry] = list(self.cpu[slot])
-            elif entry in self.corrupt:
-                failed += [kind, seq]
+            if kind == CopyKind.CPU_TO_SSD:
+                self.ssd[block_hash] = list(self.cpu[slot])
+            elif block_hash in self.corrupt or block_hash not in self.ssd:
+                failed += [int(kind), seq]
                 self.cpu[slot] = [None] * self.bs  # what was read is garbage
             else:
-                self.cpu[slot] = list(self.ssd[entry])
+                self.cpu[slot] = list(self.ssd[block_hash])
             self.done[kind] = seq + 1
-        return [self.done[1], self.done[2]], failed
+        return [self.done[kind] for kind in ASYNC_KINDS], failed
 
     def apply(self, out) -> list[int]:
         self.step_no += 1
         self.copy_src, self.copy_dst = out.copy_src, out.copy_dst
-        self.run_tiers(out.tier_ops)
+        self.run_tiers(out.tier_copies)
         return super().apply(out)
 
     def compute(self, rid: str, start: int, end: int) -> None:

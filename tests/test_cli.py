@@ -3,15 +3,19 @@ defaults and help), every option is reachable from the command line, and the REA
 exactly once, as EngineConfig documents it."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tierserve.deploy.cli import build_parser, engine_options, options_table
+from tierserve.deploy.cli import build_parser, engine_options, options_table, sampling_params
+from tierserve.deploy.cli_status import status_lines
 from tierserve.runtime.config import EngineConfig, option_fields
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -94,3 +98,78 @@ def test_config_errors_name_the_field(name, value, message):
 def test_every_field_is_documented():
     for f in dataclasses.fields(EngineConfig):
         assert f.metadata.get("help"), f.name
+
+
+_NO_TORCH = """
+import sys
+from tierserve.deploy.cli import main
+for argv in ({argvs}):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "ray", "transformers") if m in sys.modules))
+"""
+
+
+def test_help_and_argument_errors_import_neither_torch_nor_ray():
+    """`tierserve --help` and a bad flag answer without the engine's heavy imports."""
+    argvs = [["--help"], ["generate", "--help"], ["serve", "--help"], ["status", "--help"],
+             ["generate", "x", "--no-such-flag"], ["serve"], ["generate", "x", "--tp", "two"]]
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH.format(argvs=argvs)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def _actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((f"{name} {a.dest}", a) for _, a in _actions(sub))
+        elif not isinstance(action, argparse._HelpAction):
+            yield action.dest, action
+
+
+def test_every_flag_has_help_naming_its_default():
+    for dest, action in _actions(build_parser()):
+        assert action.help, dest
+        if action.option_strings and action.required is False:
+            assert "default" in action.help, f"{dest}: {action.help}"
+
+
+def test_unset_sampling_flags_take_the_generation_defaults():
+    parse = build_parser().parse_args
+    defaults = {"temperature": 0.2, "top_p": 0.9}
+    params = sampling_params(parse(["generate", "x"]), defaults)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.2, 0.9, 16)
+    params = sampling_params(parse(["generate", "x", "--temperature", "0", "--max-tokens", "5"]),
+                             defaults)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.0, 0.9, 5)
+    assert sampling_params(parse(["chat"]), defaults, chat=True).max_tokens is None
+    assert sampling_params(parse(["chat"]), {"max_tokens": 64}, chat=True).max_tokens == 64
+    assert sampling_params(parse(["generate", "x"]), {}).temperature == 1.0
+
+
+def test_status_shows_tiers_backend_and_hits_per_tier():
+    stats = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.25, "num_free_blocks": 30,
+             "num_total_blocks": 40, "block_size": 16, "prefix_cache_hit_rate": 0.5,
+             "prefix_cache_hit_tokens": 10, "prefix_cache_queried_tokens": 20,
+             "num_preemptions": 3, "cpu_tier_usage": 0.5, "cpu_tier_slots": 8,
+             "tier_cpu_hit_blocks": 4, "ssd_tier_usage": 0.25, "ssd_tier_blocks": 16,
+             "tier_ssd_hit_blocks": 2, "tier_promotions": 5, "tier_demotions": 6,
+             "tier_loads": 2, "tier_spills": 1, "tier_swap_outs": 1, "tier_swap_ins": 1,
+             "backend": {"name": "avx2", "paths": ["attention"], "cpu": "EPYC"},
+             "dropped_frames": 0}
+    info = {"namespace": "ns", "tensor_parallel_size": 2, "model": None, "node_ip": "1.2.3.4",
+            "max_model_len": 512, "generation_defaults": {"temperature": 0.2},
+            "startup_s": {"tokenizer": 0.5, "weights": 1.0, "total": 2.0}}
+    text = "\n".join(status_lines("smol", stats, info))
+    for part in ("1 running, 2 waiting", "25.0% of 40 blocks", "hit rate 50.0%",
+                 "CPU: 50.0% of 8 slots, 4 blocks hit", "SSD: 25.0% of 16 blocks, 2 blocks hit",
+                 "5 promotions, 6 demotions, 2 loads, 1 spills", "3 (1 swapped out",
+                 "avx2 (attention) on EPYC", "temperature 0.2", "2.0 s (tokenizer 0.5"):
+        assert part in text, (part, text)
+    off = "\n".join(status_lines("smol", {k: v for k, v in stats.items()
+                                         if "tier" not in k}, info))
+    assert "KV tiers           off (--kv-offload-cpu-bytes" in off

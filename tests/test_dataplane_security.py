@@ -26,8 +26,9 @@ from tierserve.deploy.ray_executor import RayExecutor
 from tierserve.deploy.reply_check import reply_problem
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.scheduler.messages import (
-    CachedRequestData, EngineChannelCodec, FlushTiers, ModelRunnerOutput, NewRequestData,
-    SampleLogprobs, SchedulerOutput, ShutdownWorker, WorkerError, req_ids_digest,
+    CachedRequestData, CopyKind, EngineChannelCodec, FlushTiers, ModelRunnerOutput,
+    NewRequestData, SampleLogprobs, SchedulerOutput, ShutdownWorker, TierCopyBatch, WorkerError,
+    req_ids_digest,
 )
 from tierserve.scheduler.params import SamplingParams as Params
 
@@ -46,6 +47,11 @@ def _step(step_id: int = 7) -> SchedulerOutput:
                            num_scheduled_tokens=[3, 1])
 
 
+def _flush(kind: CopyKind, sources: list[int]) -> TierCopyBatch:
+    return TierCopyBatch(kind, sources, hashes=[b"h" * 16] * len(sources),
+                         keys=[b""] * len(sources))
+
+
 def _answer(out: SchedulerOutput, tokens=(9, 10), **fields) -> ModelRunnerOutput:
     return ModelRunnerOutput(out.step_id, list(tokens),
                              req_ids_digest=req_ids_digest(out.scheduled_req_ids()), **fields)
@@ -56,11 +62,12 @@ def test_reply_check_accepts_the_answer_and_an_authenticated_ranks_own_error():
     assert reply_problem(_answer(out), 0, out, VOCAB, 3) is None
     assert reply_problem(_answer(out, (-1, 10)), 0, out, VOCAB, 3) is None  # partial prefill
     lp = [SampleLogprobs([9, 4], [-0.1, -2.0]), None]
-    assert reply_problem(_answer(out, logprobs=lp, tier_done=[3, -1], tier_failed=[2, 5]), 0,
+    assert reply_problem(_answer(out, logprobs=lp, tier_done=[3, -1], tier_failed=[4, 5]), 0,
                          out, VOCAB, 3) is None
     assert reply_problem(WorkerError(7, 2, "oom"), 2, out, VOCAB, 3) is None
-    flush = FlushTiers(8, device_entries=[4, 5], cpu_entries=[9])
-    assert reply_problem(ModelRunnerOutput(8, flushed_entries=[9, 4]), 0, flush, VOCAB, 3) is None
+    flush = FlushTiers(8, [_flush(CopyKind.DEVICE_TO_SSD, [4, 5]), _flush(CopyKind.CPU_TO_SSD,
+                                                                           [9])])
+    assert reply_problem(ModelRunnerOutput(8, flushed_blocks=3), 0, flush, VOCAB, 3) is None
 
 
 _BAD = {
@@ -81,11 +88,13 @@ _BAD = {
         [9, 999], [-0.1, -2.0]), None]), 0, "logprob entry"),
     "misaligned logprobs": (lambda out: _answer(out, logprobs=[None]), 0,
                             "1 logprob entries for 2"),
-    "an unknown copy kind": (lambda out: _answer(out, tier_failed=[3, 1]), 0, "tier_failed"),
+    "a synchronous copy kind": (lambda out: _answer(out, tier_failed=[1, 1]), 0,
+                                "tier_failed"),
+    "an unknown copy kind": (lambda out: _answer(out, tier_failed=[9, 1]), 0, "tier_failed"),
     "half a copy pair": (lambda out: _answer(out, tier_failed=[1]), 0, "tier_failed"),
     "three copy kinds": (lambda out: _answer(out, tier_done=[1, 2, 3]), 0, "tier_done"),
-    "flushed entries": (lambda out: _answer(out, flushed_entries=[1]), 0,
-                        "flushed SSD entries in the answer to a step"),
+    "flushed blocks": (lambda out: _answer(out, flushed_blocks=1), 0,
+                       "flushed SSD blocks in the answer to a step"),
 }
 
 
@@ -96,10 +105,10 @@ def test_reply_check_rejects_what_does_not_answer_the_step(case):
     assert reason in reply_problem(make(out), sender, out, VOCAB, 3)
 
 
-def test_reply_check_rejects_a_flush_answer_for_entries_it_did_not_ask():
-    flush = FlushTiers(8, device_entries=[4])
-    assert "did not ask" in reply_problem(ModelRunnerOutput(8, flushed_entries=[4, 6]), 0,
-                                          flush, VOCAB, 3)
+def test_reply_check_rejects_a_flush_answer_for_more_blocks_than_it_asked():
+    flush = FlushTiers(8, [_flush(CopyKind.DEVICE_TO_SSD, [4])])
+    assert "the flush asked for" in reply_problem(ModelRunnerOutput(8, flushed_blocks=2), 0,
+                                                  flush, VOCAB, 3)
     assert "to a flush" in reply_problem(ModelRunnerOutput(8, [1]), 0, flush, VOCAB, 3)
 
 
@@ -332,7 +341,7 @@ def test_messages_larger_than_a_part_travel_in_parts_both_ways():
     def handle(msg):
         if isinstance(msg, SchedulerOutput):
             n = len(msg.scheduled_new_reqs[0].prompt_token_ids)
-            return ModelRunnerOutput(msg.step_id, [n], flushed_entries=list(range(300_000)))
+            return ModelRunnerOutput(msg.step_id, [n], tier_failed=list(range(300_000)))
         return None
 
     clients = [DataPlaneClient(server.endpoints, node, server.rank_keys(r))
@@ -347,7 +356,7 @@ def test_messages_larger_than_a_part_travel_in_parts_both_ways():
                                          num_scheduled_tokens=[1]))
         reply, sender = server.recv(timeout_s=10)
         assert sender == 0 and reply.sampled_token_ids == [len(big_prompt)]
-        assert reply.flushed_entries == list(range(300_000))
+        assert reply.tier_failed == list(range(300_000))
     finally:
         server.broadcast(ShutdownWorker())
         for t in loops:

@@ -235,8 +235,20 @@ def test_disconnect_mid_stream_frees_the_request(server, engine):
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, engine):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    hold, held = threading.Event(), threading.Event()
+
+    def pause(core):  # until the client has left: its response cannot be ready before
+        held.set()
+        hold.wait(30)
+
+    engine.engine.run_on_loop(pause)
+    assert held.wait(10)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(30, read=0.3))
+    finally:
+        hold.set()
     _idle(engine)
 
 
@@ -256,6 +268,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     before = _metrics(server.base)
     assert before[("tierserve:num_requests_running", ())] == 0
     assert ("tierserve:kv_cache_usage_perc", (("tier", "device"),)) in before
+    assert before[("tierserve:worker_restarts_total", ())] == 0
     prompt = "A tiny model writes tiny words; tests read them back"
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
@@ -272,10 +285,35 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     assert moved("tierserve:inter_token_latency_seconds_count") == 8
     assert moved("tierserve:request_success_total",
                  (("finished_reason", "length"), ("tenant", ""))) == 2
-    assert moved("tierserve:prompt_cached_tokens_total", NO_TENANT) > 0
+    assert moved("tierserve:prompt_cached_tokens_total", (("tenant", ""), ("tier", "device"))) > 0
     assert moved("tierserve:prefix_cache_queries_total") > 0
     assert moved("tierserve:prefix_cache_hits_total") > 0  # the second one hit the first's
     assert ("tierserve:num_preemptions_total", ()) in after
+
+
+def test_every_series_exists_from_the_start_and_says_whose_it_is(engine):
+    """A fresh server (tiers off, no traffic) already has every series, at zero, and each
+    family's HELP names the engine's or this server's scope."""
+    srv = Server(engine)
+    try:
+        text = httpx.get(srv.base + "/metrics", timeout=10).text
+        first = _metrics(srv.base)
+    finally:
+        srv.stop()
+    zero = [("tierserve:kv_cache_usage_perc", (("tier", "cpu"),)),
+            ("tierserve:kv_cache_usage_perc", (("tier", "ssd"),)),
+            *[(f"tierserve:kv_tier_{k}_total", ()) for k in
+              ("promotions", "demotions", "loads", "spills")],
+            ("tierserve:requests_refused_total", (("status", "404"), ("tenant", ""))),
+            ("tierserve:request_success_total", (("finished_reason", "stop"), ("tenant", ""))),
+            ("tierserve:prompt_cached_tokens_total", (("tenant", ""), ("tier", "cpu"))),
+            ("tierserve:generation_tokens_total", (("tenant", ""),))]
+    for key in zero:
+        assert first.get(key) == 0, key
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("tierserve:") and family.name != "tierserve:engine_dead":
+            assert "(the engine: every client" in family.documentation or \
+                "(this server's requests)" in family.documentation, family.name
 
 
 def test_a_full_queue_answers_503_at_once(engine):
@@ -335,7 +373,7 @@ def test_health_is_503_once_the_engine_is_dead(tmp_path):
 
 KEYS = {"secret": "tests", "keys": {"sk-alpha": "alpha", "sk-beta": "beta", "sk-slow": "slow",
                                     "sk-thrifty": "thrifty"},
-        "tenants": {"slow": {"requests_per_second": 0.05},
+        "tenants": {"slow": {"requests_per_second": 0.05}, "beta": {"kv_share": 0.5},
                     "thrifty": {"tokens_per_minute": 4}}}
 
 
@@ -406,20 +444,36 @@ def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(keyed):
     assert metrics[("tierserve:generation_tokens_total", (("tenant", "beta"),))] >= 1
 
 
-def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix(checkpoint):
-    """On a 32-block pool, tenant beta floods unique prompts, each under a salt of its own
-    (as if it were many tenants); alpha's warm prefix stays: beta's salts are all beta's."""
-    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33)
+def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(checkpoint):
+    """On a 32-block pool over a CPU tier, tenant beta floods unique prompts, each under a salt
+    of its own (as if it were many tenants); alpha's warm prefix stays: beta's salts are all
+    beta's. Beta's evicted blocks hit again from the CPU tier, but never for alpha, whatever
+    salt alpha sends."""
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=64, num_kv_blocks=33,
+                   kv_offload_cpu_bytes=1 << 20)
     srv = Server(llm, keys=KeyTable.from_dict(KEYS))
     try:
         alpha, beta = _as(srv, "sk-alpha"), _as(srv, "sk-beta")
+
+        def cached(client, prompt, salt=None):
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                            extra_body={"cache_salt": salt} if salt else {})
+            return out.usage.prompt_tokens_details.cached_tokens
+
         warm = list(range(10, 30))  # 5 blocks
-        alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
-        for i in range(12):  # 12 x 5 blocks: the pool over and over
-            beta.completions.create(model=MODEL, prompt=[100 + i] + list(range(40, 59)),
-                                    max_tokens=1, extra_body={"cache_salt": f"s{i}"})
-        again = alpha.completions.create(model=MODEL, prompt=warm, max_tokens=1)
-        assert again.usage.prompt_tokens_details.cached_tokens >= 16
+        cached(alpha, warm)
+        flood = [[100 + i] + list(range(40, 59)) for i in range(12)]  # the pool over and over
+        for i, prompt in enumerate(flood):
+            cached(beta, prompt, f"s{i}")
+        assert cached(alpha, warm) >= 16
+        assert llm.stats()["cpu_tier_usage"] > 0
+        assert cached(alpha, flood[0], "s0") == 0
+        assert cached(beta, flood[0], "s0") >= 16  # back from the CPU tier
+        hits = _metrics(srv.base)
+        assert hits[("tierserve:prompt_cached_tokens_total",
+                     (("tenant", "beta"), ("tier", "cpu")))] >= 16
+        assert ("tierserve:prompt_cached_tokens_total",
+                (("tenant", "alpha"), ("tier", "cpu"))) not in hits
     finally:
         srv.stop()
         llm.shutdown()
@@ -599,3 +653,70 @@ def test_echo_and_a_stop_string_kept_in_the_output(client):
     kept = client.completions.create(**dict(base, extra_body={
         "ignore_eos": True, "include_stop_str_in_output": True}), stop=[stop]).choices[0]
     assert kept.finish_reason == "stop" and kept.text == text[:text.index(stop) + len(stop)]
+
+
+def test_prompt_logprobs_equal_the_full_forwards_log_softmax(client, checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = list(range(5, 31))
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for _ in range(2):  # the second one would hit the first's prefix: it is computed again
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        temperature=0, extra_body={"prompt_logprobs": 2})
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+        got = out.choices[0].prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for i in range(1, len(prompt)):
+            entry = got[i][str(prompt[i])]
+            assert abs(entry["logprob"] - ref[i - 1, prompt[i]].item()) < 1e-4
+            assert entry["rank"] == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+            best = min(got[i].items(), key=lambda e: e[1]["rank"])
+            assert int(best[0]) == int(ref[i - 1].argmax())
+
+
+def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, server,
+                                                                         engine):
+    """auto: text in the Hermes format becomes tool_calls (here forced by a regex, as a
+    model trained for it would write it); a conversation carrying an assistant's calls and the
+    tool's answer is rendered with the calls written the same way."""
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
+        max_tokens=200, extra_body={"guided_regex": call.replace("{", r"\{").replace(
+            "}", r"\}")})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {
+                       "name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": history}, timeout=10).json()
+    text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert call in text and "12:00" in text
+
+
+def test_api_keys_files_in_toml_and_json(tmp_path):
+    toml = tmp_path / "keys.toml"
+    toml.write_text('secret = "s"\n[keys]\n"sk-1" = "acme"\n"sk-2" = "acme"\n"sk-3" = "globex"\n'
+                    '[tenants.acme]\nrequests_per_second = 5\nkv_share = 0.25\n')
+    table = KeyTable.from_file(str(toml))
+    assert table.authenticate("Bearer sk-2").name == "acme"
+    assert table.authenticate("bearer  sk-3 ").name == "globex"
+    assert table.tenants["acme"].salt.endswith("@0.25")
+    as_json = tmp_path / "keys.json"
+    as_json.write_text(json.dumps({"secret": "s", "keys": {"sk-9": "acme"}}))
+    assert KeyTable.from_file(str(as_json)).tenants["acme"].salt.partition("@")[0] == \
+        table.tenants["acme"].salt.partition("@")[0]  # one secret, one salt
+    for bad, needle in (({"keys": {"k": "a"}, "tenants": {"a": {"rps": 1}}}, "unknown limits"),
+                        ({"keys": {"k": "a"}, "tenants": {"b": {}}}, "no key belongs"),
+                        ({"keys": {"k": "a"}, "tenants": {"a": {"kv_share": 2}}}, "kv_share"),
+                        ({"keyz": {}}, "unknown fields"), ({"keys": {}}, "at least one key")):
+        with pytest.raises(ValueError, match=needle):
+            KeyTable.from_dict(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        KeyTable.from_file(str(tmp_path / "missing.toml"))

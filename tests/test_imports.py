@@ -1,4 +1,4 @@
-"""The package import table of ../shared/DESIGN.md, enforced: every import in every module
+"""The package import table of docs/architecture.md, enforced: every import in every module
 (function-level ones included) against the arrows the table allows, and no package cycle; inside
 workers/, the sub-packages' own arrows (the model is built on the backends, never the reverse)."""
 from __future__ import annotations
@@ -20,7 +20,9 @@ ALLOWED = {
     "scheduler": {"kvcache"},
     "workers": SCHEDULER_MESSAGES,
     "runtime": {"kvcache", "scheduler", "workers"},
-    "deploy": {"runtime", "workers"} | SCHEDULER_MESSAGES,
+    # deploy's router hashes prompts as the engines do and reads their KV event stream.
+    "deploy": {"runtime", "workers", "kvcache.hashing", "scheduler.kv_events"}
+    | SCHEDULER_MESSAGES,
 }
 # Inside workers/: what the sub-packages may import of workers/ (a unit is a sub-package or a
 # top-level module). The attention metadata (the step's contract with a backend) sees nothing;

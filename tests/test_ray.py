@@ -3,6 +3,8 @@ named deployments and streaming from other processes, cancellation, worker death
 import asyncio
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ import time
 import pytest
 
 import tierserve
-from tests.checkpoints import make_tiny_llama
+from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
 from tierserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -23,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-ckpt")
-    return {"llama": str(make_tiny_llama(root / "llama")),
+    return {"llama": str(add_tiny_tokenizer(make_tiny_llama(root / "llama"))),
             # 6 heads and 3 KV heads divide by TP=3 (and by 1).
             "llama6": str(make_tiny_llama(root / "llama6", hidden_size=96, num_heads=6,
                                           num_kv_heads=3, seed=5))}
@@ -41,7 +43,15 @@ def reference(tiny):
     for name, path in tiny.items():
         with LLM(path, block_size=4) as llm:
             ref[name] = tokens(llm, PROMPTS)
+            if name == "llama":
+                ref["prompt_logprobs"] = _prompt_logprobs(llm)
     return ref
+
+
+def _prompt_logprobs(llm) -> list[float]:
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
 
 
 @pytest.mark.parametrize("name,tp", [("llama", 1), ("llama", 2), ("llama6", 3)])
@@ -64,6 +74,13 @@ def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
                                 ignore_eos=True)
         alone = tokens(llm, PROMPTS[1:2], seeded)
         assert tokens(llm, PROMPTS, [GREEDY, seeded, GREEDY, GREEDY])[1] == alone[0]
+        # Only rank 0 samples: its grammar matchers and prompt logprobs need no other rank.
+        code = SamplingParams(temperature=1.0, seed=4, max_tokens=30, n=2,
+                              structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"})
+        out = llm.generate(["a code:"], code, use_tqdm=False)[0]
+        assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c.text) for c in out.outputs), out
+        got = _prompt_logprobs(llm)
+        assert max(abs(a - b) for a, b in zip(got, reference["prompt_logprobs"])) < 1e-4
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
@@ -82,6 +99,13 @@ def test_speculation_on_ray_tp3_equals_plain_in_process(tiny):
         stats = llm.stats()
         assert stats["spec_num_accepted_tokens"] > 0
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_start_failing_after_its_workers_started_raises_the_error_at_once(tiny):
+    """The scheduler refuses a pool smaller than max_model_len once the workers run: the
+    engine shuts them down, and the caller gets the ValueError (never a hang)."""
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        LLM(tiny["llama"], distributed=True, block_size=4, num_kv_blocks=4, max_model_len=64)
 
 
 def test_default_smollm2_tp3_on_ray_equals_in_process():
@@ -185,36 +209,86 @@ def test_named_deployment_streams_to_other_drivers_tasks_and_many_callers(tiny, 
         tierserve.connect("t-stream", namespace=ns)
 
 
-def test_killing_a_worker_fails_every_in_flight_request_within_10s(tiny):
+POISON = 383  # no prompt or reference output below holds it (the test checks)
+HEAL_STREAMS = [(PROMPTS[i], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                for i in range(3)] + [(PROMPTS[1], SamplingParams(
+                    temperature=1.0, top_k=20, max_tokens=40, seed=9, ignore_eos=True))]
+
+
+async def _stream(llm, prompt, params, started=None):
+    """The request's tokens, or its error; sets `started` once it has 3 tokens."""
+    toks = []
+    async for delta in llm.generate(prompt, params):
+        if delta.error is not None:
+            return delta.error
+        toks.extend(delta.outputs[0].token_ids)
+        if started is not None and len(toks) >= 3:
+            started.set()
+    return toks
+
+
+async def _streams(llm, streams, during=None):
+    """Every stream at once; `during` runs once each stream has its first tokens."""
+    events = [asyncio.Event() for _ in streams]
+    tasks = [asyncio.create_task(_stream(llm, p, sp, e)) for (p, sp), e in zip(streams, events)]
+    if during is not None:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+        await during()
+    return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+
+def test_a_killed_worker_is_replaced_and_every_stream_continues(tiny, tmp_path, monkeypatch,
+                                                                capsys):
+    """A rank SIGKILLed mid-stream (TP=2 on Ray, CPU and SSD tiers on): new workers replace
+    both ranks, reattach the SSD folder, and every stream completes with an undisturbed run's
+    tokens (greedy, and seeded sampling too); no block is left in any tier. A request that
+    crashes a rank each time it is sent (TIERSERVE_DEBUG_CRASH) fails alone at the second
+    crash, naming it; the streams beside it continue. `tierserve status` counts the
+    restarts."""
     import ray
-    llm = tierserve.AsyncLLM(tiny["llama"], tensor_parallel_size=2, block_size=4)
+    from tierserve.deploy import cli
+    monkeypatch.setenv("TIERSERVE_DEBUG_CRASH", f"1:{POISON}")
+    ns = "tierserve-tests"
+    llm = tierserve.serve("t-heal", namespace=ns, model=tiny["llama"], tensor_parallel_size=2,
+                          block_size=4, kv_offload_cpu_bytes=64 * 1536,
+                          kv_offload_ssd_bytes=256 * 1536,
+                          kv_offload_ssd_path=str(tmp_path / "ssd"))
     try:
-        victim = ray.get_actor(llm.info()["worker_names"][1])
-        long = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+        actor = llm.engine.actor
+        reference = asyncio.run(_streams(llm, HEAL_STREAMS))
+        assert all(POISON not in toks + prompt for toks, (prompt, _) in
+                   zip(reference, HEAL_STREAMS)), "pick another POISON"
+        before = llm.info()["worker_pids"]
 
-        async def stream(prompt, started):
-            try:
-                async for _ in llm.generate(prompt, long):
-                    started.set()
-            except tierserve.EngineDeadError:
-                return time.monotonic()
-            return None
+        async def kill_rank1():
+            os.kill(before[1], signal.SIGKILL)
+        assert asyncio.run(_streams(llm, HEAL_STREAMS, kill_rank1)) == reference
+        stats = llm.stats()
+        assert stats["restarts"] == 1 and "rank" in stats["restart_reason"], stats
+        info = llm.info()
+        assert not set(info["worker_pids"]) & set(before)
+        assert all(n.endswith("-b") for n in info["worker_names"])  # the spares took over
+        ray.get(actor.check_integrity.remote())
 
-        async def scenario():
-            started = asyncio.Event()
-            tasks = [asyncio.create_task(stream(PROMPTS[i], started)) for i in range(3)]
-            await asyncio.wait_for(started.wait(), 60)
-            killed_at = time.monotonic()
-            ray.kill(victim, no_restart=True)
-            failed_at = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            return killed_at, failed_at
-
-        killed_at, failed_at = asyncio.run(scenario())
-        assert all(t is not None and t - killed_at < 10 for t in failed_at), failed_at
-        # Later calls fail at once with the same error.
-        t0 = time.monotonic()
-        with pytest.raises(tierserve.EngineDeadError):
-            asyncio.run(_collect(llm, PROMPTS[0]))
-        assert time.monotonic() - t0 < 5
+        poisoned = HEAL_STREAMS[:2] + [([4, POISON, 4], HEAL_STREAMS[0][1])]
+        got = asyncio.run(_poison_beside(llm, poisoned))
+        assert got[:2] == reference[:2]
+        assert isinstance(got[2], str) and "two consecutive worker failures" in got[2], got[2]
+        stats = _wait_idle(llm)
+        assert stats["restarts"] == 3 and "rank 1" in stats["restart_reason"], stats
+        ray.get(actor.check_integrity.remote())
+        assert llm.engine.health()
+        capsys.readouterr()
+        assert cli.main(["status", "t-heal", "--namespace", ns]) == 0
+        assert "worker restarts    3" in capsys.readouterr().out
     finally:
-        llm.shutdown()
+        tierserve.stop("t-heal", namespace=ns)
+
+
+async def _poison_beside(llm, streams):
+    """The last stream starts once the others have their first tokens."""
+    events = [asyncio.Event() for _ in streams[:-1]]
+    tasks = [asyncio.create_task(_stream(llm, p, sp, e)) for (p, sp), e in zip(streams, events)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+    tasks.append(asyncio.create_task(_stream(llm, *streams[-1])))
+    return await asyncio.wait_for(asyncio.gather(*tasks), 300)

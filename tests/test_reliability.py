@@ -261,8 +261,9 @@ def test_a_killed_client_does_not_leave_its_request_running(tiny):
 @pytest.mark.usefixtures("ray_session")
 def test_a_dead_deployment_is_stopped_and_served_again(tiny):
     """Finding 4: after its engine actor dies, stop() still removes everything (workers,
-    placement group, holder, IPC folder); after a worker dies, serve() replaces the deployment
-    with a working one at once."""
+    placement group, holder, IPC folder); after a worker dies in a deployment that may not
+    restart its workers (max_restarts=0), serve() replaces the deployment with a working one
+    at once."""
     import ray
     before_dirs, before_actors, before_pgs = _tsdp_dirs(), _named_actors(), \
         _live_placement_groups()
@@ -286,7 +287,7 @@ def test_a_dead_deployment_is_stopped_and_served_again(tiny):
         assert _tsdp_dirs() == before_dirs
 
         llm = tierserve.serve("rel-dead", namespace=NS, model=tiny, tensor_parallel_size=2,
-                              block_size=4)
+                              block_size=4, max_restarts=0)
         worker = ray.get_actor(llm.info()["worker_names"][1], namespace=NS)
         ray.kill(worker, no_restart=True)
 
@@ -311,13 +312,14 @@ def test_a_dead_deployment_is_stopped_and_served_again(tiny):
 
 @pytest.mark.usefixtures("ray_session")
 def test_placement_that_cannot_succeed_fails_at_once(tiny):
-    """Finding 5: TP=7 on the 4-CPU test instance fails before waiting on Ray, naming the
-    option; nothing is left behind."""
+    """Finding 5: TP=7 with a CPU per rank on the 4-CPU test instance fails before waiting on
+    Ray, naming the option and a cpus_per_worker that fits; nothing is left behind."""
     before = _live_placement_groups()
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="tensor_parallel_size=7 needs 7 bundles"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=7 needs 7 bundles.*"
+                                         "--cpus-per-worker 0.5714"):
         tierserve.serve("rel-big", namespace=NS, model=str(_seven_heads(tiny)),
-                        tensor_parallel_size=7)
+                        tensor_parallel_size=7, cpus_per_worker=1)
     assert time.monotonic() - t0 < 10
     assert _live_placement_groups() == before
     assert not tierserve.stop("rel-big", namespace=NS)
@@ -333,28 +335,54 @@ def _seven_heads(tiny: str):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_stuck_rank_fails_every_request_within_the_step_timeout(tiny, monkeypatch):
-    """A rank that sleeps in a step (TIERSERVE_DEBUG_STALL, test-only) fails every in-flight
-    request within step_timeout_s, and health() says so."""
+def test_a_stuck_rank_is_replaced_and_past_max_restarts_the_engine_dies(tiny, monkeypatch):
+    """A rank that sleeps in a step (TIERSERVE_DEBUG_STALL, test-only) makes the step exceed
+    step_timeout_s: new workers replace the ranks and every request completes. The next
+    failure in the window, one past max_restarts=1 (a rank SIGKILLed), kills the engine:
+    every in-flight request fails within seconds, health() says so, later calls fail at
+    once."""
     monkeypatch.setenv("TIERSERVE_DEBUG_STALL", "1:6:120")
-    llm = tierserve.AsyncLLM(tiny, tensor_parallel_size=2, block_size=4, step_timeout_s=3.0)
+    llm = tierserve.AsyncLLM(tiny, tensor_parallel_size=2, block_size=4, step_timeout_s=3.0,
+                             max_restarts=1)
     try:
-        async def stream(prompt):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+        async def stream(prompt, params, started=None):
+            toks = []
             try:
-                async for _ in llm.generate(prompt, LONG):
-                    pass
+                async for d in llm.generate(prompt, params):
+                    toks += d.outputs[0].token_ids
+                    if started is not None:
+                        started.set()
             except tierserve.EngineDeadError:
                 return time.monotonic()
+            return toks
 
-        async def scenario():
-            tasks = [asyncio.create_task(stream([5 + i, 6, 7])) for i in range(3)]
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        async def stalled():
+            return await asyncio.wait_for(asyncio.gather(
+                *[stream([5 + i, 6, 7], params) for i in range(3)]), 120)
 
         t0 = time.monotonic()
-        failed = asyncio.run(scenario())
-        assert all(t is not None for t in failed)
-        assert max(failed) - t0 < 3.0 + 8.0
-        with pytest.raises(tierserve.EngineDeadError):
+        assert [len(t) for t in asyncio.run(stalled())] == [20] * 3
+        stats = llm.stats()
+        assert stats["restarts"] == 1 and "step timeout" in stats["restart_reason"], stats
+        assert time.monotonic() - t0 < 3.0 + 60  # the timeout, then one worker start
+
+        async def killed():
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(stream([5 + i, 6, 7], LONG, started))
+                     for i in range(3)]
+            await asyncio.wait_for(started.wait(), 60)
+            killed_at = time.monotonic()
+            os.kill(llm.info()["worker_pids"][1], signal.SIGKILL)
+            return killed_at, await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+        killed_at, failed = asyncio.run(killed())
+        assert all(isinstance(t, float) and t - killed_at < 10 for t in failed), failed
+        with pytest.raises(tierserve.EngineDeadError, match="max_restarts=1"):
             llm.engine.health()
+        t0 = time.monotonic()
+        assert isinstance(asyncio.run(stream([5, 6, 7], params)), float)  # EngineDeadError
+        assert time.monotonic() - t0 < 5
     finally:
         llm.shutdown()

@@ -451,7 +451,7 @@ def test_greedy_breaks_ties_like_argmax():
 
 def test_a_bitmask_keeps_only_its_tokens_and_leaves_free_rows_alone():
     from tierserve.workers.sampler import make_generator
-    from tierserve.workers.structured import apply_bitmask_
+    from tierserve.workers.structured import mask_bias
     vocab = 70
     logits = torch.randn(3, vocab)
     allowed = [5, 33, 64, 69]
@@ -460,15 +460,14 @@ def test_a_bitmask_keeps_only_its_tokens_and_leaves_free_rows_alone():
         bitmask[0, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.0)]
+    bias = mask_bias(bitmask, vocab)
+    assert torch.isfinite(bias[0]).nonzero().flatten().tolist() == allowed
     batch = SamplingBatch.build(params, [None, make_generator(1, "cpu"), None], None, vocab,
-                                "cpu", masks=([1], bitmask))
+                                "cpu", masks=([1], bias))
     for _ in range(20):
         out = Sampler()(logits, batch).token_ids.tolist()
         assert out[1] in allowed
         assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
-    x = logits[:1].clone()
-    apply_bitmask_(x, bitmask)
-    assert torch.isfinite(x[0]).nonzero().flatten().tolist() == allowed
 
 
 def test_token_rules_ban_bad_words_where_they_would_end_and_eos_before_min_tokens():

@@ -218,3 +218,20 @@ def test_a_salts_tenant_is_its_part_before_the_first_bar():
     assert tenant_of(None) is None
     assert tenant_of("acme") == "acme"
     assert tenant_of("t-1f|client|x") == "t-1f"
+
+
+@pytest.mark.parametrize("salt_a, kept, most", [("a", 4, 8), ("a@0.25", 12, 5)],
+                         ids=["fair", "share"])
+def test_a_tenant_with_a_share_keeps_to_it_and_spares_the_others(salt_a, kept, most):
+    """B caches 12 of 20 blocks; A runs 12 distinct 3-block prompts. By the fair rule alone A,
+    lighter than B, takes B's blocks until they balance; with a quarter of the pool as its
+    share, A never occupies more than 5 blocks, recycles its own, and B keeps all 12."""
+    rng, hasher = random.Random(1), BlockHasher(BS)
+    kv = KVCacheManager(21, BS, watermark=0.0)
+    for i in range(3):
+        _run(kv, _req(f"b{i}", _prompt(rng, 16), "b", hasher))
+    ledger, peak = kv.pool.tenants, 0
+    for i in range(12):
+        _run(kv, _req(f"a{i}", _prompt(rng, 9), salt_a, hasher))
+        peak = max(peak, ledger.occupancy.counts[salt_a])
+    assert len(ledger.evictable["b"]) == kept and peak <= most

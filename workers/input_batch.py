@@ -176,6 +176,9 @@ class InputBatch:
         self.token_ids = np.zeros((rows, cols), dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)  # tokens known (prompt + sampled)
         self.num_computed = np.zeros(rows, dtype=np.int64)  # tokens whose K/V is in the pool
+        self.num_prompt = np.zeros(rows, dtype=np.int64)  # tokens the request arrived with
+        # Rows of requests that want prompt logprobs and have prompt positions left to score.
+        self.prompt_logprob_rows: set[int] = set()
         self.blocks = BlockTable(rows, -(-cols // block_size), self.device)
         self.to_device = HostToDevice(self.device)
 
@@ -222,13 +225,21 @@ class InputBatch:
         self.token_ids[row, :n] = new.prompt_token_ids
         self.num_tokens[row] = n
         self.num_computed[row] = new.num_computed_tokens
+        prompt_end = n - new.num_output_tokens
+        self.num_prompt[row] = prompt_end
+        # A request with outputs (re-sent after a restart) had its prompt logprobs already.
+        if new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens \
+                and new.num_computed_tokens < n - 1:
+            self.prompt_logprob_rows.add(row)
         self.blocks.clear(row)
         if new.block_ids:
             rows = np.full(len(new.block_ids), row, dtype=np.int64)
             self.blocks.append(rows, np.arange(len(rows)), new.block_ids)
         self.rows[new.req_id] = row
         self.params[row] = new.sampling_params
-        self.sampling.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
+        self.sampling.add_request(new.req_id, new.sampling_params,
+                                  new.prompt_token_ids[:prompt_end],
+                                  new.prompt_token_ids[prompt_end:])
 
     def _apply_cached(self, cached: CachedRequestData) -> None:
         ids = cached.req_ids
@@ -285,6 +296,7 @@ class InputBatch:
         row = self.rows.pop(rid, None)
         if row is not None:
             self.params[row] = None
+            self.prompt_logprob_rows.discard(row)
             self._free_rows.append(row)
             self.sampling.remove_request(rid)
 
@@ -301,6 +313,7 @@ class InputBatch:
             (self.token_ids, np.zeros((extra, self.token_ids.shape[1]), np.int64)))
         self.num_tokens = np.concatenate((self.num_tokens, np.zeros(extra, np.int64)))
         self.num_computed = np.concatenate((self.num_computed, np.zeros(extra, np.int64)))
+        self.num_prompt = np.concatenate((self.num_prompt, np.zeros(extra, np.int64)))
         self.blocks.grow(rows, 0)
         self._free_rows = list(range(rows - 1, old - 1, -1)) + self._free_rows
 

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import math
 import mmap
+import os
 import threading
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.layers import partition_heads
 
-__all__ = ["kv_cache_bytes_per_block", "allocate_kv_cache", "copy_blocks"]
+__all__ = ["kv_cache_bytes_per_block", "allocate_kv_cache", "prefault_in_background",
+           "BackgroundPrefault", "copy_blocks"]
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,
@@ -26,20 +28,51 @@ def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads_per_rank: int,
-                      head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      head_dim: int, dtype: torch.dtype, device, prefault: bool = True
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
     NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings, zero
-    until touched, then faulted in by the kernel (_Prefaulter): zeroing a 1 GiB pool from user
-    space took seconds of a cold start."""
+    until touched, then faulted in by the kernel (_Prefaulter) unless `prefault` is False
+    (the caller then starts `prefault_in_background`): zeroing a 1 GiB pool from user space
+    took seconds of a cold start."""
     shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
     if torch.device(device).type == "cpu":
         pools = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(num_layers)]
-        _Prefaulter.run([t for pair in pools for t in pair], torch.get_num_threads())
+        if prefault:
+            _Prefaulter.run([t for pair in pools for t in pair], torch.get_num_threads())
         return pools
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def prefault_in_background(kv_caches: list) -> "BackgroundPrefault | None":
+    """Faults CPU pools in on one background thread, the lowest block ids of every pool first
+    (the free queue hands those out first), so that an engine serves before its whole pool is
+    mapped; a page a step touches first is faulted in by that step. None for device pools."""
+    tensors = [t for pair in kv_caches for t in pair]
+    if not tensors or tensors[0].device.type != "cpu" or _Prefaulter.supported is False:
+        return None
+    return BackgroundPrefault(tensors)
+
+
+class BackgroundPrefault:
+    """A running prefault_in_background; `stop` ends it early and waits for it."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=_Prefaulter.run_interleaved,
+                                        args=(tensors, self._stop), daemon=True,
+                                        name="tierserve-kv-prefault")
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def copy_blocks(kv_caches: list, src: list[int], dst: list[int]) -> None:
@@ -66,8 +99,9 @@ class _Prefaulter:
     decode step writes each sequence's new K/V slot, opening a fresh page every few tokens of
     every pool. MADV_POPULATE_WRITE (Linux 5.14+) maps zeroed pages in the kernel, where zeroing
     from user space went through a fault per page. Where it is missing, pools stay lazy.
-    Faulting in on a background thread instead would hold the address-space lock against the
-    engine's own mmap/munmap calls."""
+    `run` faults pools in before returning; `run_interleaved` (prefault_in_background) on a
+    thread beside a serving engine, where each 4 MiB call holds the address-space lock (which
+    the engine's own mmap/munmap calls wait for) for well under a millisecond."""
 
     CHUNK = 4 << 20
     MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module has no name for it
@@ -86,6 +120,23 @@ class _Prefaulter:
             w.start()
         for w in workers:
             w.join()
+
+    @classmethod
+    def run_interleaved(cls, tensors: list[torch.Tensor], stop: threading.Event) -> None:
+        """Every pool's first chunk, then every pool's second, ... until done or `stop` is
+        set; the tensors stay alive (mapped) while this runs. The thread runs only on a core
+        nothing else wants (SCHED_IDLE): on a busy core it would stall the forward's OpenMP
+        threads at every barrier."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread (Linux)
+        except (AttributeError, OSError):
+            pass
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        for offset in range(0, max(sizes), cls.CHUNK):
+            if stop.is_set() or cls.supported is False:
+                return
+            cls._populate([(t.data_ptr() + offset, min(cls.CHUNK, size - offset))
+                           for t, size in zip(tensors, sizes) if offset < size])
 
     @classmethod
     def _populate(cls, ranges: list[tuple[int, int]]) -> None:

@@ -12,9 +12,49 @@ from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
 from tierserve.workers.spec_decode import SampleRows
 from tierserve.workers.structured import GrammarMatchers
-from tierserve.workers.tiers import TierStore
+from tierserve.workers.tier_copier import TierCopier
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "PromptPositions"]
+
+
+class PromptPositions:
+    """A step's prompt-logprob work: packed token indices, the prompt token each one's logits
+    score (the next one), and which scheduled request (with its top-n) owns each run."""
+
+    def __init__(self) -> None:
+        self.owners: list[tuple[int, int, int]] = []  # (scheduled index, count, top-n)
+        self._packed: list[np.ndarray] = []
+        self._targets: list[np.ndarray] = []
+
+    def add(self, scheduled: int, packed: np.ndarray, targets: np.ndarray, k: int) -> None:
+        self.owners.append((scheduled, len(packed), k))
+        self._packed.append(packed)
+        self._targets.append(targets)
+
+    @property
+    def packed(self) -> np.ndarray:
+        return np.concatenate(self._packed)
+
+    def logprobs(self, logits: torch.Tensor, num_scheduled: int
+                 ) -> list[list[SampleLogprobs] | None]:
+        """logits float32[positions, vocab] of self.packed -> per scheduled request, the
+        log-softmax of each scored prompt token and the top-n there."""
+        lp = logits.float().log_softmax(dim=-1)
+        targets = torch.from_numpy(np.concatenate(self._targets)).to(lp.device)
+        chosen = lp.gather(1, targets.unsqueeze(1))
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        k = max(o[2] for o in self.owners)
+        top_lps, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+        top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
+        chosen, targets = chosen.squeeze(1).tolist(), targets.tolist()
+        out: list[list[SampleLogprobs] | None] = [None] * num_scheduled
+        i = 0
+        for scheduled, count, n in self.owners:
+            out[scheduled] = [SampleLogprobs([targets[p]] + top_ids[p][:n],
+                                             [chosen[p]] + top_lps[p][:n], ranks[p])
+                              for p in range(i, i + count)]
+            i += count
+        return out
 
 
 class ModelRunner:
@@ -44,24 +84,18 @@ class ModelRunner:
         self.batch = InputBatch(block_size, table,
                                 device=device, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
-        # The rank's CPU and SSD tiers, where the engine has them (set by the Worker).
-        self.tiers: TierStore | None = None
+        # The rank's tier copier; the Worker gives it CPU slots and an SSD folder where the
+        # engine has tiers (none: every step's copy list is empty).
+        self.tiers = TierCopier(kv_caches, 0, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         cow = (lambda: copy_blocks(self.kv_caches, out.copy_src, out.copy_dst)
                ) if out.copy_src else None
-        if self.tiers is not None:
-            # Before the forward: swap-outs before a block id is reused, swap-ins before it is
-            # read. Then every rank agrees on the async copies completed so far.
-            self.tiers.run(out.tier_ops, cow)
-            done, failed = self.tiers.agree()
-        elif out.tier_ops:
-            raise RuntimeError("tier copies were sent to a rank without tiers")
-        else:
-            if cow is not None:
-                cow()
-            done, failed = [], []
+        # Before the forward: device -> CPU copies before a block id is reused, CPU -> device
+        # ones before it is read. Then every rank agrees on the async copies completed so far.
+        self.tiers.run(out.tier_copies, cow)
+        done, failed = self.tiers.agree()
         result = self._execute(out)
         result.tier_done, result.tier_failed = done, failed
         return result
@@ -72,29 +106,67 @@ class ModelRunner:
             return ModelRunnerOutput(out.step_id)
         inputs = self.batch.prepare(out)
         sampled = [-1] * len(out.num_scheduled_tokens)
-        rows = SampleRows.of(inputs, self.batch)
-        # A partial prefill chunk alone: its K/V is the step's whole work.
-        keep = rows.keep if len(rows.keep) else np.zeros(1, dtype=np.int64)
+        if self.is_driver and len(inputs.sample_rows):
+            self.batch.sampling.prefetch(inputs.sample_req_ids)
+        rows = SampleRows.of(inputs, self.batch)  # each sampler's last token, and its drafts
+        prompt = self._prompt_positions(inputs)
+        # Sorted: the forward keeps rows in order (and every row, unindexed, when all are kept).
+        keep = rows.keep if prompt is None else np.union1d(rows.keep, prompt.packed)
+        if not len(keep):  # a partial prefill chunk alone: its K/V is the step's whole work
+            keep = np.zeros(1, dtype=np.int64)
         hidden = self._forward(inputs, torch.from_numpy(keep).to(self.device))
-        if not len(inputs.sample_rows):
+        if not len(inputs.sample_rows) and prompt is None:
             return ModelRunnerOutput(out.step_id, sampled)
-        batch = self.batch.sampling.make_batch(rows.req_ids) if self.is_driver else None
+        batch = self.batch.sampling.make_batch(rows.req_ids) \
+            if self.is_driver and len(inputs.sample_rows) else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
         # on whether compute_logits (with its collectives) runs.
-        if batch is not None and batch.plain_greedy:
+        if batch is not None and batch.plain_greedy and prompt is None:
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
                 return self._to_output(out, inputs, rows, SamplerOutput(tokens), sampled)
         logits = self.model.compute_logits(hidden)  # None off the driver rank
         if not self.is_driver:
-            if self.append_sampled:
+            if self.append_sampled and len(inputs.sample_rows):
                 width = 1 + max(out.num_spec_tokens, default=0)
                 tokens = torch.empty(len(inputs.sample_rows), width, dtype=torch.long,
                                      device=self.device)
                 self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens))
             return ModelRunnerOutput(out.step_id)
+        prompt_lps = None
+        if prompt is not None:
+            at = torch.from_numpy(np.searchsorted(keep, prompt.packed)).to(logits.device)
+            prompt_lps = prompt.logprobs(logits.index_select(0, at), len(sampled))
+            logits = logits.index_select(0, torch.from_numpy(
+                np.searchsorted(keep, rows.keep)).to(logits.device))
+        if batch is None:
+            return ModelRunnerOutput(out.step_id, sampled, prompt_logprobs=prompt_lps)
         result = self.sampler(logits, batch)
-        return self._to_output(out, inputs, rows, result, sampled)
+        reply = self._to_output(out, inputs, rows, result, sampled)
+        if prompt_lps is not None:
+            reply.prompt_logprobs = prompt_lps
+        return reply
+
+    def _prompt_positions(self, inputs: StepInputs) -> "PromptPositions | None":
+        """The packed tokens whose logits score a prompt token this step (prompt logprobs)."""
+        wanted = self.batch.prompt_logprob_rows
+        if not wanted:
+            return None
+        firsts = np.cumsum(inputs.query_lens) - inputs.query_lens
+        found = PromptPositions()
+        for j, row in enumerate(inputs.rows.tolist()):
+            if row not in wanted:
+                continue
+            end = int(inputs.seq_lens[j])
+            start = end - int(inputs.query_lens[j])
+            stop = min(end, int(self.batch.num_prompt[row]) - 1)
+            if stop >= int(self.batch.num_prompt[row]) - 1:
+                wanted.discard(row)  # its last prompt position is scored in this step
+            if stop > start:
+                found.add(int(inputs.order[j]), firsts[j] + np.arange(stop - start),
+                          self.batch.token_ids[row, start + 1:stop + 1],
+                          self.batch.params[row].prompt_logprobs)
+        return found if found.owners else None
 
     def _forward(self, inputs: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         """The final hidden states of the rows in keep: [len(keep), hidden_size]."""

@@ -34,7 +34,7 @@ import torch
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.portable import torch_backend
-from tierserve.workers.structured import GrammarMatchers, apply_bitmask_
+from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.token_rules import TokenRules
 
 __all__ = [
@@ -75,6 +75,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
         return None
     # SamplingParams bounds seeds to [0, 2**64), which is what manual_seed takes.
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def skip_draws(generator: torch.Generator, num_tokens: int, vocab_size: int,
+               device: torch.device | str) -> None:
+    """Advances a seeded generator past the draws of num_tokens sampled tokens: the same calls
+    the sampler made (one row of vocab_size uniforms per token), so the state is the same on
+    every device. O(num_tokens x vocab) once, when a request moves to new workers."""
+    row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+    for _ in range(num_tokens):
+        row.uniform_(generator=generator)
 
 
 @dataclass
@@ -132,7 +142,7 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # random-row index -> seeded generator
     penalties: PenaltyInputs | None
     max_num_logprobs: int | None         # largest `logprobs` asked for; None when nobody asks
-    # Constrained rows (long[c]) and the tokens each may take (a bitmask int32[c, words]).
+    # Constrained rows (long[c]) and what their grammars add: float32[c, vocab], 0 or -inf.
     masks: tuple[torch.Tensor, torch.Tensor] | None = None
     # Rows with token rules (long[k]) and what each adds to its logits (float32[k, vocab]).
     adjust: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -254,19 +264,22 @@ class SamplingStateTable:
                     output_token_ids: Sequence[int] = (),
                     generator: torch.Generator | None = None) -> None:
         """Register a request (O(context) once). `generator` resumes a saved seeded generator
-        (e.g. one returned by remove_request at preemption); otherwise one is made from the seed."""
+        (e.g. one returned by remove_request at preemption); otherwise one is made from the
+        seed, past the draws that sampled output_token_ids (a request that other workers
+        started), so that its random stream continues where theirs stopped."""
         if req_id in self._entries:
             raise ValueError(f"request {req_id!r} already has sampling state")
         if generator is None:
             generator = make_generator(params.seed, self.device)
+            if generator is not None and len(output_token_ids):
+                skip_draws(generator, len(output_token_ids), self.vocab_size, self.device)
         slot = -1
         if has_penalties(params):
             slot = self._take_slot()
             _fill_penalty_row(self._counts[slot], self._prompt_mask[slot], prompt_token_ids,
                               output_token_ids)
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured outputs need the sampling rank's grammar matchers")
+        # Only the rank that samples (the one with matchers) follows the grammar.
+        if params.structured_outputs is not None and self.grammars is not None:
             self.grammars.add(req_id, params.structured_outputs)
             if len(output_token_ids):
                 self.grammars.advance([req_id] * len(output_token_ids), list(output_token_ids))
@@ -333,6 +346,12 @@ class SamplingStateTable:
                 rows.append(i)
                 dense.append(row)
         return (rows, torch.stack(dense)) if rows else None
+
+    def prefetch(self, req_ids: Sequence[str]) -> None:
+        """The rows that will sample this step, before its forward: constrained ones start
+        filling their masks."""
+        if self.grammars is not None and len(self.grammars):
+            self.grammars.prefetch(req_ids)
 
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""
@@ -471,11 +490,13 @@ class Sampler:
         return noise.log_().neg_()
 
 
-def masked(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def masked(logits: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A copy of logits float32[n, vocab] where each constrained row keeps only the tokens its
-    bitmask allows (the others are -inf)."""
+    grammar allows (bias: float32[c, vocab], -inf on the others)."""
+    if len(rows) == logits.shape[0]:  # rows are in batch order: every row is constrained
+        return logits + bias
     x = logits.index_select(0, rows)
-    apply_bitmask_(x, bitmask)
+    x.add_(bias)
     return logits.index_copy(0, rows, x)
 
 

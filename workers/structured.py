@@ -7,6 +7,10 @@ fill one bitmask row per constrained request, so masks never cross the per-step 
 5) and, with one sampler, TP ranks cannot disagree. n > 1 samples are requests of their own,
 each with its own matcher.
 
+Masks: the step's rows are known before its forward, so their masks are filled on a thread of
+their own (llguidance's threads, off the GIL) and unpacked into an additive row of 0 / -inf
+while the forward runs; the sampler adds them, and waits only if the forward finished first.
+
 Compiling: a grammar is compiled once per rank (`LLMatcher` over the model's tokenizer), on a
 worker thread as soon as its request arrives, while that step's forward runs; later requests
 with the same grammar take a copy of the compiled template (microseconds). The tokenizer view
@@ -23,13 +27,13 @@ import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tierserve.scheduler.params import StructuredOutputs
 
-__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "apply_bitmask_"]
+__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "mask_bias"]
 
-_BITS = torch.arange(32, dtype=torch.int32)
 # Compact JSON (no whitespace between tokens, as json.dumps(separators=(",", ":")) writes):
 # a model cannot spend its tokens on blanks. A schema's "x-guidance" overrides it.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -76,13 +80,12 @@ def check_structured(spec: StructuredOutputs) -> str:
     return grammar
 
 
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits float32[r, vocab], bitmask int32[r, ceil(vocab / 32)] (bit b of word w allows
-    token 32 w + b): disallowed tokens become -inf, in place."""
-    vocab = logits.shape[1]
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, -float("inf"))
+def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask int32[r, ceil(vocab / 32)] (bit b of word w allows token 32 w + b) as what to
+    add to the logits: float32[r, vocab], 0 where allowed, -inf elsewhere."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+    return torch.zeros(allowed.shape).masked_fill_(allowed.logical_not_(), -float("inf"))
 
 
 class GrammarMatchers:
@@ -99,12 +102,16 @@ class GrammarMatchers:
         self._pending: dict[str, Future] = {}    # request id -> its template, compiling
         self._matchers: dict = {}                # request id -> its own matcher
         self._executor = None
+        # This step's masks, filled on a thread of their own while the forward runs.
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._prefetched: tuple[tuple[str, ...], Future] | None = None
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._matchers or req_id in self._pending
 
     def __len__(self) -> int:
-        return len(self._matchers) + len(self._pending)
+        """Nonzero while any request is constrained or a fill is in flight."""
+        return len(self._matchers) + len(self._pending) + (self._prefetched is not None)
 
     def add(self, req_id: str, spec: StructuredOutputs) -> None:
         """Starts compiling the request's grammar (or reuses the compiled one)."""
@@ -137,23 +144,44 @@ class GrammarMatchers:
 
     def _matcher(self, req_id: str):
         m = self._matchers.get(req_id)
-        if m is None:
-            m = self._matchers[req_id] = self._pending.pop(req_id).result().deep_copy()
+        if m is None:  # in _pending until in _matchers: `in` and len() never miss it
+            m = self._matchers[req_id] = self._pending[req_id].result().deep_copy()
+            del self._pending[req_id]
         return m
 
     def remove(self, req_id: str) -> None:
+        if self._prefetched is not None and req_id in self._prefetched[0]:
+            self._prefetched[1].result()
+            self._prefetched = None
         self._pending.pop(req_id, None)
         self._matchers.pop(req_id, None)
 
     def advance(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
         """The tokens the requests accepted (token_ids[i] is req_ids[i]'s); others ignored."""
+        if self._prefetched is not None:  # a fill in flight reads the matchers
+            self._prefetched[1].result()
+            self._prefetched = None
         for rid, token in zip(req_ids, token_ids):
             if rid in self._matchers or rid in self._pending:
                 self._matcher(rid).consume_token(int(token))
 
+    def prefetch(self, req_ids: Sequence[str]) -> None:
+        """Starts filling this step's masks (the rows about to sample), so that they are
+        ready when the forward is; every matcher has seen its accepted tokens by now."""
+        key = tuple(req_ids)
+        self._prefetched = (key, self._mask_pool.submit(self._fill, key))
+
     def masks(self, req_ids: Sequence[str]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows of req_ids that are constrained, bitmask int32[len(rows), words]) for this
-        step, or None when no row is."""
+        """(rows of req_ids that are constrained, what to add to their logits: float32[
+        len(rows), vocab], 0 or -inf) for this step, or None when no row is."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            if prefetched[0] == tuple(req_ids):
+                return prefetched[1].result()
+            prefetched[1].result()  # never two fills at once
+        return self._fill(req_ids)
+
+    def _fill(self, req_ids: Sequence[str]) -> tuple[list[int], torch.Tensor] | None:
         rows = [i for i, rid in enumerate(req_ids) if rid in self]
         if not rows:
             return None
@@ -165,4 +193,4 @@ class GrammarMatchers:
         # llguidance's own threads fill the rows, without the GIL.
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4,
                                                len(rows))
-        return rows, bitmask
+        return rows, mask_bias(bitmask, self.vocab_size)

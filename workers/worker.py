@@ -2,6 +2,7 @@
 executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -20,17 +21,23 @@ from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
 from tierserve.workers.backends.select import select_backend
-from tierserve.workers.kv_pool import allocate_kv_cache, kv_cache_bytes_per_block
+from tierserve.workers.kv_pool import (
+    allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
+)
 from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
-from tierserve.workers.tiers import SsdStore, TierStore, model_fingerprint, tier_slots
+from tierserve.workers.tier_copier import TierCopier
+from tierserve.workers.tier_ssd import SsdFolder, kv_head_range
 
 __all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 
 log = logging.getLogger("tierserve.worker")
+# One line per part of a start (kernels, weights, KV pool), which the CLI shows on a terminal.
+progress = logging.getLogger("tierserve.progress")
 
-# CPU pools default to this much (or a fifth of available memory, if less), and to at most
-# this many blocks: a tiny model would otherwise get millions of blocks of bookkeeping.
+# CPU pools default to this much for the whole engine (or a fifth of available memory, if
+# less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
+# of bookkeeping.
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 _CPU_DEFAULT_MAX_BLOCKS = 32768
 
@@ -59,12 +66,13 @@ class WorkerSpec:
     cpu_isa: str
     cache_dir: str | None
     quantized_linears: bool
-    # KV tiers below the pool (workers/tiers.py): bytes per rank; 0 / None: none. hash_id names
-    # the block hash (algorithm and seed): SSD entries of another hash are never reused.
+    # KV tiers below the pool (workers/tier_copier.py): CPU bytes per rank (0: none); the SSD
+    # folder shared by every engine on it, its capacity in bytes, and the KV fingerprint that
+    # names its entries (workers/kv_fingerprint.py; "" without an SSD folder).
     kv_offload_cpu_bytes: int
     kv_offload_ssd_path: str | None
     kv_offload_ssd_bytes: int
-    hash_id: str
+    kv_fingerprint: str = ""
     # Capacities of the persistent input batch (rows, tokens per row); None: grown on demand.
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -77,6 +85,12 @@ class WorkerSpec:
     quantization: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
+    # Test-only fault injection (rank, token id): that rank crashes on a new request holding
+    # the token (Worker.crash).
+    debug_crash: tuple[int, int] | None = None
+    # Test-only: tier copies complete late, destinations poisoned until then
+    # (workers/tier_streams.py LateCopies).
+    debug_late_copies: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +107,11 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class TierReport:
-    """A rank's KV tiers once allocated: their sizes, the SSD entries it found from an earlier
-    run (entry, block hash, hashed key) and its pool <-> CPU tier copy bandwidth."""
+    """A rank's KV tiers once allocated: its CPU slots, the KV heads [lo, hi) its SSD entries
+    hold, and its pool <-> CPU tier copy bandwidth."""
 
     cpu_slots: int
-    ssd_entries: int
-    found: tuple[tuple[int, bytes, bytes], ...]
+    kv_heads: tuple[int, int]
     copy_bytes_per_s: float
 
 
@@ -129,6 +142,16 @@ class Worker:
         # runs it is decided once, for all ranks, at load_model.
         self._kernels: KernelLibrary | None = None
         self.backend: Backend | None = None
+        # Seconds spent in each part of the start: kernels, weights, kv_pool.
+        self.startup: dict[str, float] = {}
+        # The KV pool's background prefault (kv_pool.prefault_in_background), if running.
+        self._prefault = None
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.startup[name] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ control plane
 
@@ -140,7 +163,11 @@ class Worker:
             1, (os.cpu_count() or 1) // self.spec.tensor_parallel_size)
         torch.set_num_threads(self.num_threads)
         if self.device.type == "cpu":
-            self._start_kernels()
+            with self._phase("kernels"):
+                self._start_kernels()
+            if self._kernels is not None and self._kernels.available and self.rank == 0:
+                progress.info("%s CPU kernels ready in %.1f s", self._kernels.isa,
+                              self.startup["kernels"])
         if self.spec.tensor_parallel_size > 1:
             if self.dist_init_method is None:
                 raise RuntimeError("tensor_parallel_size > 1 needs a dist_init_method")
@@ -158,6 +185,9 @@ class Worker:
             return
         self._kernels = kernel_library(isa)
         self._kernels.start_build(spec.cache_dir, sync=spec.cpu_kernels == "sync")
+        if self._kernels.building and self.rank == 0:
+            progress.info("building the %s CPU kernels in the background (once per machine, "
+                          "about a minute); this engine serves on the torch backend", isa)
         if self._kernels.building and self.num_threads > 1:
             # A compiler now shares the cores. With an OpenMP thread on every core, the one it
             # preempts stalls the others at each barrier: one thread fewer until the build
@@ -191,13 +221,34 @@ class Worker:
                      self._kernels.isa)
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
-        config, self.model = load_model(self.spec.model, self.dtype, self.device, self.backend,
-                                        self.spec.quantization)
+        if self.rank == 0:
+            progress.info("loading the weights of %s (%s, %s backend%s)",
+                          os.path.basename(os.path.normpath(self.spec.model)), self.spec.dtype,
+                          self.backend.name,
+                          f", quantized to {self.spec.quantization}" if self.spec.quantization
+                          else "")
+        with self._phase("weights"), self._load_threads():
+            config, self.model = load_model(self.spec.model, self.dtype, self.device,
+                                            self.backend, self.spec.quantization)
+        if self.rank == 0:
+            progress.info("weights loaded in %.1f s", self.startup["weights"])
         block_bytes = kv_cache_bytes_per_block(config, self.spec.tensor_parallel_size,
                                                self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
                          tuple(config.eos_token_ids), self.backend.describe(), block_bytes,
                          self.model.weight_bytes())
+
+    @contextlib.contextmanager
+    def _load_threads(self):
+        """A core less for torch while the weights load: the engine process loads its
+        tokenizer meanwhile, and loading runs many short torch ops, each of which waits at a
+        barrier for its slowest thread (a thread that shares its core stalls them all)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads - 1))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
@@ -212,14 +263,17 @@ class Worker:
             num_blocks = min(num_blocks, _CPU_DEFAULT_MAX_BLOCKS)
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                             f"{per_block} bytes; give it more memory")
+                             f"{per_block} bytes, and an engine needs 2 at least; set "
+                             f"kv_cache_memory_bytes={2 * per_block} or more")
         return int(num_blocks)
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
             return self._profile_cuda_budget()
+        # The engine's whole pool, split between its ranks (each holds its heads' share of a
+        # block): the same tokens at any TP size, where ranks share a node's memory.
         available = _available_memory_bytes()
-        return min(_CPU_DEFAULT_KV_BYTES, available // 5)
+        return min(_CPU_DEFAULT_KV_BYTES, available // 5) // self.spec.tensor_parallel_size
 
     def _profile_cuda_budget(self) -> int:
         """Free memory times utilisation, less the peak a max-size forward needs."""
@@ -245,16 +299,38 @@ class Worker:
         runner.execute(out)
         del runner
 
-    def initialize_cache(self, num_blocks: int) -> TierReport:
-        self.runner = self._make_runner(num_blocks)
+    def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
+        """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
+        knows the copy bandwidth: it is not measured again."""
+        with self._phase("kv_pool"):
+            self.runner = self._make_runner(num_blocks)
+            report = self._make_tiers(known)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
-        return self._make_tiers()
+        if self.rank == 0:
+            per_block = kv_cache_bytes_per_block(self.model.config,
+                                                 self.spec.tensor_parallel_size,
+                                                 self.spec.block_size, self.dtype)
+            progress.info("KV pool of %d blocks x %d tokens (%.2f GiB per rank) in %.1f s",
+                          num_blocks, self.spec.block_size, num_blocks * per_block / 2**30,
+                          self.startup["kv_pool"])
+        return report
+
+    def reset(self, num_blocks: int) -> TierReport:
+        """A fresh runner (input batch, KV pool) and tiers, as a new rank would start them, for
+        an engine whose step failed here; the weights stay loaded."""
+        self._stop_prefault()
+        if self.runner is not None and self.runner.tiers is not None:
+            self.runner.tiers.close()
+        self.runner = None  # the old pool goes before the new one is allocated
+        return self.initialize_cache(num_blocks, known=True)
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.model.config
         kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, self.spec.block_size,
-                               self.model.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device)
+                               self.model.kv_heads_per_rank, cfg.head_dim, self.dtype,
+                               self.device, prefault=False)
+        self._prefault = prefault_in_background(kv)
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
@@ -262,34 +338,52 @@ class Worker:
                            append_sampled=self.spec.async_scheduling,
                            tokenizer_file=self.spec.tokenizer_file)
 
-    def _make_tiers(self) -> TierReport:
-        spec = self.spec
-        block_bytes = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
-                                               spec.block_size, self.dtype)
-        ssd_bytes = spec.kv_offload_ssd_bytes if spec.kv_offload_ssd_path else 0
-        cpu_slots, ssd_entries = tier_slots(spec.kv_offload_cpu_bytes, ssd_bytes, block_bytes)
+    def _make_tiers(self, known: bool = False) -> TierReport:
+        spec, cfg = self.spec, self.model.config
+        tp = spec.tensor_parallel_size
+        heads = kv_head_range(cfg.num_key_value_heads, tp, self.rank)
+        block_bytes = kv_cache_bytes_per_block(cfg, tp, spec.block_size, self.dtype)
+        cpu_slots = spec.kv_offload_cpu_bytes // block_bytes
         if cpu_slots == 0:
-            return TierReport(0, 0, (), 0.0)
-        kv = self.runner.kv_caches
+            return TierReport(0, heads, 0.0)
         ssd = None
-        if ssd_entries:
-            common = dict(dtype=str(self.dtype), tp=spec.tensor_parallel_size,
-                          block_size=spec.block_size, hash=spec.hash_id,
-                          layout=list(kv[0][0].shape[1:]), layers=len(kv))
-            ssd = SsdStore(spec.kv_offload_ssd_path, model_fingerprint(spec.model, **common),
-                           model_fingerprint(spec.model, rank=self.rank, **common), self.rank,
-                           ssd_entries, [len(kv), 2, *kv[0][0].shape[1:]], self.dtype)
-        store = TierStore(kv, cpu_slots, ssd, self.device)
-        self.runner.tiers = store
-        t0 = time.monotonic()
-        found = tuple(store.scan())
-        log.info("rank %d: KV tiers of %d CPU slots and %d SSD entries; %d entries found on "
-                 "SSD in %.2f s", self.rank, cpu_slots, ssd_entries, len(found),
-                 time.monotonic() - t0)
-        return TierReport(cpu_slots, ssd_entries, found, store.measure_copy_bandwidth())
+        if spec.kv_offload_ssd_path:
+            ssd = SsdFolder(spec.kv_offload_ssd_path, spec.kv_fingerprint,
+                            cfg.num_key_value_heads, spec.kv_offload_ssd_bytes)
+        # Ranks sharing a replicated KV head hold the same KV: the first of them writes it.
+        replicas = max(1, tp // cfg.num_key_value_heads)
+        copier = TierCopier(self.runner.kv_caches, cpu_slots, self.device, ssd=ssd, heads=heads,
+                            writer=self.rank % replicas == 0, late=spec.debug_late_copies)
+        self.runner.tiers = copier
+        if known:  # a rank replacing a lost one: the engine knows the bandwidth
+            return TierReport(cpu_slots, heads, 0.0)
+        log.info("rank %d: a CPU tier of %d slots%s", self.rank, cpu_slots,
+                 f", SSD folder {ssd.dir}" if ssd is not None else "")
+        return TierReport(cpu_slots, heads, copier.measure_copy_bandwidth())
+
+    def _inject_crash(self, msg: SchedulerOutput) -> None:
+        crash = self.spec.debug_crash
+        if crash is None or crash[0] != self.rank:
+            return
+        for new in msg.scheduled_new_reqs:
+            if crash[1] in new.prompt_token_ids:
+                log.warning("rank %d: crashing on request %r (TIERSERVE_DEBUG_CRASH)",
+                            self.rank, new.req_id)
+                self.crash(f"injected crash on request {new.req_id!r}")
+
+    def crash(self, reason: str) -> None:
+        """A fault injected for tests: raised here (in-process, a failed step); a rank in a
+        process of its own replaces this to exit at once."""
+        raise RuntimeError(reason)
+
+    def _stop_prefault(self) -> None:
+        if self._prefault is not None:  # it writes to the pool's pages: end it first
+            self._prefault.stop()
+            self._prefault = None
 
     def shutdown(self) -> None:
-        if self.runner is not None and self.runner.tiers is not None:
+        self._stop_prefault()
+        if self.runner is not None:
             self.runner.tiers.close()
         self.runner = None
         self.model = None
@@ -309,6 +403,7 @@ class Worker:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
             try:
+                self._inject_crash(msg)
                 result = self.runner.execute(msg)
             except Exception as e:  # reported as data: the engine fails the step's requests
                 log.exception("rank %d: step %d failed", self.rank, msg.step_id)
@@ -318,9 +413,8 @@ class Worker:
             result.req_ids_digest = req_ids_digest(msg.scheduled_req_ids())
             return result
         if isinstance(msg, FlushTiers):
-            tiers = self.runner.tiers if self.runner is not None else None
-            written = tiers.flush(msg) if tiers is not None else []
-            return ModelRunnerOutput(msg.step_id, flushed_entries=written) \
+            written = self.runner.tiers.flush(msg) if self.runner is not None else 0
+            return ModelRunnerOutput(msg.step_id, flushed_blocks=written) \
                 if self.rank == 0 else None
         if isinstance(msg, ShutdownWorker):
             self.shutdown()

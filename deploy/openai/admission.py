@@ -1,6 +1,10 @@
-"""What a request passes before the engine sees it: the body-size limit (an ASGI layer, so an
-oversized body is never buffered) and the bound on requests waiting for a first token."""
+"""What a request passes before the engine sees it: the body's size and read-time limits (an
+ASGI layer, so an oversized or trickled body is never buffered whole) and the bound on requests
+waiting for a first token."""
 from __future__ import annotations
+
+import asyncio
+import time
 
 import msgspec
 
@@ -31,10 +35,10 @@ class Admission:
 
 class BodyLimit:
     """Reads a request body up to the limit before the app sees it: a longer one is answered
-    413 without buffering the rest."""
+    413 without buffering the rest, one that has not arrived whole within `timeout_s` 408."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout_s: float = 30.0) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -42,16 +46,22 @@ class BodyLimit:
         headers = dict(scope.get("headers") or ())
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
+            return await self._refuse(send, 413, f"the request body is over {self.limit} bytes")
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + self.timeout_s
         while more:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                return await self._refuse(send, 408, f"the request body did not arrive within "
+                                          f"{self.timeout_s:g} s")
             if msg["type"] != "http.request":
                 return  # the client left before sending its body
             body = msg.get("body", b"")
             size += len(body)
             if size > self.limit:
-                return await self._refuse(send)
+                return await self._refuse(send, 413, f"the request body is over {self.limit} "
+                                          f"bytes")
             chunks.append(body)
             more = msg.get("more_body", False)
         replayed = False
@@ -65,9 +75,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        body = _encode(error_json(413, f"the request body is over {self.limit} bytes"))
-        await send({"type": "http.response.start", "status": 413,
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        body = _encode(error_json(status, message))
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

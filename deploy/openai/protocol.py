@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.deploy.openai.errors import BadField, param_of
-from tierserve.deploy.openai.structured import ToolPlan, structured_of
+from tierserve.deploy.openai.structured import ToolPlan, structured_of, written_call
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
@@ -59,6 +59,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -75,6 +76,9 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one (multi-turn tool use).
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -111,9 +115,13 @@ class DetokenizeRequest(BaseModel):
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest,
-                    tools: ToolPlan | None = None, encode=None) -> SamplingParams:
+                    tools: ToolPlan | None = None, encode=None,
+                    defaults: dict | None = None) -> SamplingParams:
     """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve.
-    `encode` (text -> token ids, no special tokens) tokenizes bad_words."""
+    `encode` (text -> token ids, no special tokens) tokenizes bad_words. A field the body
+    leaves out takes the engine's generation defaults (its info()["generation_defaults"]),
+    else vLLM's."""
+    defaults = defaults or {}
     _refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -123,22 +131,26 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
             raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")  # None: the rest of the context
     if not 1 <= req.n <= MAX_N:
         raise BadField("n", f"n must be in [1, {MAX_N}], got {req.n}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     fields = dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0, max_tokens=max_tokens, stop=stop,
+        temperature=_given(req.temperature, defaults, "temperature", 1.0),
+        top_p=_given(req.top_p, defaults, "top_p", 1.0),
+        top_k=_given(req.top_k, defaults, "top_k", 0),
+        min_p=_given(req.min_p, defaults, "min_p", 0.0), max_tokens=max_tokens, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_given(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
         logprobs=logprobs, n=req.n, structured_outputs=structured_of(req, tools),
         min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words_token_ids=_bad_words(req.bad_words, encode),
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=req.prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
@@ -148,6 +160,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         elif name == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
             name = "max_completion_tokens"
         raise BadField(name, str(e).replace("SamplingParams.", "")) from None
+
+
+def _given(value, defaults: dict, name: str, fallback):
+    """The body's value; else the generation defaults'; else vLLM's."""
+    return value if value is not None else defaults.get(name, fallback)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -197,7 +214,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the engine takes them: content parts of type text joined, others refused."""
+    """Messages as the engine takes them: content parts of type text joined, others refused;
+    an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -211,6 +229,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                                    "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
+        if m.tool_calls:
+            content = "\n".join([content] * bool(content) + [
+                written_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(m.tool_calls)])
         msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name

@@ -41,6 +41,7 @@ class Fold:
                                          [] if want_logprobs else None)
                         for k in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.prompt_logprobs: list[list | None] = [None] * num_prompts
         self.cached_tokens = [0] * num_prompts
         self.completion_tokens = 0
 
@@ -48,6 +49,8 @@ class Fold:
         """Folds prompt i's delta in; returns its pieces with something to send."""
         if delta.prompt_token_ids:
             self.prompt_tokens[i] = len(delta.prompt_token_ids)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = delta.prompt_logprobs
         self.cached_tokens[i] = max(self.cached_tokens[i], delta.num_cached_tokens)
         pieces = []
         for c in delta.outputs:
@@ -83,10 +86,22 @@ class Responder:
         self.head = {"id": rid, "object": obj, "created": created, "model": model}
         self.chunk_head = self.head if kind == "completion" else \
             dict(self.head, object="chat.completion.chunk")
+        self._announced: set[int] = set()  # choices whose prompt logprobs were streamed
 
     def full(self, fold: Fold) -> dict:
-        return dict(self.head, choices=[self._choice(k, c) for k, c in enumerate(fold.choices)],
-                    usage=fold.usage())
+        choices = [self._choice(k, c) for k, c in enumerate(fold.choices)]
+        for k, choice in enumerate(choices):
+            self._prompt_logprobs(choice, fold, k)
+        return dict(self.head, choices=choices, usage=fold.usage())
+
+    def _prompt_logprobs(self, choice: dict, fold: Fold, index: int) -> dict:
+        """vLLM's prompt_logprobs of the choice's prompt, when it was asked for."""
+        lps = fold.prompt_logprobs[index // fold.n]
+        if lps is not None:
+            choice["prompt_logprobs"] = [None if e is None else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                         "decoded_token": self.decode(t)} for t, lp in e.items()} for e in lps]
+        return choice
 
     def _choice(self, index: int, c: CompletionOutput) -> dict:
         if self.kind == "completion":
@@ -117,10 +132,13 @@ class Responder:
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         c = p.output
         if self.kind == "completion":
-            return [self._chunk({"index": p.index, "text": c.text,
-                                 "logprobs": completion_logprobs(c, self.decode, self.k,
-                                                                 p.text_offset),
-                                 "finish_reason": c.finish_reason})]
+            choice = {"index": p.index, "text": c.text,
+                      "logprobs": completion_logprobs(c, self.decode, self.k, p.text_offset),
+                      "finish_reason": c.finish_reason}
+            if p.index not in self._announced:
+                self._announced.add(p.index)
+                self._prompt_logprobs(choice, fold, p.index)
+            return [self._chunk(choice)]
         if self.tools is not None and self.tools.mode in ("named", "required"):
             return self._tool_piece(p, fold)
         return [self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},

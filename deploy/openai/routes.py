@@ -1,4 +1,9 @@
-"""The server's routes: completions and chat (full or streamed), models, health, metrics."""
+"""The server's routes: completions and chat (full or streamed), models, health, metrics.
+
+Every call to the engine has a deadline: /health answers within HEALTH_DEADLINE_S whatever
+the engine does (503 "engine unresponsive" when it cannot tell), /metrics serves the last
+values read, with their age, and a stream fails once its engine has been silent for the step
+timeout (runtime/client.py, deploy/watchdog.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +17,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from tierserve.deploy.openai.admission import Admission, BodyLimit
-from tierserve.deploy.openai.errors import ApiError, error_of, error_response, param_path
+from tierserve.deploy.openai.connections import ConnectionLimits, uvicorn_config
+from tierserve.deploy.openai.errors import (
+    ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
+)
 from tierserve.deploy.openai.metrics import Metrics
 from tierserve.deploy.openai.protocol import (
     BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -23,14 +32,20 @@ from tierserve.deploy.openai.protocol import (
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
-from tierserve.deploy.openai.streaming import EngineStream, until_disconnect
+from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
 from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
+from tierserve.runtime.executor import EngineDeadError
 
 __all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
 
 log = logging.getLogger("tierserve.http")
+
+# /health answers within 2 s: the engine gets this long to say it serves.
+HEALTH_DEADLINE_S = 1.5
+# /metrics reads the engine's stats for this long at most, else serves the last ones.
+STATS_DEADLINE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,23 +55,33 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     # API keys and their tenants; None: no authentication, the client's cache_salt as sent.
     keys: KeyTable | None = field(default=None, compare=False)
+    # A request body must arrive whole within this long (else 408).
+    body_timeout_s: float = 30.0
+    # A request head's deadline and the cap on connections per client address.
+    connections: ConnectionLimits = ConnectionLimits()
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
         if self.max_queued_requests < 1 or self.max_body_bytes < 1:
             raise ValueError("max_queued_requests and max_body_bytes must be >= 1")
+        if not self.body_timeout_s > 0:
+            raise ValueError("body_timeout_s must be > 0")
 
 
 class OpenAIServer:
     def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = Metrics()
+        # "": requests without a tenant (no keys, or refused before authentication).
+        self.metrics = Metrics(("",) + (tuple(config.keys.tenants) if config.keys is not None
+                                        else ()))
         self.admission = Admission(config.max_queued_requests)
         self.created = int(time.time())
         info = engine.info()
         self.max_model_len, self.vocab_size = info.get("max_model_len"), info.get("vocab_size")
+        # What a body's unset sampling fields take (the model's generation config).
+        self.generation_defaults = info.get("generation_defaults") or {}
         tok = self.tokenizer = engine.tokenizer
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
@@ -82,19 +107,27 @@ class OpenAIServer:
                        echo: list[str] | None = None):
         """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
         text, which its choices begin with."""
-        params = sampling_params(body, tools, self._encode)
+        params = sampling_params(body, tools, self._encode, self.generation_defaults)
+        if len(prompts) > self.config.max_queued_requests:  # no retry could ever be admitted
+            raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
+                           f"{self.config.max_queued_requests} (max_queued_requests) fit a "
+                           f"body")
         if tenant is not None:
             tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
         salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
         stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
-                              self.admission, self.metrics, tenant)
+                              self.admission, self.metrics, tenant,
+                              _id_prefix(request, tenant) if body.request_id else "")
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
                               self._decode_one, params.logprobs or 0, include_usage, tools)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
-        first = await stream.first()
+        try:
+            first = await stream.first(request)
+        except ClientGone:
+            return Response(status_code=499)
         if first is not None and first.error:
             await stream.aclose()
             raise error_of(first)
@@ -116,8 +149,8 @@ class OpenAIServer:
                 yield chunk
             async for i, delta in stream:
                 if delta.error:
-                    yield sse({"error": {"message": delta.error,
-                                         "code": error_of(delta).status}})
+                    e = error_of(delta)
+                    yield sse(error_json(e.status, e.message, e.param))
                     break
                 for piece in fold.add(i, delta):
                     for chunk in responder.piece(piece, fold):
@@ -173,19 +206,29 @@ class OpenAIServer:
         return await self.generate("chat", [chat_messages(body)], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:
-        self.metrics.engine.stats = await self._stats()
+        collector = self.metrics.engine
+        try:
+            collector.update(await asyncio.wait_for(self.engine.get_stats(), STATS_DEADLINE_S))
+        except asyncio.TimeoutError:
+            collector.update(None)  # unresponsive: the last values, their age growing
+        except EngineDeadError as e:
+            collector.update(dict(collector.stats, dead=scrub(str(e))))
+        except Exception as e:
+            log.warning("could not read the engine's stats: %s", e)
+            collector.update(None)
         return generate_latest(self.metrics.registry)
 
-    async def _stats(self) -> dict:
-        try:
-            return await asyncio.to_thread(self.engine.stats)
-        except Exception as e:
-            return {"dead": f"the engine cannot be reached: {e}"}
-
     async def health(self) -> Response:
-        stats = await self._stats()
-        if stats.get("dead"):
-            return error_response(503, f"the engine is dead: {stats['dead']}")
+        try:
+            await asyncio.wait_for(self.engine.check_health(), HEALTH_DEADLINE_S)
+        except asyncio.TimeoutError:
+            return error_response(503, f"engine unresponsive: no answer within "
+                                  f"{HEALTH_DEADLINE_S:g} s")
+        except EngineDeadError as e:
+            return error_response(503, f"the engine is dead: {scrub(str(e))}")
+        except Exception as e:
+            err = server_error(503, f"the engine cannot be reached: {e}", e)
+            return error_response(503, err.message, headers=err.headers)
         return Response(status_code=200)
 
     def models(self) -> dict:
@@ -234,7 +277,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     async def metrics():
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    return BodyLimit(app, config.max_body_bytes)
+    return BodyLimit(app, config.max_body_bytes, config.body_timeout_s)
+
+
+def _id_prefix(request: Request, tenant: Tenant | None) -> str:
+    """The namespace of a client's own request ids: its tenant, else its address."""
+    if tenant is not None:
+        return f"{tenant.name}:"
+    return f"{request.client.host if request.client else ''}:"
 
 
 def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
@@ -252,6 +302,22 @@ def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
         refused(request, 400)
         return error_response(400, str(e), e.param)
 
+    @app.exception_handler(HTTPException)
+    async def _framework(request: Request, e: HTTPException):
+        """The framework's own errors (no such route, a method it does not take, a body it
+        cannot parse), as OpenAI's error JSON."""
+        refused(request, e.status_code)
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.url.path} does not take {request.method}"}.get(
+            e.status_code, str(e.detail))
+        return error_response(e.status_code, message, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        refused(request, 500)
+        err = server_error(500, f"internal error ({type(e).__name__})", e)
+        return error_response(500, err.message, headers=err.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         refused(request, 400)
@@ -265,5 +331,6 @@ def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int) -> 
     """Runs the server in the foreground until interrupted."""
     app = build_app(engine, config)
     log.info("serving %s on http://%s:%d/v1", config.served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=envs.log_level().lower(),
-                timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(app, host, port, config.connections,
+                                  log_level=envs.log_level().lower(),
+                                  timeout_graceful_shutdown=5)).run()

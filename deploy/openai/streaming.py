@@ -1,5 +1,6 @@
 """A body's engine requests as one stream of (prompt index, delta), with queue accounting and
-metrics; and the watch that aborts a full response's requests when its client goes away."""
+metrics; and the watch that aborts a body's requests when its client goes away, from the moment
+it is admitted (before its first token too: the engine aborts a request wherever it is)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,32 +13,39 @@ from fastapi.responses import Response
 from tierserve.deploy.openai.admission import Admission
 from tierserve.deploy.openai.metrics import Metrics, Tracker
 from tierserve.deploy.openai.tenants import Tenant
-from tierserve.runtime.client import AsyncLLM
+from tierserve.runtime.client import AsyncLLM, DuplicateRequestError
 from tierserve.runtime.executor import EngineDeadError
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 
-__all__ = ["EngineStream", "until_disconnect"]
+__all__ = ["EngineStream", "until_disconnect", "ClientGone"]
 
 log = logging.getLogger("tierserve.http")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response began."""
 
 
 class EngineStream:
     """The deltas of a body's engine requests (one per prompt), merged as they come; closing
     it aborts what has not finished. `first()` waits for the first delta, so that an error
-    there becomes the response's status."""
+    there becomes the response's status. The engine's request ids are `id_prefix` + the
+    body's ids: a client's own request_id, prefixed by its namespace (tenant or address),
+    names its request only among that namespace's."""
 
     def __init__(self, engine: AsyncLLM, prompts: list, params: SamplingParams, base_id: str,
                  priority: int, cache_salt: str | None, admission: Admission,
-                 metrics: Metrics, tenant: Tenant | None = None) -> None:
+                 metrics: Metrics, tenant: Tenant | None = None, id_prefix: str = "") -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.admission, self.metrics = admission, metrics
         self.base_id = base_id
         self.tenant = tenant
         admission.admit(len(prompts))
         self.tasks = [asyncio.ensure_future(self._pump(
-            i, engine.generate(p, params, request_id=f"{base_id}-{i}" if len(prompts) > 1
-                               else base_id, priority=priority, cache_salt=cache_salt)))
+            i, engine.generate(p, params, request_id=id_prefix + (
+                f"{base_id}-{i}" if len(prompts) > 1 else base_id), priority=priority,
+                cache_salt=cache_salt)))
             for i, p in enumerate(prompts)]
         self.remaining = len(prompts)
         self.head: tuple[int, RequestOutput] | None = None
@@ -55,6 +63,10 @@ class EngineStream:
                 tracker.outputs(delta)
                 await self.queue.put((i, delta))
             tracker.done()
+        except DuplicateRequestError as e:  # this client's request_id is taken: 409
+            failed = RequestOutput.failed("", None, [], str(e))
+            failed.error_kind = "conflict"
+            await self.queue.put((i, failed))
         except Exception as e:  # the engine is gone: this prompt fails, the stream ends
             failed = RequestOutput.failed("", None, [], str(e))
             failed.error_kind = "engine_dead" if isinstance(e, EngineDeadError) else "internal"
@@ -74,10 +86,21 @@ class EngineStream:
             self.remaining -= 1
         return None
 
-    async def first(self) -> RequestOutput | None:
+    async def first(self, request: Request) -> RequestOutput | None:
         """Waits for the first delta and keeps it for iteration; returns it (None: no delta
-        will come)."""
-        self.head = await self._next()
+        will come). A client that leaves meanwhile (its prompt still tokenizing, queued, or
+        prefilling) closes the stream, aborting its requests, and raises ClientGone."""
+        head = asyncio.ensure_future(self._next())
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({head, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not head.done():
+            head.cancel()
+            await self.aclose()
+            raise ClientGone
+        self.head = head.result()
         return self.head[1] if self.head is not None else None
 
     async def __aiter__(self):
@@ -97,12 +120,7 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
     """The response of `work`, unless the client goes away first: then its requests are
     aborted (their blocks freed) and nothing is sent."""
     task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
+    watch = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -113,3 +131,9 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
     finally:
         watch.cancel()
         await stream.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was read before: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

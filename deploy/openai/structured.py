@@ -12,7 +12,7 @@ from tierserve.deploy.openai.errors import BadField
 from tierserve.scheduler.params import StructuredOutputs
 from tierserve.workers.structured import check_structured
 
-__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls"]
+__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call"]
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -156,6 +156,20 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]
             rest = _HERMES.sub("", text).strip()
             return calls, rest or None
     return [], text
+
+
+def written_call(call: dict, param: str) -> str:
+    """An earlier turn's tool call as text in the Hermes format `auto` parses back."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(param, "a tool call is {\"type\": \"function\", \"function\": {\"name\", "
+                          "\"arguments\"}}")
+    args = fn.get("arguments") or "{}"
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise _bad(param, "a tool call's arguments are a JSON string") from None
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
 
 
 def _call(name: str, arguments: str) -> dict:

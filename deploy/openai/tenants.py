@@ -9,6 +9,7 @@ JSON of one shape:
     [tenants.acme]                        # optional limits
     requests_per_second = 5
     tokens_per_minute = 20000
+    kv_share = 0.25                       # of the device KV pool its cached blocks may hold
 
 A key is looked up by its SHA-256 digest and then compared with `hmac.compare_digest`, so the
 time an answer takes does not depend on how much of a key a client guessed. Keys are never
@@ -17,7 +18,8 @@ logged or echoed.
 A tenant's cache salt is derived here, HMAC-SHA256(secret, tenant name): a client cannot name
 another tenant's salt, and its own `cache_salt` is nested under its tenant's
 (`<tenant salt>|<client salt>`), so two tenants never share a block in any tier whatever they
-send. kvcache/ charges eviction to the part of a salt before its first `|`: the tenant.
+send. kvcache/ charges eviction to the part of a salt before its first `|`: the tenant, whose
+`kv_share` (written into its salt as `@SHARE`) caps the device pool its cached blocks hold.
 The secret is the file's `secret`, else random per process: give every server in front of one
 deployment (and an SSD tier meant to outlive a restart) the same file.
 """
@@ -36,13 +38,14 @@ from tierserve.deploy.openai.errors import ApiError
 __all__ = ["TenantLimits", "Tenant", "KeyTable", "TokenBucket", "SALT_SEPARATOR"]
 
 SALT_SEPARATOR = "|"
-_LIMIT_FIELDS = {"requests_per_second", "tokens_per_minute"}
+_LIMIT_FIELDS = {"requests_per_second", "tokens_per_minute", "kv_share"}
 
 
 @dataclass(frozen=True)
 class TenantLimits:
     requests_per_second: float | None = None
     tokens_per_minute: float | None = None
+    kv_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("requests_per_second", "tokens_per_minute"):
@@ -50,6 +53,10 @@ class TenantLimits:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not 0 < v < math.inf):
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        share = self.kv_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ValueError(f"kv_share must be in (0, 1], got {share!r}")
 
 
 class TokenBucket:
@@ -134,7 +141,10 @@ class KeyTable:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"a tenant name is a non-empty string, got {name!r}")
             salt = "t-" + hmac.new(secret, name.encode(), hashlib.sha256).hexdigest()[:32]
-            self.tenants[name] = Tenant(name, salt, limits.get(name, TenantLimits()))
+            limit = limits.get(name, TenantLimits())
+            if limit.kv_share is not None:  # kvcache reads a tenant's share from its salt
+                salt += f"@{limit.kv_share:g}"
+            self.tenants[name] = Tenant(name, salt, limit)
         self._by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
         for key, name in keys.items():
             if not isinstance(key, str) or not key:

