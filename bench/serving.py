@@ -135,7 +135,7 @@ def grammar_compile_ms() -> dict:
     from tierserve.scheduler.params import StructuredOutputs
     from tierserve.workers.model.loader import default_model_path
     from tierserve.workers.structured import GrammarMatchers
-    from tierserve.runtime.engine_core import load_model_tokenizer
+    from tierserve.runtime.tokenizer import load_model_tokenizer
     path = default_model_path()
     tok = load_model_tokenizer(path)
     matchers = GrammarMatchers(tokenizer_json_file(path, envs.cache_dir()), len(tok.hf),
@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from tierserve.runtime.engine_core import load_model_tokenizer
+    from tierserve.runtime.tokenizer import load_model_tokenizer
     from tierserve.workers.model.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     proc = None

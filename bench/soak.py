@@ -393,7 +393,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from tierserve.runtime.engine_core import load_model_tokenizer
+    from tierserve.runtime.tokenizer import load_model_tokenizer
     from tierserve.workers.model.loader import default_model_path
     tokenizer = load_model_tokenizer(default_model_path())
     prompts = build_prompts(tokenizer, 64, args.input_len, args.seed)

@@ -475,7 +475,7 @@ class RayEngineClient:
     def tokenizer(self):
         """The engine's tokenizer, loaded here on first use (None for a model without one)."""
         if self._tokenizer is None:
-            from tierserve.runtime.engine_core import load_model_tokenizer
+            from tierserve.runtime.tokenizer import load_model_tokenizer
             self._tokenizer = load_model_tokenizer(self._tokenizer_path)
         return self._tokenizer
 

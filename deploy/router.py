@@ -29,7 +29,7 @@ from tierserve.deploy.replicas import replica_config
 from tierserve.deploy.routing import Candidate, KVAware, RouteQuery, make_policy
 from tierserve.kvcache.hashing import BlockHasher
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.scheduler.kv_events import KVEventCodec
 from tierserve.scheduler.messages import MalformedFrameError
 

@@ -33,8 +33,9 @@ import ray
 from tierserve.deploy.routing import RouteQuery
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S
-from tierserve.runtime.engine_core import load_model_tokenizer, rejection
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.requests import rejection
+from tierserve.runtime.tokenizer import load_model_tokenizer
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutput, EngineCoreRequest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 
 __all__ = ["Liveness", "next_or_dead"]
 

@@ -24,8 +24,8 @@ from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecu
 from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
-from tierserve.runtime.requests import check_request
-from tierserve.runtime.tokenizer import Tokenizer, load_tokenizer, tokenizer_json_file
+from tierserve.runtime.requests import check_request, rejection
+from tierserve.runtime.tokenizer import load_model_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
@@ -33,7 +33,7 @@ from tierserve.scheduler import (
 from tierserve.scheduler.kv_events import (
     KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
-from tierserve.scheduler.params import ErrorKind, QueueFullError
+from tierserve.scheduler.params import ErrorKind
 from tierserve.scheduler.request import seq_id
 from tierserve.workers.kv_fingerprint import kv_fingerprint
 from tierserve.workers.model.config import ModelConfig
@@ -57,7 +57,6 @@ _POLL_S = 0.002
 FLUSH_DEADLINE_S = 30.0
 # Worker failures within this window count against max_restarts.
 RESTART_WINDOW_S = 600.0
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def make_worker_spec(config: EngineConfig) -> WorkerSpec:
@@ -130,15 +129,6 @@ def check_model(config: EngineConfig) -> ModelConfig:
     return model
 
 
-def load_model_tokenizer(path: str) -> Tokenizer | None:
-    """None for a checkpoint folder that ships no tokenizer (prompts must be token ids)."""
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
-                                       for f in _TOKENIZER_FILES):
-        log.warning("%s has no tokenizer files: prompts must be token ids", path)
-        return None
-    return load_tokenizer(path, cache_dir=envs.cache_dir())
-
-
 def _pool_too_small(config: EngineConfig, info: WorkerInfo, usable_tokens: int) -> str:
     """The error of a max_model_len the KV pool cannot hold, naming settings that fit."""
     blocks = -(-config.max_model_len // config.block_size) + 1
@@ -183,20 +173,6 @@ class _Background:
         if self._error is not None:
             raise self._error
         return self._result
-
-
-def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
-    """The one output of a request that could not be added: bad input says what was wrong;
-    anything else is logged as the engine's bug, and still fails this request alone."""
-    kind = (ErrorKind.OVERLOADED if isinstance(error, QueueFullError) else
-            ErrorKind.ENGINE_DEAD if isinstance(error, EngineDeadError) else
-            ErrorKind.BAD_REQUEST if isinstance(error, ValueError) else ErrorKind.INTERNAL)
-    if kind == ErrorKind.INTERNAL:
-        log.error("request %r could not be added", request.req_id, exc_info=error)
-    message = str(error) if kind != ErrorKind.INTERNAL else (
-        f"internal error adding the request: {type(error).__name__}: {error}")
-    return EngineCoreOutput(str(request.req_id), finish_reason=FinishReason.ERROR, error=message,
-                            error_kind=kind)
 
 
 class EngineCore:
@@ -474,7 +450,8 @@ class EngineCore:
             self._failures.append(time.monotonic())
             self._in_flight.clear()
             # Prompt logprobs not yet delivered are computed again, from the first chunk.
-            self._prompt_logprobs.clear()
+            for partial in self._prompt_logprobs.values():
+                partial.clear()
             outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
             log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
                       "minutes)", reason, len(self._failures), self.config.max_restarts,

@@ -9,15 +9,21 @@ and decoded by the workers. Token ids are checked against the vocabulary by the 
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 
-from tierserve.scheduler.messages import EngineCoreRequest
-from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.structured import check_structured
+from tierserve.runtime.errors import EngineDeadError
+from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
+from tierserve.scheduler.params import (
+    ErrorKind, FinishReason, QueueFullError, SamplingParams,
+)
+from tierserve.workers.grammar import check_structured
 
 __all__ = ["check_request", "check_prompt", "check_messages", "check_params", "token_ids",
-           "prompt_fields", "Prompt", "MAX_INT64"]
+           "prompt_fields", "Prompt", "MAX_INT64", "rejection"]
+
+log = logging.getLogger("tierserve.engine")
 
 MAX_INT64 = 2**63 - 1
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -141,3 +147,17 @@ def _check_text(field: str, text: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{field} is not valid Unicode text: {e.reason} at position "
                          f"{e.start}") from None
+
+
+def rejection(request: EngineCoreRequest, error: Exception) -> EngineCoreOutput:
+    """The one output of a request that could not be added: bad input says what was wrong;
+    anything else is logged as the engine's bug, and still fails this request alone."""
+    kind = (ErrorKind.OVERLOADED if isinstance(error, QueueFullError) else
+            ErrorKind.ENGINE_DEAD if isinstance(error, EngineDeadError) else
+            ErrorKind.BAD_REQUEST if isinstance(error, ValueError) else ErrorKind.INTERNAL)
+    if kind == ErrorKind.INTERNAL:
+        log.error("request %r could not be added", request.req_id, exc_info=error)
+    message = str(error) if kind != ErrorKind.INTERNAL else (
+        f"internal error adding the request: {type(error).__name__}: {error}")
+    return EngineCoreOutput(str(request.req_id), finish_reason=FinishReason.ERROR, error=message,
+                            error_kind=kind)

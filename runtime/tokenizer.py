@@ -24,9 +24,10 @@ import numpy as np
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from tierserve.runtime import envs
 from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
-__all__ = ["Tokenizer", "load_tokenizer", "gguf_cache_folder"]
+__all__ = ["Tokenizer", "load_tokenizer", "load_model_tokenizer", "gguf_cache_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,3 +280,15 @@ def _store(hf: PreTrainedTokenizerBase, folder: str, gguf_path: str) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model_tokenizer(path: str) -> Tokenizer | None:
+    """None for a checkpoint folder that ships no tokenizer (prompts must be token ids)."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                       for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+        return None
+    return load_tokenizer(path, cache_dir=envs.cache_dir())

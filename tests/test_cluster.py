@@ -161,7 +161,7 @@ def test_ray_start_head_and_job_submit_recipe():
                      "--max-tokens", "8", "The capital of France is")
         assert "Paris" in out
         out = submit(tierserve_cli, "status", "jobtest")
-        assert "running requests" in out
+        assert "deployment 'jobtest': running" in out and "requests" in out
         out = submit(tierserve_cli, "stop", "jobtest")
         assert "stopped 'jobtest'" in out
     finally:

@@ -22,8 +22,6 @@ for a batch on its own threads, off the GIL.
 """
 from __future__ import annotations
 
-import json as jsonlib
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -31,53 +29,9 @@ import numpy as np
 import torch
 
 from tierserve.scheduler.params import StructuredOutputs
+from tierserve.workers.grammar import grammar_of, llguidance_module
 
-__all__ = ["grammar_of", "check_structured", "GrammarMatchers", "mask_bias"]
-
-# Compact JSON (no whitespace between tokens, as json.dumps(separators=(",", ":")) writes):
-# a model cannot spend its tokens on blanks. A schema's "x-guidance" overrides it.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-def _llguidance():
-    try:
-        import llguidance
-        return llguidance
-    except ImportError:  # pragma: no cover - a dependency; a clear error if it went missing
-        raise ValueError("structured outputs need the llguidance package "
-                         "(pip install llguidance)") from None
-
-
-def grammar_of(spec: StructuredOutputs) -> str:
-    """The llguidance grammar of a constraint; ValueError naming the field it cannot parse."""
-    matcher = _llguidance().LLMatcher
-    if spec.json is not None:
-        try:
-            schema = jsonlib.loads(spec.json)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-        return matcher.grammar_from_json_schema(schema, _JSON_OPTIONS)
-    if spec.json_object:
-        return matcher.grammar_from_json_schema({"type": "object"}, _JSON_OPTIONS)
-    if spec.regex is not None:
-        return matcher.grammar_from_regex(spec.regex)
-    if spec.choice is not None:
-        return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
-    grammar = spec.grammar
-    if "::=" in grammar:  # GBNF (llama.cpp's), as vLLM's guided_grammar takes it
-        grammar = _llguidance().gbnf_to_lark(grammar)
-    return matcher.grammar_from_lark(grammar)
-
-
-def check_structured(spec: StructuredOutputs) -> str:
-    """The grammar of a constraint, validated without a tokenizer; ValueError naming the field
-    and what the library could not compile."""
-    grammar = grammar_of(spec)
-    error = _llguidance().LLMatcher.validate_grammar(grammar)
-    if error:
-        kind = spec.kinds()[0]
-        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {error.strip()}")
-    return grammar
+__all__ = ["GrammarMatchers", "mask_bias"]
 
 
 def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -122,7 +76,7 @@ class GrammarMatchers:
         self._pending[req_id] = template
 
     def _load_tokenizer(self):
-        llg = _llguidance()
+        llg = llguidance_module()
         if self.tokenizer_file is None:
             raise ValueError("structured outputs need the model's tokenizer.json on the rank "
                              "that samples")
@@ -137,7 +91,7 @@ class GrammarMatchers:
                 self._tokenizer.set_result(self._load_tokenizer())
             except BaseException as e:
                 self._tokenizer.set_exception(e)
-        matcher = _llguidance().LLMatcher(self._tokenizer.result(), grammar)
+        matcher = llguidance_module().LLMatcher(self._tokenizer.result(), grammar)
         if matcher.is_error():
             raise ValueError(f"the grammar cannot be compiled: {matcher.get_error()}")
         return matcher
@@ -189,7 +143,7 @@ class GrammarMatchers:
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
         matchers = [(self._matcher(req_ids[i]), j) for j, i in enumerate(rows)]
         if self._executor is None:
-            self._executor = _llguidance().LLExecutor()
+            self._executor = llguidance_module().LLExecutor()
         # llguidance's own threads fill the rows, without the GIL.
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4,
                                                len(rows))

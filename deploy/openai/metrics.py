@@ -26,7 +26,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 REFUSED_STATUSES = ("400", "401", "404", "405", "413", "422", "429", "500", "503")
 CACHED_TIERS = ("device", "cpu")
 _ENGINE = " (the engine: every client of a deployment)"
-_SERVER = " (this server's requests)"
+_SERVER = " (this server's: its requests, its reading of the engine)"
 
 
 class EngineCollector:
@@ -49,7 +49,7 @@ class EngineCollector:
         age = -1.0 if self.read_at is None else time.monotonic() - self.read_at
         yield _gauge("engine_stats_age_seconds", "seconds since the engine's values above were "
                      "read: they are the last ones while the engine does not answer (-1: "
-                     "never read)", round(age, 3))
+                     "never read)" + _SERVER, round(age, 3))
 
     def _engine(self):
         s = self.stats

@@ -36,7 +36,7 @@ from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_di
 from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 
 __all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
 

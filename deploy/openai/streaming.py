@@ -14,7 +14,7 @@ from tierserve.deploy.openai.admission import Admission
 from tierserve.deploy.openai.metrics import Metrics, Tracker
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.client import AsyncLLM, DuplicateRequestError
-from tierserve.runtime.executor import EngineDeadError
+from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 

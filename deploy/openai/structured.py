@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tierserve.deploy.openai.errors import BadField
 from tierserve.scheduler.params import StructuredOutputs
-from tierserve.workers.structured import check_structured
+from tierserve.workers.grammar import check_structured
 
 __all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call"]
 
