@@ -29,7 +29,9 @@ import torch
 from report import emit
 from tierserve.runtime import envs
 from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.backends.cpu import CpuBackend, kernel_backend, torch_backend
+from tierserve.workers.backends.base import Backend
+from tierserve.workers.backends.cpu import kernel_backend
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
@@ -66,7 +68,7 @@ def make_step(dtype: torch.dtype):
     return q, pools, (lens, tables, slots)
 
 
-def time_step(q, pools, attn, backend: CpuBackend, steps: int) -> float:
+def time_step(q, pools, attn, backend: Backend, steps: int) -> float:
     """Median per-layer microseconds of one step (all layers' attention)."""
     scale = HEAD_DIM ** -0.5
     times = []
@@ -80,16 +82,16 @@ def time_step(q, pools, attn, backend: CpuBackend, steps: int) -> float:
     return statistics.median(times)
 
 
-def run(dtype: torch.dtype, steps: int, backend: CpuBackend) -> dict:
+def run(dtype: torch.dtype, steps: int, backend: Backend) -> dict:
     q, pools, batch = make_step(dtype)
     return {"attn_torch_us": time_step(q, pools, metadata(*batch), torch_backend(), steps),
             "attn_kernel_us": time_step(q, pools, metadata(*batch), backend, steps)}
 
 
-def model_step_ms(dtype: torch.dtype, steps: int, backend: CpuBackend) -> dict:
+def model_step_ms(dtype: torch.dtype, steps: int, backend: Backend) -> dict:
     """Median ms of one SmolLM2-135M decode step (forward + logits), torch backend and the
     kernel backend."""
-    from tierserve.workers.attention import allocate_kv_cache
+    from tierserve.workers.kv_pool import allocate_kv_cache
     from tierserve.workers.model.loader import default_model_path, load_model
 
     lens, tables, slots, num_blocks = make_batch(num_blocks_factor=1)

@@ -63,6 +63,8 @@ def run(make_engine: Callable[[dict], Engine], spec: dict) -> dict:
     try:
         for section in spec["sections"]:
             result.update(_SECTION_RUNNERS[section](engine, spec))
+        if hasattr(engine, "final_info"):  # what an engine can only tell after the work
+            result.update(engine.final_info())
     finally:
         engine.close()
     return result

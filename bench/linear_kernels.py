@@ -12,16 +12,16 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
   panel_max_rows where the backend has AMX);
 - `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX);
 - `q4_1`: fp32 from the weight's GGUF Q4_1 codes (csrc/quant.cpp), where the backend has the
-  quantized kernel; the engine takes it up to the backend's quant_max_rows rows. fp32 weights
+  quantized kernel; the engine takes it up to the backend's panel_max_rows rows. fp32 weights
   are Q4_1 blocks dequantized here, as the default model's are, so that route applies; the
   others read the same values as fp32.
 Rows: `<dtype>_<route>_m<M>_ms` (30 layers) and `..._gflops`; `..._err_1e6`, the largest
 deviation from float64 on one gate_up product, in units of 1e-6.
 
-Then, where the backend has the greedy head, the LM head (49152 x 576) for 64 rows:
-`head_full_ms`, linear_f32's logits plus argmax_rows; `head_greedy_ms`, layers.GreedyHead's
-exact route (bf16 approximation, bound, fp32 candidates); `head_greedy_equal`, 1 when both give
-the same tokens.
+Then the LM head (49152 x 576) for 1 and 64 rows:
+`head_full_m<M>_ms`, linear_f32's logits plus argmax_rows; `head_greedy_m<M>_ms`,
+greedy.GreedyHead's exact route (Q8_0 approximation, bound, fp32 candidates);
+`head_greedy_equal_m<M>`, 1 when both give the same tokens.
 
 Usage: python bench/linear_kernels.py [--json] [--rows 1,16,64,161,512,2048] [--repeats 5]
            [--dtypes float32,bfloat16] [--cpu-isa avx2|avx512|amx]
@@ -37,9 +37,11 @@ import torch.nn.functional as F
 
 from report import emit
 from tierserve.runtime import envs
-from tierserve.workers.backends.cpu import CpuBackend, kernel_backend, torch_backend
+from tierserve.workers.backends.cpu import CpuKernelBackend, kernel_backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
-from tierserve.workers.model.layers import GreedyHead, PackedWeight, PanelWeight
+from tierserve.workers.backends.greedy import GreedyHead
+from tierserve.workers.backends.linear import PackedWeight, PanelWeight
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one decoder layer
@@ -50,18 +52,18 @@ VOCAB, HIDDEN = 49152, 576
 class Weight:
     """One weight in every layout a route reads."""
 
-    def __init__(self, w: torch.Tensor, backend: CpuBackend) -> None:
+    def __init__(self, w: torch.Tensor, backend: CpuKernelBackend) -> None:
         self.plain = w
         self.panel = PanelWeight(w, backend) if PanelWeight.applies_to(w, backend) else None
         torch_route = torch_backend().half_linear_for(w.dtype)
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
-        self.quant = QuantPanelWeight.encode(self.panel, w, backend) if self.panel else None
+        self.quant = QuantPanelWeight.encode(w, backend) if self.panel else None
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.onednn.linear(x, None) if self.onednn else F.linear(x, self.plain)
 
 
-def routes(backend: CpuBackend, dtype: torch.dtype, m: int) -> dict:
+def routes(backend: CpuKernelBackend, dtype: torch.dtype, m: int) -> dict:
     out = {"torch": lambda x, w: w.torch(x)}
     if dtype != torch.float32:
         if backend.half_linear_for(dtype) == "kernel":
@@ -97,7 +99,7 @@ def best_of(fn, repeats: int) -> float:
     return best
 
 
-def bench_linears(backend: CpuBackend, dtype: torch.dtype, rows: list[int],
+def bench_linears(backend: CpuKernelBackend, dtype: torch.dtype, rows: list[int],
                   repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     make = (lambda n, k: q4_1_weight(n, k, gen)) if dtype == torch.float32 and \
@@ -124,18 +126,21 @@ def bench_linears(backend: CpuBackend, dtype: torch.dtype, rows: list[int],
     return result
 
 
-def bench_head(backend: CpuBackend, repeats: int) -> dict[str, float]:
+def bench_head(backend: CpuKernelBackend, repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05
     panel = PanelWeight(w, backend)
     head = GreedyHead(panel, w, backend)
-    # Rows shaped like final hidden states: RMS-normalised, then scaled.
-    x = F.normalize(torch.randn(64, HIDDEN, generator=gen), dim=1) * HIDDEN ** 0.5 * 3
-    full = lambda: backend.argmax_rows(panel.linear(x, None))  # noqa: E731
-    greedy = lambda: head.tokens(x)  # noqa: E731
-    return {"head_full_ms": best_of(full, repeats) * 1e3,
-            "head_greedy_ms": best_of(greedy, repeats) * 1e3,
-            "head_greedy_equal": int(torch.equal(full(), greedy()))}
+    result: dict[str, float] = {}
+    for m in (1, 64):
+        # Rows shaped like final hidden states: RMS-normalised, then scaled.
+        x = F.normalize(torch.randn(m, HIDDEN, generator=gen), dim=1) * HIDDEN ** 0.5 * 3
+        full = lambda: backend.argmax_rows(panel.linear(x, None))  # noqa: E731
+        greedy = lambda: head.tokens(x)  # noqa: E731
+        result[f"head_full_m{m}_ms"] = best_of(full, repeats) * 1e3
+        result[f"head_greedy_m{m}_ms"] = best_of(greedy, repeats) * 1e3
+        result[f"head_greedy_equal_m{m}"] = int(torch.equal(full(), greedy()))
+    return result
 
 
 def main() -> None:
@@ -150,11 +155,11 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     backend = kernel_backend(args.cpu_isa, envs.cache_dir())
     result: dict = {"backend": backend.name, "amx_available": int(backend.amx_linear),
-                    "quant_max_rows": backend.quant_max_rows if backend.quant_linear else 0}
+                    "panel_max_rows": backend.panel_max_rows}
     for name in args.dtypes.split(","):
         result.update(bench_linears(backend, getattr(torch, name),
                                     [int(r) for r in args.rows.split(",")], args.repeats))
-    if backend.greedy_head:
+    if backend.greedy_head_route:
         result.update(bench_head(backend, args.repeats))
     emit(result, args.json)
 

@@ -3,7 +3,7 @@ prefill kernel: time to first token of one prompt (random ids, prefix caching of
 SmolLM2 GGUF) at several lengths, with every prefill chunk on the decode kernel (token by token
 over its causal context), on the tiled causal kernel (csrc/prefill_attention.cpp), and on
 torch's SDPA (the route of dtypes the tiled kernel does not take).
-attention.KERNEL_PREFILL_MAX_CONTEXT picks between the first and the others in serving.
+backends/cpu.py's KERNEL_PREFILL_MAX_CONTEXT picks between the first and the others in serving.
 
 Rows: `ttft_token_ms_<n>`, `ttft_tiled_ms_<n>`, `ttft_sdpa_ms_<n>`: best of --repeats, in ms.
 
@@ -18,10 +18,11 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 
 from report import emit
 from tierserve import LLM, SamplingParams
-from tierserve.workers import attention
+from tierserve.workers.backends import cpu as cpu_backends
 
 
 def ttft_ms(llm: LLM, prompt: list[int], repeats: int) -> float:
@@ -41,10 +42,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    default, tiled = attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill
+    cls = cpu_backends.CpuKernelBackend
+    default, tiled = cpu_backends.KERNEL_PREFILL_MAX_CONTEXT, cls.prefill_attention
 
-    def sdpa(*args, backend=None):  # _prefill without the backend: its SDPA route
-        return tiled(*args)
+    def sdpa(self, q, k, v, scale, window=None):  # the tiled kernel's work through SDPA
+        length, context = q.shape[0], k.shape[0]
+        mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
     result: dict[str, float] = {}
     try:
@@ -55,10 +62,10 @@ def main() -> None:
                 prompt = [rng.randrange(100, 40000) for _ in range(n)]
                 for path, limit, prefill in (("token", 1 << 30, tiled), ("tiled", 0, tiled),
                                              ("sdpa", 0, sdpa)):
-                    attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill = limit, prefill
+                    cpu_backends.KERNEL_PREFILL_MAX_CONTEXT, cls.prefill_attention = limit, prefill
                     result[f"ttft_{path}_ms_{n}"] = ttft_ms(llm, prompt, args.repeats)
     finally:
-        attention.KERNEL_PREFILL_MAX_CONTEXT, attention._prefill = default, tiled
+        cpu_backends.KERNEL_PREFILL_MAX_CONTEXT, cls.prefill_attention = default, tiled
     emit(result, args.json)
 
 

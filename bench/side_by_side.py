@@ -1,17 +1,24 @@
-"""`offline_throughput.py --against PYTHON`: tierserve and vLLM's `LLM` (in the interpreter
-PYTHON) on the same workload, one after the other, in one table.
+"""`offline_throughput.py --against PYTHON` (and `--variant`): tierserve, variants of it (other
+engine options) and vLLM's `LLM` (in the interpreter PYTHON) on the same workload, one after
+the other, in one table.
 
 Each engine runs in a fresh process per dtype (tierserve_driver.py, vllm_driver.py) through
 the same sections of engine_driver.py, with the same token ids: the chat prompts of the
-offline workload (output tok/s, fp32 and bf16 where the CPU runs bf16 natively), and random
-prompts of --prompt-len tokens (single-stream decode; TTFT cold, then with the prefix cached).
-Cold start is the time from the parent starting that process to its first token (imports,
-engine construction, compilation or kernel builds, one 1-token request); each engine says
-whether its compile / kernel cache held anything new afterwards (not warm) or not (warm).
+offline workload (output tok/s, fp32 and bf16 where the CPU runs bf16 natively), the
+single-stream decode prompts (--decode-workload: random ids of --prompt-len tokens, a chat
+prompt, or an edit of a given text), and random prompts of --prompt-len tokens (TTFT cold,
+then with the prefix cached). Cold start is the time from the parent starting that process to
+its first token (imports, engine construction, compilation or kernel builds, one 1-token
+request); each engine says whether its compile / kernel cache held anything new afterwards
+(not warm) or not (warm).
 
-vLLM gets the model as a Hugging Face folder (export_hf.py), its OpenMP threads bound to this
-process's CPUs, the same KV cache size and max_model_len as tierserve, prefix caching on, and
-usage stats off.
+Each figure is also given as a fraction of its bound on this machine (roofline.py, measured
+first with the engines' threads): output tok/s as the run's FLOPs per second over the matmul
+peak of its dtype, decode tok/s as the bytes a step streams per second over the bandwidth.
+
+vLLM gets the model as a Hugging Face folder (export_hf.py, or --model's folder), its OpenMP
+threads bound to this process's CPUs, the same KV cache size and max_model_len as tierserve,
+prefix caching on, and usage stats off.
 """
 from __future__ import annotations
 
@@ -27,7 +34,6 @@ import time
 from engine_driver import SECTIONS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINES = ("tierserve", "vllm")
 PARTS = SECTIONS + ("cold_start",)  # what --only picks from
 DRIVER_TIMEOUT_S = 3600  # a first vLLM run compiles for minutes; an hour means it hangs
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -90,35 +96,52 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def plan(parts: set[str], dtypes: list[str]) -> list[tuple[str, list[str]]]:
-    """(dtype, sections) of each process one engine runs: the first dtype also runs decode
-    and TTFT; the others run throughput alone, and only when it was asked for."""
+    """(dtype, sections) of each process one engine runs: the first dtype runs every part
+    asked for; the others throughput and decode (TTFT does not depend on the comparison of
+    dtypes), when asked for."""
     runs = [(dtypes[0], [s for s in SECTIONS if s in parts])]
-    if "throughput" in parts:
-        runs += [(dtype, ["throughput"]) for dtype in dtypes[1:]]
-    return runs
+    runs += [(dtype, [s for s in ("throughput", "decode") if s in parts])
+             for dtype in dtypes[1:]]
+    return [(dtype, sections) for dtype, sections in runs if sections or dtype == dtypes[0]]
 
 
-def run_engines(args, spec: dict, hf_folder: str, runs, log_dir: str) -> dict:
-    """{engine: {dtype: driver result}}, all of one engine's runs before the other's."""
-    order = ENGINES[::-1] if args.vllm_first else ENGINES
+def engines_of(args) -> list[dict]:
+    """The engines to run, in order: label, kind (tierserve / vllm) and tierserve's engine
+    options (--engine, then each --variant's own on top)."""
+    base = dict(getattr(args, "engine", {}))
+    engines = [{"label": "tierserve", "kind": "tierserve", "options": base}]
+    engines += [{"label": f"tierserve[{name}]", "kind": "tierserve",
+                 "options": {**base, **options}} for name, options in args.variant]
+    if args.against:
+        vllm = {"label": "vllm", "kind": "vllm", "options": {}}
+        engines = [vllm] + engines if args.vllm_first else engines + [vllm]
+    return engines
+
+
+def run_engines(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
+                engines: list[dict]) -> dict:
+    """{engine label: {dtype: driver result}}, all of one engine's runs before the next's."""
     fresh_cache = tempfile.mkdtemp(prefix="vllm-cache-") if args.vllm_fresh_cache else None
     results: dict[str, dict] = {}
-    for engine in order:
+    for entry in engines:
+        engine = entry["label"]
         results[engine] = {}
         for dtype, sections in runs:
-            run_spec = dict(spec, dtype=dtype, sections=sections)
-            if engine == "vllm":
+            run_spec = dict(spec, dtype=dtype, sections=sections,
+                            engine_options=entry["options"])
+            if entry["kind"] == "vllm":
                 argv = [args.against, os.path.join(HERE, "vllm_driver.py")]
                 env = vllm_env(args.kv_cache_gib, fresh_cache)
                 run_spec["model"] = hf_folder
             else:
                 argv = [sys.executable, os.path.join(HERE, "tierserve_driver.py")]
                 env = dict(os.environ)
-            log = os.path.join(log_dir, f"{engine}-{SHORT[dtype]}.log")
+            log = os.path.join(log_dir, f"{engine.replace('[', '-').strip(']')}-"
+                                        f"{SHORT[dtype]}.log")
             print(f"running {engine} {dtype}: {', '.join(sections) or 'cold start only'} "
                   f"(log {log})", file=sys.stderr, flush=True)
             results[engine][dtype] = run_driver(argv, run_spec, env, log)
-            if engine == "vllm":
+            if entry["kind"] == "vllm":
                 results[engine][dtype]["compile_cache_load_failure"] = _cache_load_failure(log)
     return results
 
@@ -133,19 +156,27 @@ def _cache_load_failure(log_path: str) -> str | None:
     return None
 
 
-def base_spec(args, prompts: list[list[int]]) -> dict:
-    """What every driver gets; the random prompts are distinct, so none is cached at first."""
+def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | None = None,
+              model: str | None = None) -> dict:
+    """What every driver gets; the random prompts are distinct, so none is cached at first.
+    decode_prompts: the two single-stream prompts (default: random ids of --prompt-len)."""
     long = random_prompts(2 + args.ttft_repeats, args.prompt_len, seed=1)
-    return {"model": None, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
+    return {"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),
-            "prompts": prompts, "output_len": args.output_len, "decode_prompts": long[:2],
-            "ttft_prompts": long[2:], "engine_options": getattr(args, "engine", {})}
+            "prompts": prompts, "output_len": args.output_len,
+            "decode_prompts": decode_prompts or long[:2], "ttft_prompts": long[2:],
+            "engine_options": getattr(args, "engine", {})}
 
 
-# metric key, label, unit, target (text, test of (tierserve, vllm)) from the issue's acceptance
+# metric key, label, unit, target (text, test of (tierserve, vllm)) from issue 27's acceptance
+# (fp32, dense checkpoint) and the earlier ones
 _METRICS = (
-    ("output_tok_s", "output tok/s {dtype}", "tok/s", (">= 1.0x vLLM", lambda t, v: t >= v)),
-    ("decode_tok_s", "decode tok/s, 1 request", "tok/s", (">= 1.2x vLLM", lambda t, v: t >= 1.2 * v)),
+    ("output_tok_s", "output tok/s {dtype}", "tok/s", (">= 1.5x vLLM", lambda t, v: t >= 1.5 * v)),
+    ("offline_frac", "  of the {dtype} matmul bound", "", (">= 0.5", lambda t, v: t >= 0.5)),
+    ("decode_tok_s", "decode tok/s {dtype}, 1 request", "tok/s",
+     (">= 2x vLLM", lambda t, v: t >= 2 * v)),
+    ("decode_frac", "  of the bandwidth bound", "", (">= 0.5", lambda t, v: t >= 0.5)),
+    ("spec_acceptance", "  drafts accepted", "", None),
     ("ttft_ms", "TTFT {prompt_len}-token prompt", "ms", ("<= vLLM", lambda t, v: t <= v)),
     ("ttft_cached_ms", "TTFT, prefix cached", "ms", None),
     ("ttft_cut", "TTFT cut by the cached prefix", "x", (">= 10x", lambda t, v: t >= 10)),
@@ -155,21 +186,58 @@ _METRICS = (
 
 
 def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
+    """A row per metric and dtype: each engine's figure, tierserve/vllm (with vLLM) and each
+    variant over tierserve, and the target against vLLM where there is one."""
+    labels = list(results)
+    variants = [e for e in labels if e.startswith("tierserve[")]
     rows = []
     for dtype in dtypes:
-        ts, vl = results["tierserve"].get(dtype), results["vllm"].get(dtype)
-        if ts is None or vl is None:
-            continue
         for key, label, unit, target in _METRICS:
-            if key not in ts or key not in vl:
+            values = {e: results[e].get(dtype, {}).get(key) for e in labels}
+            if values.get("tierserve") is None:
                 continue
-            t, v = ts[key], vl[key]
-            rows.append({"metric": label.format(dtype=SHORT[dtype], prompt_len=prompt_len),
-                         "unit": unit, "tierserve": t, "vllm": v,
-                         "tierserve/vllm": t / v if v else None,
-                         "target": target[0] if target else "",
-                         "met": None if target is None else target[1](t, v)})
+            row = {"metric": label.format(dtype=SHORT[dtype], prompt_len=prompt_len),
+                   "unit": unit, **values}
+            t, v = values["tierserve"], values.get("vllm")
+            if "vllm" in results:
+                row["tierserve/vllm"] = t / v if v else None
+            for e in variants:
+                row[f"{e}/tierserve"] = values[e] / t if values[e] is not None and t else None
+            vs_vllm = target is not None and "vLLM" in target[0]
+            row["target"] = target[0] if target and (v is not None or not vs_vllm) else ""
+            row["met"] = None if not row["target"] else target[1](t, v)
+            rows.append(row)
     return rows
+
+
+def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
+    """tierserve's decode tok/s of each further dtype over its first: issue 27 asks bf16 for
+    1.7x fp32 (half the bytes a step streams)."""
+    first, rows = dtypes[0], []
+    for engine, by_dtype in results.items():
+        base = by_dtype.get(first, {}).get("decode_tok_s")
+        for dtype in dtypes[1:]:
+            got = by_dtype.get(dtype, {}).get("decode_tok_s")
+            if base and got:
+                target = ">= 1.7x" if (first, dtype) == ("float32", "bfloat16") else ""
+                rows.append({"engine": engine, "decode": f"{SHORT[dtype]} / {SHORT[first]}",
+                             "ratio": got / base, "target": target,
+                             "met": None if not target else got >= 1.7 * base})
+    return rows
+
+
+def add_fractions(result: dict, dtype: str, limits: dict | None, cost, prompts: list[list[int]],
+                  output_len: int, decode_context: int, quantization: str | None) -> None:
+    """offline_frac and decode_frac of one run (roofline.py); nothing without limits."""
+    if limits is None or cost is None:
+        return
+    from roofline import decode_frac, offline_frac
+    if "output_tok_s" in result:
+        result["offline_frac"] = offline_frac(limits, cost, result["output_tok_s"], dtype,
+                                              [len(p) for p in prompts], output_len)
+    if "decode_tok_s" in result:
+        result["decode_frac"] = decode_frac(limits, cost, result["decode_tok_s"], dtype,
+                                            quantization, decode_context)
 
 
 def add_derived(result: dict) -> None:
@@ -178,20 +246,25 @@ def add_derived(result: dict) -> None:
 
 
 def agreement(results: dict) -> dict:
-    """Per dtype: of the throughput prompts, how many got the same greedy tokens from both
-    engines, and the mean length of the common start (fp rounding differs, so long outputs
-    may part ways; an early split on most prompts means the engines do not run one model)."""
+    """Per engine other than tierserve and dtype: of the throughput prompts, how many got the
+    same greedy tokens as tierserve's, and the mean length of the common start (fp rounding
+    differs, so long outputs may part ways; an early split on most prompts means the engines
+    do not run one model)."""
+    ids = {engine: {dtype: r.pop("throughput_token_ids", None) for dtype, r in by.items()}
+           for engine, by in results.items()}
     out = {}
-    for dtype, ts in results["tierserve"].items():
-        vl = results["vllm"].get(dtype, {})
-        a, b = ts.pop("throughput_token_ids", None), vl.pop("throughput_token_ids", None)
-        if a is None or b is None:
+    for engine in results:
+        if engine == "tierserve":
             continue
-        common = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p))
-                  for p, q in zip(a, b)]
-        out[SHORT[dtype]] = {"identical": sum(p == q for p, q in zip(a, b)), "prompts": len(a),
-                             "mean_common_prefix": sum(common) / len(common),
-                             "tokens": len(a[0])}
+        for dtype, b in ids[engine].items():
+            a = ids["tierserve"].get(dtype)
+            if a is None or b is None:
+                continue
+            common = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p))
+                      for p, q in zip(a, b)]
+            out[f"{engine} {SHORT[dtype]}"] = {
+                "identical": sum(p == q for p, q in zip(a, b)), "prompts": len(a),
+                "mean_common_prefix": sum(common) / len(common), "tokens": len(a[0])}
     return out
 
 
@@ -204,13 +277,21 @@ def _fmt(value) -> str:
 
 
 def notes(config: dict, results: dict, agree: dict) -> list[str]:
-    lines = [f"{config['first']} ran first, then {config['second']}; one process per engine "
-             f"and dtype, never two at once",
+    lines = [f"ran in this order: {', '.join(config['order'])}; one process per engine and "
+             f"dtype, never two at once",
              f"CPU: {config['cpu']} ({', '.join(config['isas']) or 'no kernel ISA'}); "
-             f"native bf16: {'yes' if config['native_bf16'] else 'no'}"]
-    if config["tierserve_engine_options"]:
-        lines.append("tierserve engine options: " + ", ".join(
-            f"{k}={v}" for k, v in config["tierserve_engine_options"].items()))
+             f"native bf16: {'yes' if config['native_bf16'] else 'no'}",
+             f"model: {config['model']}; decode workload: {config['decode_workload']}"]
+    limits = config.get("limits")
+    if limits:
+        lines.append(f"bounds ({limits['threads']} threads): {limits['bandwidth_gb_s']:.1f} "
+                     f"GB/s read; matmul {limits['matmul_gflop_s']:.1f} GFLOP/s fp32 "
+                     f"({limits['matmul_route']}), {limits['matmul_gflop_s_bf16']:.1f} bf16 "
+                     f"({limits['matmul_route_bf16']})")
+    for engine in config["engines"]:
+        if engine["kind"] == "tierserve" and engine["options"]:
+            lines.append(f"{engine['label']} engine options: " + ", ".join(
+                f"{k}={v}" for k, v in engine["options"].items()))
     if config["skipped_dtypes"]:
         lines.append(f"not run: {', '.join(config['skipped_dtypes'])} (this CPU has no native "
                      f"bf16; pass --dtypes to run it anyway)")
@@ -224,43 +305,65 @@ def notes(config: dict, results: dict, agree: dict) -> list[str]:
             if r.get("compile_cache_load_failure"):
                 lines.append(f"{engine} {dtype} compiled again: its cached compile failed to "
                              f"load ({r['compile_cache_load_failure']})")
-    for dtype, a in agree.items():
-        lines.append(f"greedy tokens {dtype}: {a['identical']}/{a['prompts']} outputs identical, "
-                     f"mean common start {a['mean_common_prefix']:.1f} of {a['tokens']}")
+    for what, a in agree.items():
+        lines.append(f"greedy tokens, {what} vs tierserve: {a['identical']}/{a['prompts']} "
+                     f"outputs identical, mean common start {a['mean_common_prefix']:.1f} of "
+                     f"{a['tokens']}")
     lines.append("wall-clock figures on a shared machine are noisy; logs: " + config["log_dir"])
     return lines
 
 
-def compare(args, prompts: list[list[int]], dtypes: list[str], features) -> None:
-    """Runs both engines and prints the table (or one JSON object with --json)."""
-    from export_hf import export_hf
+def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
+            model: str | None = None, hf_folder: str | None = None,
+            decode_prompts: list[list[int]] | None = None, limits: dict | None = None,
+            cost=None) -> None:
+    """Runs every engine and prints the table (or one JSON object with --json). model:
+    tierserve's (None: the default GGUF); hf_folder: vLLM's (default: the default model
+    exported by export_hf.py)."""
     from report import print_table
     parts = set(args.only.split(",")) if args.only else set(PARTS)
     if args.prompt_len + args.output_len + 1 > args.max_model_len:
         raise SystemExit("--prompt-len + --output-len exceed --max-model-len")
-    hf_folder = args.hf_model or export_hf()
+    engines = engines_of(args)
+    if args.against and hf_folder is None:
+        from export_hf import export_hf
+        hf_folder = export_hf(model)  # the GGUF tierserve runs (None: the default one)
     log_dir = tempfile.mkdtemp(prefix="tierserve-against-")
-    results = run_engines(args, base_spec(args, prompts), hf_folder, plan(parts, dtypes), log_dir)
-    for by_dtype in results.values():
-        for result in by_dtype.values():
+    spec = base_spec(args, prompts, decode_prompts, model)
+    results = run_engines(args, spec, hf_folder, plan(parts, dtypes), log_dir, engines)
+    decode_context = len(spec["decode_prompts"][1]) + args.output_len // 2
+    for entry in engines:
+        for dtype, result in results[entry["label"]].items():
             add_derived(result)
+            add_fractions(result, dtype, limits, cost, prompts, args.output_len, decode_context,
+                          entry["options"].get("quantization"))
     agree = agreement(results)
-    order = ENGINES[::-1] if args.vllm_first else ENGINES
     all_dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "bfloat16"]
-    config = {"first": order[0], "second": order[1], "cpu": features.model_name,
-              "isas": list(features.isas), "native_bf16": features.onednn_bf16,
+    config = {"order": [e["label"] for e in engines], "engines": engines,
+              "cpu": features.model_name, "isas": list(features.isas),
+              "native_bf16": features.onednn_bf16, "model": model or "the default GGUF",
+              "decode_workload": args.decode_workload, "limits": limits,
               "dtypes": dtypes, "skipped_dtypes": [d for d in all_dtypes if d not in dtypes],
               "num_prompts": len(prompts), "output_len": args.output_len,
               "prompt_len": args.prompt_len, "kv_cache_gib": args.kv_cache_gib,
               "max_model_len": args.max_model_len, "hf_model": hf_folder,
               "vllm_python": args.against, "vllm_threads_bind": cpu_list(os.sched_getaffinity(0)),
-              "log_dir": log_dir, "tierserve_engine_options": getattr(args, "engine", {})}
+              "log_dir": log_dir}
     rows = table_rows(results, dtypes, args.prompt_len)
+    ratios = dtype_rows(results, dtypes)
     if args.json:
-        print(json.dumps({"config": config, "rows": rows, "greedy_agreement": agree,
-                          **results}))
+        out = {"config": config, "rows": rows, "dtype_ratios": ratios,
+               "greedy_agreement": agree, **results}
+        if limits:
+            out.update(bandwidth_gb_s=limits["bandwidth_gb_s"],
+                       matmul_gflop_s=limits["matmul_gflop_s"],
+                       matmul_gflop_s_bf16=limits["matmul_gflop_s_bf16"])
+        print(json.dumps(out))
         return
     print_table([{k: _fmt(v) for k, v in row.items()} for row in rows])
+    if ratios:
+        print()
+        print_table([{k: _fmt(v) for k, v in row.items()} for row in ratios])
     print()
     for line in notes(config, results, agree):
         print("- " + line)

@@ -43,6 +43,13 @@ class TierserveEngine:
                 "compile_cache_new_files": new_files,
                 "compile_cache_warm": self._cache_files > 0 and new_files == 0}
 
+    def final_info(self) -> dict:
+        stats = self.llm.stats()
+        if "spec_acceptance_rate" not in stats:
+            return {}
+        return {"spec_acceptance": stats["spec_acceptance_rate"],
+                "spec_draft_tokens": stats["spec_num_draft_tokens"]}
+
     def close(self) -> None:
         self.llm.shutdown()
 

@@ -27,9 +27,24 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, *meta["flags"], dest=f.name, default=argparse.SUPPRESS,
                            action=argparse.BooleanOptionalAction, help=help_text)
             continue
+        if kind is dict:
+            g.add_argument(flag, *meta["flags"], dest=f.name, type=_json_object,
+                           default=argparse.SUPPRESS, metavar="JSON", help=help_text)
+            continue
         g.add_argument(flag, *meta["flags"], dest=f.name, type=kind, default=argparse.SUPPRESS,
                        choices=meta["choices"],
                        metavar=None if meta["choices"] else kind.__name__.upper(), help=help_text)
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _sampling_flags(p: argparse.ArgumentParser, chat: bool) -> None:

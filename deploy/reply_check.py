@@ -55,6 +55,9 @@ def _step_problem(reply: ModelRunnerOutput, sent: SchedulerOutput,
             return "a logprob entry with mismatched lengths or a token id outside the vocabulary"
     if reply.flushed_blocks:
         return "flushed SSD blocks in the answer to a step"
+    if reply.num_accepted and (len(reply.num_accepted) != n or not sent.num_spec_tokens or any(
+            not 0 <= a <= k for a, k in zip(reply.num_accepted, sent.num_spec_tokens))):
+        return "accepted draft counts that do not match the step's drafts"
     return _tier_problem(reply)
 
 

@@ -19,10 +19,13 @@ from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
 from tierserve.scheduler.queues import POLICIES
+from tierserve.scheduler.spec import SpeculativeConfig
 
 __all__ = ["EngineConfig", "DTYPES", "option_fields"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Block formats of the `quantization` option: what workers/backends/quant.py quantizes to.
+QUANTIZATIONS = ("q8_0", "q4_1")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 # How a replicated deployment's router picks a replica (deploy/routing.py): kv, the least
@@ -31,12 +34,13 @@ ROUTING_POLICIES = ("kv", "least_loaded", "round_robin", "prefix_tree")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
-         flags: tuple[str, ...] = ()):
+         flags: tuple[str, ...] = (), parse=None):
     """A field with its CLI help, allowed values (choices, or bounds low <= v <= high; low < v
-    with low_open) and extra CLI spellings."""
+    with low_open) and extra CLI spellings. parse: for a structured option (a dict on the
+    API, JSON on the command line), what validates it into its frozen form."""
     return field(default=default, metadata={
         "help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
-        "flags": flags})
+        "flags": flags, "parse": parse})
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +139,18 @@ class EngineConfig:
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
-                                   "dequantized run small batches from the blocks (exact, "
-                                   "the same results); false: from the fp32 weights alone")
+                                   "dequantized run from the blocks alone (exact, the same "
+                                   "results); false: from fp32 weights")
+    quantization: str | None = _opt(
+        None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
+        "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "
+        "q8_0); default: the weights as stored", choices=QUANTIZATIONS)
+    speculative_config: SpeculativeConfig | None = _opt(
+        None, "speculative decoding, vLLM's names: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}: "
+        "up to K drafts a step from the latest earlier occurrence of the request's last tokens; "
+        "greedy output unchanged, sampled output distributed as without it",
+        parse=SpeculativeConfig.parse)
 
     request_log_path: str | None = _opt(
         None, "append a compact record per finished request to this file (arrival, tenant "
@@ -150,7 +164,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_field(f, getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.metadata["parse"] is not None and value is not None:
+                object.__setattr__(self, f.name, f.metadata["parse"](value))
+                continue
+            _check_field(f, value)
         if self.kv_offload_ssd_path is not None:
             if self.kv_offload_cpu_bytes == 0:
                 raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through "
@@ -219,7 +237,10 @@ def option_fields() -> tuple[dataclasses.Field, ...]:
 
 
 def field_kind(f: dataclasses.Field) -> type:
-    """bool, int, float or str: the type a field's value has when it is set."""
+    """bool, int, float or str: the type a field's value has when it is set; dict for a
+    structured option."""
+    if f.metadata.get("parse") is not None:
+        return dict
     annotation = str(f.type)
     for kind in (bool, int, float):
         if annotation.split(" |")[0] == kind.__name__:

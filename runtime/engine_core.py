@@ -76,6 +76,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
+        quantization=config.quantization,
         debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
         debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
@@ -94,7 +95,8 @@ def _kv_fingerprint(config: EngineConfig, model: str, dtype: str) -> str:
     t0 = time.perf_counter()
     fp = kv_fingerprint(model, load_model_config(model), dtype=dtype,
                         block_size=config.block_size, cache_dir=envs.cache_dir(),
-                        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}")
+                        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
+                        quantization=config.quantization)
     log.info("KV fingerprint %s in %.3f s", fp[:16], time.perf_counter() - t0)
     return fp
 
@@ -216,6 +218,7 @@ class EngineCore:
         self.max_model_len = self.scheduler.max_model_len
         self.vocab_size = info.vocab_size
         self.backends = info.backends
+        self.weight_bytes = info.weight_bytes
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
@@ -283,7 +286,8 @@ class EngineCore:
                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
                               max_queued_requests=config.max_queued_requests,
-                              async_scheduling=config.pipelined)
+                              async_scheduling=config.pipelined,
+                              speculative_config=config.speculative_config)
         return scheduler
 
     def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
@@ -649,6 +653,7 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats["max_model_len"] = self.max_model_len
         stats["block_size"] = self.config.block_size
+        stats["weight_bytes"] = self.weight_bytes
         if self.backends:
             stats["cpu_backend"] = self.backends[0]["name"]
             stats["backend"] = dict(self.backends[0])

@@ -30,11 +30,12 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    backends: tuple[dict, ...]  # each rank's CpuBackend.describe()
+    backends: tuple[dict, ...]  # each rank's Backend.describe()
     kv_block_bytes: int = 0  # one block id on one rank
     cpu_slots: int = 0  # the CPU tier: slot ids mean the same place on every rank
     kv_head_ranges: tuple[tuple[int, int], ...] = ()  # per rank: the KV heads it holds
     copy_bytes_per_s: float = 0.0
+    weight_bytes: int = 0  # the model's weights as the ranks hold them, all ranks
     # Seconds rank 0 spent in each part of its start (Worker.startup).
     startup: dict = field(default_factory=dict)
 
@@ -47,7 +48,8 @@ class WorkerInfo:
         return cls(num_blocks, first.vocab_size, first.max_position_embeddings,
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
                    min(t.cpu_slots for t in tiers), tuple(t.kv_heads for t in tiers),
-                   min(t.copy_bytes_per_s for t in tiers), dict(startup or {}))
+                   min(t.copy_bytes_per_s for t in tiers), sum(r.weight_bytes for r in ranks),
+                   dict(startup or {}))
 
 
 class Executor(Protocol):

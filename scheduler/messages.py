@@ -142,6 +142,11 @@ class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
     # the tier copies and before the forward (the source's owner writes it this step).
     copy_src: list[int] = []
     copy_dst: list[int] = []
+    # Speculative decoding: each scheduled request's draft tokens (num_spec_tokens[i] of them,
+    # in scheduled order; empty when no request has drafts), computed after its last known
+    # token and counted in num_scheduled_tokens.
+    spec_token_ids: list[int] = []
+    num_spec_tokens: list[int] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -189,6 +194,9 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     tier_failed: list[int] = []
     # The answer to a FlushTiers: how many of its blocks rank 0 wrote.
     flushed_blocks: int = 0
+    # Speculative decoding: how many of each scheduled request's drafts were accepted (they
+    # precede sampled_token_ids[i] in its output); empty when the step had no drafts.
+    num_accepted: list[int] = []
     # req_ids_digest of the step's scheduled request ids: the engine checks that a reply
     # answers the requests it scheduled, in its order.
     req_ids_digest: bytes = b""

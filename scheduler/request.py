@@ -26,6 +26,7 @@ class Request:
         "_hasher", "_extra_first", "_extra", "max_output_tokens",
         "family_id", "index", "num_output_placeholders",
         "first_token_time", "cached_by_tier", "ssd_loaded_blocks", "admitted_at",
+        "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -67,6 +68,8 @@ class Request:
         # Async scheduling: tokens a step in flight will sample, not yet known here. The
         # workers append them themselves; the scheduler already schedules their positions.
         self.num_output_placeholders = 0
+        # Speculation: the drafts the step in flight computes after its last known token.
+        self.spec_token_ids: list[int] = []
         # Unbounded until the scheduler clamps it to max_model_len.
         self.max_output_tokens = sampling_params.max_tokens
         self.block_hashes: list[BlockHash] = []

@@ -9,6 +9,12 @@ With async scheduling, step N+1 is scheduled while step N runs: a request that s
 sample from holds a placeholder for that token (num_output_placeholders), and step N+1 already
 schedules the placeholder's position; the workers feed it their own sampled token. Stops are
 learnt a step late, so a finished request's step in flight is wasted and its token dropped.
+
+With speculative decoding (scheduler/spec.py) a decoding request is scheduled with drafts
+after its last token; the reply says how many were accepted, and the computed count falls
+back by the rejected ones. A request whose drafts are in flight is not scheduled again before
+the reply: how many tokens it will have is not known until then; with async scheduling, one
+whose known tokens find drafts waits for its step in flight too, so as to draft next.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from tierserve.scheduler.params import (
 )
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
+from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 
 __all__ = ["Scheduler"]
 
@@ -52,6 +59,7 @@ class _StepPlan:
     num_tokens: dict[str, int] = field(default_factory=dict)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, group: list[Request], req: Request, n: int, blocks: list[int]) -> None:
         group.append(req)
@@ -66,6 +74,7 @@ class _StepPlan:
             return
         self.budget += n
         del self.block_ids[req.request_id]
+        self.drafts.pop(req.request_id, None)
         (self.cached_reqs if req in self.cached_reqs else self.new_reqs).remove(req)
 
 
@@ -82,7 +91,9 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, hasher: BlockHasher | None, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
-                 vocab_size: int | None = None, max_queued_requests: int | None = None, async_scheduling: bool = False) -> None:
+                 vocab_size: int | None = None, max_queued_requests: int | None = None,
+                 async_scheduling: bool = False,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -128,6 +139,7 @@ class Scheduler:
         # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
+        self.speculator = Speculator(speculative_config) if speculative_config else None
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -217,6 +229,8 @@ class Scheduler:
         self.suspects.discard(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         if self.on_finish is not None:
             self.on_finish(req)
         del self.requests[req.request_id]
@@ -246,8 +260,9 @@ class Scheduler:
         scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
         for req in scheduled:
             req.num_computed_tokens += plan.num_tokens[req.request_id]
-            if self.async_scheduling and \
-                    req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            req.spec_token_ids = plan.drafts.get(req.request_id, [])
+            if self.async_scheduling and req.num_computed_tokens - len(req.spec_token_ids) \
+                    == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # this step samples its next token
         if scheduled:
             self._in_flight[out.step_id] = scheduled
@@ -263,11 +278,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and self._will_stop(req):
-                i += 1  # its step in flight samples its last token
+            if req.num_output_placeholders and (req.spec_token_ids or self._will_stop(req)
+                                                or self._awaits_drafts(req)):
+                i += 1  # its step in flight samples its last token, or drafts
                 continue
             n = self._chunk(req.num_tokens + req.num_output_placeholders
                             - req.num_computed_tokens, plan.budget)
+            drafts = self._drafts(req, plan.budget) if n == 1 else []
+            n += len(drafts)
             blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 blocks = self._preempt_until_fits(req, n, plan)
@@ -277,8 +295,26 @@ class Scheduler:
                 plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks])
             else:  # a forked sample the workers have not seen: its whole table travels
                 plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id))
+            if drafts:
+                plan.drafts[req.request_id] = drafts
             # A priority preemption may have removed a request ahead of this one.
             i = self.running.index(req) + 1 if plan.preempted else i + 1
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a request about to decode its last token, within the step's budget and
+        its length limits (the step yields up to one token more than it has drafts)."""
+        if self.speculator is None or req.num_output_placeholders:
+            return []
+        limit = min(budget - 1, req.max_output_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        return self.speculator.drafts(req.request_id, req.sampling_params, req.all_token_ids,
+                                      limit)
+
+    def _awaits_drafts(self, req: Request) -> bool:
+        """With async scheduling, a request whose known tokens already find drafts waits for
+        its step in flight rather than run ahead of it: drafts need its every token."""
+        return self.speculator is not None and bool(self.speculator.drafts(
+            req.request_id, req.sampling_params, req.all_token_ids, 1))
 
     def _will_stop(self, req: Request) -> bool:
         """The tokens in flight reach the request's length limits."""
@@ -308,8 +344,9 @@ class Scheduler:
         preemption, with its KV copied to the CPU tier and back on resume."""
         self.running.remove(req)
         plan.drop(req)
+        # Drafts in flight are not computed tokens until verified: their KV stays behind.
         self.tiers.try_swap_out(req.request_id, self.kv.get_block_ids(req.request_id),
-                                req.num_computed_tokens)
+                                req.num_computed_tokens - len(req.spec_token_ids))
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -415,7 +452,12 @@ class Scheduler:
                        plan.block_ids[req.request_id], req.num_computed_tokens)
             req.num_sent_tokens = req.num_tokens
         num_tokens = plan.num_tokens
-        scheduled = itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs)
+        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
+        spec_ids, num_spec = [], []
+        if plan.drafts:
+            num_spec = [len(plan.drafts.get(r.request_id, ())) for r in scheduled]
+            for r in scheduled:
+                spec_ids.extend(plan.drafts.get(r.request_id, ()))
         finished, self._finished_ids = self._finished_ids, []
         copies, self._copies = self._copies, []
         step_id = next(self._step_ids)
@@ -426,7 +468,8 @@ class Scheduler:
             num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
-            tier_copies=tier_copies, copy_src=[c[0] for c in copies], copy_dst=[c[1] for c in copies])
+            tier_copies=tier_copies, copy_src=[c[0] for c in copies],
+            copy_dst=[c[1] for c in copies], spec_token_ids=spec_ids, num_spec_tokens=num_spec)
 
     # ---------------------------------------------------------------- after the forward
 
@@ -438,26 +481,36 @@ class Scheduler:
         outputs = []
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
+        accepted = runner_output.num_accepted or itertools.repeat(0)
         scheduled = self._in_flight.pop(scheduler_output.step_id, ())
-        for req, token, lp in zip(scheduled, runner_output.sampled_token_ids, logprobs):
+        for req, token, lp, num_accepted in zip(scheduled, runner_output.sampled_token_ids,
+                                                logprobs, accepted):
+            drafts, req.spec_token_ids = req.spec_token_ids, []
             if token < 0 or not self._takes_token(req):
                 continue  # a partial prefill chunk, or finished while the step ran
             if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
                 self._fork(req, self.families[req.family_id])
-            req.append_output_token(token)
+            tokens = self._accept(req, drafts, num_accepted, token)
+            num_sampled = len(tokens)
+            status = None
+            for n, token in enumerate(tokens, 1):
+                req.append_output_token(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    del tokens[n:]
+                    break
             if self.suspects:
                 self.suspects.discard(req.request_id)  # the new workers computed it
-            if self.async_scheduling:  # the workers appended it themselves
+            if self.async_scheduling:  # the workers appended them themselves
                 req.num_output_placeholders -= 1
-                req.num_sent_tokens += 1
-            status = self._stop_status(req, token)
+                req.num_sent_tokens += num_sampled
             if status is not None:
                 if req.status == RequestStatus.PREEMPTED:
                     self.waiting.remove(req)
                 self._finish(req, status)
                 any_finished = True
             reason = finish_reason_of(status) if status is not None else None
-            outputs.append(EngineCoreOutput(req.family_id, [token], finish_reason=reason,
+            outputs.append(EngineCoreOutput(req.family_id, tokens, finish_reason=reason,
                                             logprobs=[lp] if lp else [],
                                             num_cached_tokens=req.num_cached_tokens,
                                             num_tier_cached_tokens=req.num_tier_cached_tokens,
@@ -465,6 +518,18 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _accept(self, req: Request, drafts: list[int], num_accepted: int,
+                token: int) -> list[int]:
+        """The tokens a step gave a request: its accepted drafts, then its sample. The KV of
+        the rejected drafts is in the pool but not computed: the count falls back past them."""
+        if not drafts:
+            return [token]
+        num_accepted = min(max(num_accepted, 0), len(drafts))
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= len(drafts) - num_accepted
+        self.speculator.record(req.request_id, len(drafts), num_accepted)
+        return drafts[:num_accepted] + [token]
 
     def _takes_token(self, req: Request) -> bool:
         """A running request takes its sampled token; with async scheduling so does one
@@ -523,7 +588,8 @@ class Scheduler:
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
-        self._in_flight.pop(scheduler_output.step_id, None)
+        for req in self._in_flight.pop(scheduler_output.step_id, ()):
+            req.spec_token_ids = []
         self.tiers.step_failed(scheduler_output.step_id)
 
     def workers_lost(self) -> list[str]:
@@ -551,6 +617,7 @@ class Scheduler:
             if req.num_sent_tokens or req.status == RequestStatus.RUNNING:
                 req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = req.num_output_placeholders = req.num_sent_tokens = 0
+            req.spec_token_ids = []
         return poisoned
 
     def _requeue(self, ready: list[Request]) -> None:
@@ -586,7 +653,8 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        } | self.tiers.stats()
+        } | self.tiers.stats() \
+          | (self.speculator.stats() if self.speculator is not None else {})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -611,4 +679,5 @@ class Scheduler:
         assert in_flight <= (2 if self.async_scheduling else 1), "steps lost in flight"
         for req in self.requests.values():
             assert 0 <= req.num_output_placeholders <= in_flight
-            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+            assert req.num_computed_tokens <= (req.num_tokens + req.num_output_placeholders
+                                               + len(req.spec_token_ids))

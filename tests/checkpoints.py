@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tierserve.workers.attention import AttentionMetadata, allocate_kv_cache
+from tierserve.workers.attention import AttentionMetadata
+from tierserve.workers.kv_pool import allocate_kv_cache
 from tierserve.workers.parallel import get_tp_rank, get_tp_size
 
 TINY_LLAMA3_ROPE = {
@@ -222,9 +223,10 @@ def _llama_cpp_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool = False) -> Path:
+def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool | str = False) -> Path:
     """Convert a tiny HF Llama folder to a GGUF the way llama.cpp lays it out: F32, or with
-    quantize the layers' matrices Q4_1 and the embedding and output Q8_0 (as SmolLM2's file)."""
+    quantize (True or "q4_1") the layers' matrices Q4_1 and the embedding and output Q8_0 (as
+    SmolLM2's file), or ("q8_0") every matrix Q8_0."""
     import json
 
     import gguf
@@ -257,7 +259,8 @@ def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool = False)
             gguf_name = f"{_HF_TO_GGUF_GLOBAL[stem]}.{kind}"
         array = array.astype("float32")
         if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            qtype = (gguf.GGMLQuantizationType.Q4_1 if gguf_name.startswith("blk.")
+            qtype = (gguf.GGMLQuantizationType.Q4_1
+                     if gguf_name.startswith("blk.") and quantize in (True, "q4_1")
                      else gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:

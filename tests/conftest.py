@@ -69,7 +69,8 @@ def ray_session():
 def pinned_backend(name: str):
     """The CPU backend `name`, its kernels built (or loaded from the user cache); skips where
     this CPU lacks its ISA, TIERSERVE_CPU_ISA caps it away, or there is no compiler."""
-    from tierserve.workers.backends.cpu import kernel_backend, torch_backend
+    from tierserve.workers.backends.cpu import kernel_backend
+    from tierserve.workers.backends.portable import torch_backend
 
     if name == "torch":
         return torch_backend()

@@ -15,7 +15,8 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import make_worker_spec
 from tierserve.workers import worker as worker_module
-from tierserve.workers.backends.cpu import _half_linear, plan_for, torch_backend
+from tierserve.workers.backends.cpu import plan_for
+from tierserve.workers.backends.portable import half_linear_plan as _half_linear, torch_backend
 from tierserve.workers.backends.cpu_features import CpuFeatures, detect_cpu_features, isa_rank
 from tierserve.workers.backends.kernels import KernelLibrary
 from tierserve.workers.worker import Worker

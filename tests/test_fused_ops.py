@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierserve.workers.attention import write_kv
-from tierserve.workers.backends.cpu import torch_backend
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 
@@ -47,12 +47,14 @@ def test_rotary_write_kv_equals_torch_bitwise(kernels, dtype, head_dim, heads, k
     slots = torch.randperm(40, generator=g)[:tokens]
     pools = [torch.zeros(10, 4, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
 
-    q, k = kernels.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], pools[0], pools[1], slots, heads)
+    q, k, v = kernels.rotary_write_kv(qkv, cos, sin, (pools[0], pools[1]), slots, heads,
+                                      kv_heads, head_dim)
     qk = rotary.apply(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, -1),
                       cos, sin)
-    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-    write_kv(pools[2], pools[3], qk[:, heads:], v, slots)
+    v_ref = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    write_kv(pools[2], pools[3], qk[:, heads:], v_ref, slots)
     assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
+    assert torch.equal(v, v_ref)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
 
@@ -61,7 +63,8 @@ def test_rotary_write_kv_rejects_slots_outside_the_pool(kernels):
     cos = sin = torch.ones(2, 8)
     pool = torch.zeros(2, 4, 1, 16)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.rotary_write_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([0, 8]), 1)
+        kernels.rotary_write_kv(qkv, cos, sin, (pool, pool.clone()), torch.tensor([0, 8]), 1, 1,
+                                16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,8 +88,8 @@ def test_argmax_rows_matches_torch_max_indices(kernels, dtype, width):
 
 def test_argmax_rows_rejects_bad_inputs(kernels):
     with pytest.raises(RuntimeError, match="argmax_rows"):
-        kernels.argmax_rows(torch.zeros(4, 0))
+        kernels.ops.argmax_rows(torch.zeros(4, 0))
     with pytest.raises(RuntimeError, match="argmax_rows"):
-        kernels.argmax_rows(torch.zeros(4, 8).t())
+        kernels.ops.argmax_rows(torch.zeros(4, 8).t())
     with pytest.raises(RuntimeError, match="argmax_rows"):
-        kernels.argmax_rows(torch.zeros(4, 8, dtype=torch.float64))
+        kernels.ops.argmax_rows(torch.zeros(4, 8, dtype=torch.float64))

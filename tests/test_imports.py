@@ -25,10 +25,12 @@ ALLOWED = {
     | SCHEDULER_MESSAGES,
 }
 # Inside workers/: what the sub-packages may import of workers/ (a unit is a sub-package or a
-# top-level module). A backend sees only backends; the model sees the backends, the attention
-# metadata and the TP group; step execution (the top-level modules) may use all of them.
+# top-level module). The attention metadata (the step's contract with a backend) sees nothing;
+# a backend sees only backends and that contract; the model sees the backends, the attention
+# metadata and the TP group; step execution (the other top-level modules) may use all of them.
 WORKERS_UNITS = {
-    "workers.backends": {"workers.backends"},
+    "workers.attention": {"workers.attention"},
+    "workers.backends": {"workers.backends", "workers.attention"},
     "workers.model": {"workers.model", "workers.backends", "workers.attention",
                       "workers.parallel"},
 }

@@ -16,9 +16,10 @@ import torch
 from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
-from tierserve.workers import attention
 from tierserve.workers.attention import AttentionMetadata, _decode, paged_attention
-from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.backends import cpu as cpu_backends
+from tierserve.workers.backends.cpu import CpuKernelBackend
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.kernels import KernelLibrary, build_dir_for
 
 COMPILER = os.environ.get("CXX", "c++")
@@ -136,7 +137,7 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     (is_causal) and a one-token prompt; the kernel, token by token over each causal context,
     against the torch path's per-chunk SDPA. With a context limit of 30, the two longer chunks
     take the tiled prefill kernel and the decode kernel the other 3 rows."""
-    monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_CONTEXT", max_context)
+    monkeypatch.setattr(cpu_backends, "KERNEL_PREFILL_MAX_CONTEXT", max_context)
     g = torch.Generator().manual_seed(7)
     block_size, kv_heads, group, head_dim = 8, 2, 3, 64
     query_lens, seq_lens = [1, 1, 20, 33, 1], [12, 50, 57, 33, 1]
@@ -352,16 +353,16 @@ def test_failed_build_falls_back_with_one_warning(kernels, tmp_path, monkeypatch
 
 
 def _spy(monkeypatch, name: str) -> list:
-    """Records the arguments (self first) of every call of CpuBackend.`name`, which still
+    """Records the arguments (self first) of every call of CpuKernelBackend.`name`, which still
     runs, on any backend object, the engine's own included."""
     calls = []
-    original = getattr(CpuBackend, name)
+    original = getattr(CpuKernelBackend, name)
 
     def spy(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(CpuBackend, name, spy)
+    monkeypatch.setattr(CpuKernelBackend, name, spy)
     return calls
 
 
@@ -393,12 +394,12 @@ def test_engine_greedy_steps_skip_full_logits(kernels, tmp_path, monkeypatch):
     hf = load_hf(path)
     prompts = [[(5 * i + 2) % 380 + 3 for i in range(n)] for n in (9, 33, 4)]
     references = [hf_greedy(hf, p, 8) for p in prompts]
-    routes = _spy(monkeypatch, "greedy_from_approx")
+    routes = _spy(monkeypatch, "greedy_tokens")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(path), block_size=4, cpu_isa=kernels.name) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == references
-        if not kernels.greedy_head:
+        if not kernels.greedy_head_route:
             assert routes == []
             return
         assert len(routes) >= 8

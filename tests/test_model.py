@@ -21,9 +21,9 @@ from tests.checkpoints import (
     make_tiny_qwen2_sliding,
     write_llama_gguf,
 )
-from tierserve.workers.attention import (
-    AttentionMetadata, _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block,
-    prefault_in_background,
+from tierserve.workers.attention import AttentionMetadata
+from tierserve.workers.kv_pool import (
+    _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
 )
 from tierserve.workers.model.loader import (
     default_model_path,
@@ -185,7 +185,7 @@ def test_half_precision_tracks_fp32(tiny_ckpts, dtype, backend):
     _, ref_model = load_model(path)
     _, half = load_model(path, dtype=dtype, backend=backend)
     qkv = half.model.layers[0].self_attn.qkv_proj
-    assert (qkv.weight if qkv.weight is not None else qkv.packed.panels).dtype == dtype
+    assert qkv.method.weight().dtype == dtype
     rng = random.Random(4)
     prompts = [_tokens(rng, n, ref_model.config.vocab_size) for n in (7, 12)]
     works = [Work(f"s{i}", p, 0) for i, p in enumerate(prompts)]

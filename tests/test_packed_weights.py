@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.checkpoints import make_tiny_llama
-from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.backends.cpu import CpuKernelBackend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
-from tierserve.workers.model.layers import (
-    ColumnParallelLinear, GreedyHead, PackedWeight, PanelWeight, ParallelLMHead,
-    RowParallelLinear,
-)
+from tierserve.workers.backends.greedy import GreedyHead
+from tierserve.workers.backends.linear import PackedWeight, PanelWeight, PlainLinear
+from tierserve.workers.backends.portable import torch_backend
+from tierserve.workers.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from tierserve.workers.model.loader import load_model
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
@@ -115,7 +115,7 @@ def test_inputs_past_the_panel_limit_take_amx_or_mkl(kernels, monkeypatch):
     w, x, _ = _case(limit + 1, 64, 40, seed=5)
     calls = []
     for name in ("linear_f32", "linear_amx"):
-        monkeypatch.setattr(CpuBackend, name,
+        monkeypatch.setattr(CpuKernelBackend, name,
                             lambda self, *a, name=name: calls.append(name) or torch.zeros(1))
     packed = PanelWeight(w, kernels)
     packed.linear(x[:-1], None)
@@ -177,49 +177,46 @@ def test_kernel_rejects_bad_inputs(kernels, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_loaded_linears_take_the_backend_layout(backend, dtype, tmp_path):
-    """Each backend packs a model's linears once, at load, in the layout its linears run:
-    panels for the kernel's dtypes (replacing the plain weight, except the LM head's, which is
-    the embedding's), oneDNN copies where oneDNN runs the dtype natively, else plain weights.
-    The packed linears equal F.linear on the loaded weights."""
+    """Each backend gives a model's linears their method once, at load: panels for the
+    kernel's dtypes, oneDNN copies where oneDNN runs the dtype natively, else plain weights;
+    no layer keeps its plain weight beside its method. The methods equal F.linear on the
+    loaded weights."""
     path = make_tiny_llama(tmp_path / "llama")
     _, plain = load_model(str(path), dtype, backend=torch_backend())
     _, model = load_model(str(path), dtype, backend=backend)
     assert model.backend is backend
-    reference = {name: m.weight for name, m in plain.named_modules() if isinstance(m, LINEARS)}
+    reference = {name: m.method.weight() for name, m in plain.named_modules()
+                 if isinstance(m, LINEARS)}
+    kernel = isinstance(backend, CpuKernelBackend)
     route = backend.half_linear_for(dtype) if dtype != torch.float32 else (
-        "kernel" if backend.fp32_linear else "torch")
+        "kernel" if kernel else "torch")
+    expected = {"kernel": PanelWeight, "onednn": PackedWeight, "torch": PlainLinear}[route]
     for name, m in model.named_modules():
         if not isinstance(m, LINEARS):
             continue
-        if route == "kernel":
-            assert isinstance(m.packed, PanelWeight)
-            assert (m.weight is not None) == isinstance(m, ParallelLMHead)
-        else:
-            assert m.packed is None or isinstance(m.packed, PackedWeight)
-            assert (m.packed is not None) == (route == "onednn")
-        if isinstance(m, ParallelLMHead):
-            assert (m.greedy_head is not None) == (backend.greedy_head and dtype == torch.float32)
+        head = isinstance(m, ParallelLMHead)
+        # A kernel backend's head runs the panels its greedy route repeats, in every dtype.
+        want = PanelWeight if head and kernel else expected
+        assert type(m.method) is want and m.weight is None, name
+        if head:
+            assert (m.greedy_head is not None) == kernel
             if m.greedy_head is not None:
-                assert m.greedy_head.panel is m.packed
+                assert m.greedy_head.panel is m.method
         x = torch.randn(7, reference[name].shape[1]).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        got = m.packed.linear(x, None) if m.packed is not None else F.linear(x, m.weight)
-        torch.testing.assert_close(got.float(), F.linear(x, reference[name]).float(),
-                                   rtol=tol, atol=tol)
+        torch.testing.assert_close(m.method.linear(x, None).float(),
+                                   F.linear(x, reference[name]).float(), rtol=tol, atol=tol)
 
 
 def test_backends_never_outrun_the_cpu(backend):
     """A backend runs only on a CPU with its ISA, and plans the paths that CPU supports."""
     features = detect_cpu_features()
     assert backend.name == "torch" or features.has(backend.name)
-    if backend.amx_linear:
-        assert features.has("amx") and backend.name == "amx"
-    if backend.greedy_head:
-        assert features.onednn_bf16
     for dtype, how in backend.half_linear.items():
         assert how != "onednn" or (features.onednn_bf16 if dtype == torch.bfloat16
                                    else features.onednn_fp16)
-    if backend.has_kernels:
+    if isinstance(backend, CpuKernelBackend) and backend.amx_linear:
+        assert features.has("amx") and backend.name == "amx"
         assert backend.ops.build_isa() == backend.name
         assert backend.panel_width == 2 * backend.ops.vector_lanes()
         assert backend.ops.vector_lanes() == (8 if backend.name == "avx2" else 16)
@@ -238,27 +235,29 @@ def _lm_head_case(vocab: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _greedy_backend(kernels):
-    if not kernels.greedy_head:
+    if not kernels.greedy_head_route:
         pytest.skip(f"the {kernels.name} backend has no greedy head on this CPU")
     return kernels
 
 
 @pytest.mark.parametrize("m", [1, 13, 64, 160])
-@pytest.mark.parametrize("vocab,k", [(1000, 64), (3001, 600)])
-def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k):
-    """Bit-for-bit the token argmax over linear_f32's logits gives (first index on ties), on
-    random rows, rows aimed at tied or near-tied vocabulary rows, and all-zero rows (every
-    column a candidate)."""
+@pytest.mark.parametrize("vocab,k,dtype", [(1000, 64, torch.float32), (3001, 576, torch.float32),
+                                           (3001, 576, torch.bfloat16), (1000, 64, torch.float16)])
+def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype):
+    """Bit for bit the token argmax over the panel kernel's logits gives (first index on ties;
+    half-precision logits rounded as the kernel rounds them), on random rows, rows aimed at
+    tied or near-tied vocabulary rows, and all-zero rows (every column a candidate)."""
     kernels = _greedy_backend(kernels)
-    w = _lm_head_case(vocab, k, seed=m + vocab)
+    w = _lm_head_case(vocab, k, seed=m + vocab).to(dtype)
     panel = PanelWeight(w, kernels)
     head = GreedyHead(panel, w, kernels)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
-    x[0] = w[4] * 50
+    x[0] = w[4].float() * 50
     if m > 2:
-        x[1] = w[5] * 50 + torch.randn(k, generator=g) * 1e-3
+        x[1] = w[5].float() * 50 + torch.randn(k, generator=g) * 1e-3
         x[2] = 0
+    x = x.to(dtype)
     want = kernels.argmax_rows(panel.linear(x, None))
     got = head.tokens(x)
     assert got is not None and torch.equal(got, want)

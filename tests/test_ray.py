@@ -85,6 +85,22 @@ def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_speculation_on_ray_tp3_equals_plain_in_process(tiny):
+    """N-gram speculation at TP=3 with async scheduling (on Ray's default): rank 0 verifies the
+    drafts and every rank appends the accepted tokens itself; greedy output equals TP=1
+    in-process without speculation."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 4, [3, 4, 5] * 6 + [9]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny["llama6"], block_size=4) as llm:
+        want = tokens(llm, prompts, params)
+    with LLM(tiny["llama6"], tensor_parallel_size=3, block_size=4,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        assert tokens(llm, prompts, params) == want
+        stats = llm.stats()
+        assert stats["spec_num_accepted_tokens"] > 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_a_start_failing_after_its_workers_started_raises_the_error_at_once(tiny):
     """The scheduler refuses a pool smaller than max_model_len once the workers run: the
     engine shuts them down, and the caller gets the ValueError (never a hang)."""

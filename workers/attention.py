@@ -11,159 +11,19 @@ followed by prefill chunks whose positions continue after a possibly cached pref
 The same torch ops run on CPU and CUDA: decodes are one batched SDPA over K/V gathered block-wise
 through the block tables; prefill chunks are one SDPA each. Grouped-query attention needs no K/V
 expansion: for decodes the query heads sharing a KV head are laid out as that head's query rows.
-On CPU, with a backend that has the paged kernel (workers/backends/cpu.py), every token instead reads
-K/V in place through its block table, prefill tokens each over their causal context, in one call
-a layer, with no gather copy and no padding.
+This is the torch backend's attention (`torch_attention`); a backend runs its own through the
+same metadata (workers/backends/cpu.py: every token reads K/V in place through its block table,
+prefill tokens each over their causal context, in one call a layer, with no gather copy and no
+padding). The pools themselves are allocated by workers/kv_pool.py.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import functools
-import math
-import mmap
-import os
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from tierserve.workers.backends.cpu import CpuBackend
-from tierserve.workers.model.layers import partition_heads
-from tierserve.workers.model.config import ModelConfig
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, tp_size: int, block_size: int,
-                             dtype: torch.dtype) -> int:
-    """Bytes one block id occupies on one rank, over all layers, K and V together."""
-    _, kv_heads = partition_heads(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * elem
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads_per_rank: int,
-                      head_dim: int, dtype: torch.dtype, device, prefault: bool = True
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
-    NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings, zero
-    until touched, then faulted in by the kernel (_Prefaulter) unless `prefault` is False
-    (the caller then starts `prefault_in_background`): zeroing a 1 GiB pool from user space
-    took seconds of a cold start."""
-    shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
-    if torch.device(device).type == "cpu":
-        pools = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(num_layers)]
-        if prefault:
-            _Prefaulter.run([t for pair in pools for t in pair], torch.get_num_threads())
-        return pools
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
-
-
-def prefault_in_background(kv_caches: list) -> "BackgroundPrefault | None":
-    """Faults CPU pools in on one background thread, the lowest block ids of every pool first
-    (the free queue hands those out first), so that an engine serves before its whole pool is
-    mapped; a page a step touches first is faulted in by that step. None for device pools."""
-    tensors = [t for pair in kv_caches for t in pair]
-    if not tensors or tensors[0].device.type != "cpu" or _Prefaulter.supported is False:
-        return None
-    return BackgroundPrefault(tensors)
-
-
-class BackgroundPrefault:
-    """A running prefault_in_background; `stop` ends it early and waits for it."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=_Prefaulter.run_interleaved,
-                                        args=(tensors, self._stop), daemon=True,
-                                        name="tierserve-kv-prefault")
-        self._thread.start()
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def copy_blocks(kv_caches: list, src: list[int], dst: list[int]) -> None:
-    """KV of blocks src[i] copied into blocks dst[i], every layer, K and V (copy-on-write of a
-    forked sample's partial block)."""
-    device = kv_caches[0][0].device
-    src_idx = torch.tensor(src, dtype=torch.long, device=device)
-    dst_idx = torch.tensor(dst, dtype=torch.long, device=device)
-    for k_cache, v_cache in kv_caches:
-        for cache in (k_cache, v_cache):  # [num_blocks, block_size, kv_heads, head_dim]
-            cache.index_copy_(0, dst_idx, cache.index_select(0, src_idx))
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor over a private anonymous mapping; the tensor keeps the mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
-
-
-class _Prefaulter:
-    """Faults CPU pools in before they serve, on `threads` threads, 4 MiB per call.
-
-    Left to first touch, every fresh 4 KiB of a pool costs the serving thread a page fault: a
-    decode step writes each sequence's new K/V slot, opening a fresh page every few tokens of
-    every pool. MADV_POPULATE_WRITE (Linux 5.14+) maps zeroed pages in the kernel, where zeroing
-    from user space went through a fault per page. Where it is missing, pools stay lazy.
-    `run` faults pools in before returning; `run_interleaved` (prefault_in_background) on a
-    thread beside a serving engine, where each 4 MiB call holds the address-space lock (which
-    the engine's own mmap/munmap calls wait for) for well under a millisecond."""
-
-    CHUNK = 4 << 20
-    MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module has no name for it
-    supported: bool | None = None  # None until a call has told
-
-    @classmethod
-    def run(cls, tensors: list[torch.Tensor], threads: int) -> None:
-        if cls.supported is False:
-            return
-        ranges = [(t.data_ptr() + offset, min(cls.CHUNK, size - offset))
-                  for t in tensors for size in [t.numel() * t.element_size()]
-                  for offset in range(0, size, cls.CHUNK)]
-        workers = [threading.Thread(target=cls._populate, args=(ranges[i::threads],))
-                   for i in range(max(threads, 1))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-
-    @classmethod
-    def run_interleaved(cls, tensors: list[torch.Tensor], stop: threading.Event) -> None:
-        """Every pool's first chunk, then every pool's second, ... until done or `stop` is
-        set; the tensors stay alive (mapped) while this runs. The thread runs only on a core
-        nothing else wants (SCHED_IDLE): on a busy core it would stall the forward's OpenMP
-        threads at every barrier."""
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread (Linux)
-        except (AttributeError, OSError):
-            pass
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        for offset in range(0, max(sizes), cls.CHUNK):
-            if stop.is_set() or cls.supported is False:
-                return
-            cls._populate([(t.data_ptr() + offset, min(cls.CHUNK, size - offset))
-                           for t, size in zip(tensors, sizes) if offset < size])
-
-    @classmethod
-    def _populate(cls, ranges: list[tuple[int, int]]) -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # releases the GIL while it runs
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        for start, length in ranges:
-            if madvise(start, length, cls.MADV_POPULATE_WRITE) != 0:
-                if ctypes.get_errno() == errno.EINVAL:  # a kernel without it
-                    cls.supported = False
-                return
-            cls.supported = True
 
 
 @dataclass
@@ -347,18 +207,23 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                    scale: float, backend: CpuBackend, window: int | None = None,
+                    scale: float, backend, window: int | None = None,
                     kv_written: bool = False) -> torch.Tensor:
-    """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D].
-    window: a sliding window (each token sees the last `window` tokens of its context), or
-    None. kv_written: k and v are already in their pool slots (a fused op put them there)."""
-    k_cache, v_cache = kv_cache
+    """q [T, heads, D], k/v [T, kv_heads, D] for this step's tokens -> [T, heads * D], through
+    `backend.attention`. window: a sliding window (each token sees the last `window` tokens of
+    its context), or None. kv_written: k and v are already in their pool slots."""
     if not kv_written:
-        write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        write_kv(*kv_cache, k, v, attn.slot_mapping)
+    return backend.attention(q, k, v, kv_cache, attn, scale, window)
+
+
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """The torch backend's step, K/V already in the pool -> [T, heads * D]: decodes as one
+    batched SDPA over gathered blocks, prefill chunks one SDPA each."""
+    k_cache, v_cache = kv_cache
     num_tokens, heads, head_dim = q.shape
-    if q.device.type == "cpu" and backend.attends(q.dtype, head_dim):
-        return _kernel_step(q, k, v, k_cache, v_cache, attn, scale, backend, window).view(
-            num_tokens, heads * head_dim)
     nd = attn.num_decodes
     if nd == num_tokens:
         return _decode(q, k_cache, v_cache, attn, scale, window).view(num_tokens,
@@ -372,37 +237,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(num_tokens, heads * head_dim)
 
 
-# Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
-# token; longer ones through the tiled prefill kernel, whose tiles reuse each K/V row across a
-# block of queries (bench/prefill_attention.py times the token, tiled and SDPA routes by prompt
-# length). Up to the limit a lone prompt breaks even; a batch of short prompts gains (one call
-# instead of a call, gathers and copies per chunk).
-KERNEL_PREFILL_MAX_CONTEXT = 192
-
-
-def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
-                 backend: CpuBackend, window: int | None) -> torch.Tensor:
-    """A step on CPU with the kernels -> [T, heads, D]. The decode kernel takes the decodes and
-    the short chunks' tokens, each as one query over its causal context read in place from the
-    pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls
-    (bench/step_profile.py splits a step's time by op)."""
-    tables, lens, rows = attn.token_tables()
-    long = attn.prefills_longer_than(KERNEL_PREFILL_MAX_CONTEXT)
-    if not long:
-        return backend.paged_attention(q, k_cache, v_cache, tables, lens, scale, window, rows)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    keep = torch.ones(q.shape[0], dtype=torch.bool)
-    for chunk in long:
-        keep[chunk.query_start : chunk.query_end] = False
-        out[chunk.query_start : chunk.query_end] = _prefill(
-            q, k, v, k_cache, v_cache, chunk, scale, window, backend=backend)
-    kept = keep.nonzero().squeeze(1).to(q.device)
-    if kept.numel():
-        out[kept] = backend.paged_attention(
-            q.index_select(0, kept), k_cache, v_cache, tables, lens.index_select(0, kept), scale,
-            window, rows.index_select(0, kept))
-    return out
+def chunk_context(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, chunk: "PrefillChunk"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's keys and values over its whole context, [seq_len, kv_heads, D]: the
+    step's own where the chunk is the whole context, else gathered from its blocks."""
+    if chunk.block_ids is None:
+        return k[chunk.query_start : chunk.query_end], v[chunk.query_start : chunk.query_end]
+    kv_heads, head_dim = k_cache.shape[2:]
+    keys = k_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
+    values = v_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
+    return keys, values
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -423,18 +268,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
-             window: int | None = None, backend: CpuBackend | None = None) -> torch.Tensor:
-    """Causal attention of one chunk over its context -> [query_len, heads, D]; through the
-    backend's tiled kernel where one is given, else SDPA."""
+             window: int | None = None) -> torch.Tensor:
+    """Causal attention of one chunk over its context through SDPA -> [query_len, heads, D]."""
     s, e = chunk.query_start, chunk.query_end
-    if chunk.block_ids is None:
-        keys, values = k[s:e], v[s:e]
-    else:
-        kv_heads, head_dim = k_cache.shape[2:]
-        keys = k_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
-        values = v_cache.index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)[: chunk.seq_len]
-    if backend is not None:  # [seq_len, kv_heads, D] as they are: no layout copies
-        return backend.prefill_attention(q[s:e], keys, values, scale, window)
+    keys, values = chunk_context(k, v, k_cache, v_cache, chunk)
     query = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
     keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
     values = values.transpose(0, 1).unsqueeze(0)

@@ -45,9 +45,13 @@ class StepInputs:
     rows: np.ndarray  # [num_seqs] int64 batch row of each sequence
     num_decodes: int
     order: np.ndarray  # [num_seqs] int64
-    # Packed sequence indices that end at the last known token and so sample, and their ids.
+    # Packed sequence indices that end at the last known token (or its drafts) and so
+    # sample, and their ids.
     sample_rows: np.ndarray  # [num_samples] int64
     sample_req_ids: list[str]
+    # Speculative decoding: each packed sequence's drafts after its last known token (their
+    # positions are its last query tokens); None when the step has none.
+    num_drafts: np.ndarray | None = None  # [num_seqs] int64
 
 
 def _grown(size: int, needed: int) -> int:
@@ -192,6 +196,25 @@ class InputBatch:
             self._add(new)
         if out.scheduled_cached_reqs.req_ids:
             self._apply_cached(out.scheduled_cached_reqs)
+        if out.num_spec_tokens:
+            self._write_drafts(out)
+
+    def _write_drafts(self, out: SchedulerOutput) -> None:
+        """Each request's drafts after its known tokens, where the step's positions read them;
+        they are not known tokens (num_tokens stays), and the tokens the step gives the
+        request overwrite them."""
+        counts = np.asarray(out.num_spec_tokens, dtype=np.int64)
+        rows = np.array([self.rows[rid] for rid in out.scheduled_req_ids()], dtype=np.int64)
+        token_rows = np.repeat(rows, counts)
+        cols = self.num_tokens[token_rows] + _runs(token_rows)
+        self._fit_tokens(int(cols.max()) + 1)
+        self.token_ids[token_rows, cols] = out.spec_token_ids
+
+    def drafts_of(self, inputs: "StepInputs", i: int) -> np.ndarray:
+        """The drafts of packed sequence i (a view of its row)."""
+        row = inputs.rows[i]
+        start = self.num_tokens[row]
+        return self.token_ids[row, start : start + inputs.num_drafts[i]]
 
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.rows:
@@ -246,19 +269,28 @@ class InputBatch:
         self._fit_tokens(int(cols.max()) + 1)
         self.token_ids[token_rows, cols] = cached.new_token_ids
         self.num_tokens[rows] += counts
+        # A request computes its known tokens but the last; one that decoded drafts computed
+        # past it, and the rejected ones are not computed after all.
+        self.num_computed[rows] = np.minimum(self.num_computed[rows], self.num_tokens[rows] - 1)
         self.sampling.append_tokens(counted_ids, cached.new_token_ids)
 
     def append_sampled(self, inputs: "StepInputs", token_ids: torch.Tensor) -> None:
-        """Async scheduling: the tokens this step sampled ([num_samples] int64, in
-        inputs.sample_rows order) go at the end of their rows, where the next step's
-        placeholder positions read them; the scheduler never sends them back."""
-        rows = inputs.rows[inputs.sample_rows]
-        cols = self.num_tokens[rows]
+        """Async scheduling: the tokens this step gave each sampling sequence ([num_samples,
+        width] int64, in inputs.sample_rows order, each row's tokens first and -1 after them)
+        go at the end of their rows, where the next step's placeholder positions read them;
+        the scheduler never sends them back."""
+        tokens = token_ids.cpu().numpy().reshape(len(inputs.sample_rows), -1)
+        counts = (tokens >= 0).sum(axis=1)
+        rows = np.repeat(inputs.rows[inputs.sample_rows], counts)
+        cols = self.num_tokens[rows] + _runs(rows)
         self._fit_tokens(int(cols.max()) + 1)
-        tokens = token_ids.cpu().numpy()
-        self.token_ids[rows, cols] = tokens
-        self.num_tokens[rows] += 1
-        self.sampling.append_tokens(inputs.sample_req_ids, token_ids)
+        flat = tokens[tokens >= 0]
+        self.token_ids[rows, cols] = flat
+        sample_rows = inputs.rows[inputs.sample_rows]
+        self.num_tokens[sample_rows] += counts
+        self.num_computed[sample_rows] = self.num_tokens[sample_rows] - 1
+        ids = [rid for rid, n in zip(inputs.sample_req_ids, counts.tolist()) for _ in range(n)]
+        self.sampling.append_tokens(ids, torch.from_numpy(flat))
 
     def _drop(self, rid: str) -> None:
         row = self.rows.pop(rid, None)
@@ -306,7 +338,10 @@ class InputBatch:
         query_lens = sizes[order]
         starts = self.num_computed[rows]
         ends = starts + query_lens
-        self._check(ids, order, rows, ends)
+        drafts = np.asarray(out.num_spec_tokens, dtype=np.int64)[order] \
+            if out.num_spec_tokens else None
+        known = self.num_tokens[rows] + (drafts if drafts is not None else 0)
+        self._check(ids, order, rows, ends, known)
         num_decodes = int(np.count_nonzero(decode))
         if num_decodes == len(rows):
             token_rows, positions = rows, starts
@@ -318,16 +353,16 @@ class InputBatch:
         blocks = self.blocks.array[token_rows, positions // bs].astype(np.int64)
         # The scheduler advances its count the same way; it resends it only on resume.
         self.num_computed[rows] = ends
-        sample_rows = np.flatnonzero(ends == self.num_tokens[rows])
+        sample_rows = np.flatnonzero(ends == known)
         return StepInputs(
             self.token_ids[token_rows, positions], positions, blocks * bs + positions % bs,
             token_rows.astype(np.int32), query_lens, ends, rows, num_decodes, order, sample_rows,
-            [ids[i] for i in order[sample_rows].tolist()])
+            [ids[i] for i in order[sample_rows].tolist()], drafts)
 
     def _check(self, ids: list[str], order: np.ndarray, rows: np.ndarray,
-               ends: np.ndarray) -> None:
-        """Every scheduled token must be known and have a block to go to."""
-        bad = np.flatnonzero((ends > self.num_tokens[rows]) |
+               ends: np.ndarray, known: np.ndarray) -> None:
+        """Every scheduled token must be known (or a draft) and have a block to go to."""
+        bad = np.flatnonzero((ends > known) |
                              (ends > self.blocks.num_blocks[rows] * self.block_size))
         if len(bad):
             i = int(bad[0])

@@ -121,10 +121,13 @@ def _still(key: str) -> bool:
 
 
 def kv_fingerprint(model_path: str, config: ModelConfig, *, dtype: str, block_size: int,
-                   hash_id: str, cache_dir: str | None) -> str:
-    """The fingerprint (hex) of the KV this model computes with these settings."""
+                   hash_id: str, cache_dir: str | None, quantization: str | None = None) -> str:
+    """The fingerprint (hex) of the KV this model computes with these settings (weights
+    quantized at load compute other KV than the stored ones)."""
     fields = {name: getattr(config, name) for name in KV_CONFIG_FIELDS}
-    blob = json.dumps({"format": FORMAT_VERSION, "weights": weights_digest(model_path, cache_dir),
-                       "config": fields, "dtype": dtype, "block_size": block_size,
-                       "hash": hash_id}, sort_keys=True, default=repr)
+    what = {"format": FORMAT_VERSION, "weights": weights_digest(model_path, cache_dir),
+            "config": fields, "dtype": dtype, "block_size": block_size, "hash": hash_id}
+    if quantization is not None:
+        what["quantization"] = quantization
+    blob = json.dumps(what, sort_keys=True, default=repr)
     return xxhash.xxh3_128_hexdigest(blob.encode())

@@ -6,10 +6,11 @@ import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tierserve.workers import parallel
-from tierserve.workers.attention import copy_blocks
+from tierserve.workers.kv_pool import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
+from tierserve.workers.spec_decode import SampleRows
 from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.tier_copier import TierCopier
 
@@ -107,39 +108,41 @@ class ModelRunner:
         sampled = [-1] * len(out.num_scheduled_tokens)
         if self.is_driver and len(inputs.sample_rows):
             self.batch.sampling.prefetch(inputs.sample_req_ids)
-        last = np.cumsum(inputs.query_lens)[inputs.sample_rows] - 1  # each sampler's last token
+        rows = SampleRows.of(inputs, self.batch)  # each sampler's last token, and its drafts
         prompt = self._prompt_positions(inputs)
         # Sorted: the forward keeps rows in order (and every row, unindexed, when all are kept).
-        keep = last if prompt is None else np.union1d(last, prompt.packed)
+        keep = rows.keep if prompt is None else np.union1d(rows.keep, prompt.packed)
         if not len(keep):  # a partial prefill chunk alone: its K/V is the step's whole work
             keep = np.zeros(1, dtype=np.int64)
         hidden = self._forward(inputs, torch.from_numpy(keep).to(self.device))
         if not len(inputs.sample_rows) and prompt is None:
             return ModelRunnerOutput(out.step_id, sampled)
-        batch = self.batch.sampling.make_batch(inputs.sample_req_ids) \
+        batch = self.batch.sampling.make_batch(rows.req_ids) \
             if self.is_driver and len(inputs.sample_rows) else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
         # on whether compute_logits (with its collectives) runs.
         if batch is not None and batch.plain_greedy and prompt is None:
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
-                return self._to_output(out.step_id, inputs, SamplerOutput(tokens), sampled)
+                return self._to_output(out, inputs, rows, SamplerOutput(tokens), sampled)
         logits = self.model.compute_logits(hidden)  # None off the driver rank
         if not self.is_driver:
             if self.append_sampled and len(inputs.sample_rows):
-                tokens = torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device)
+                width = 1 + max(out.num_spec_tokens, default=0)
+                tokens = torch.empty(len(inputs.sample_rows), width, dtype=torch.long,
+                                     device=self.device)
                 self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens))
             return ModelRunnerOutput(out.step_id)
         prompt_lps = None
         if prompt is not None:
-            rows = torch.from_numpy(np.searchsorted(keep, prompt.packed)).to(logits.device)
-            prompt_lps = prompt.logprobs(logits.index_select(0, rows), len(sampled))
+            at = torch.from_numpy(np.searchsorted(keep, prompt.packed)).to(logits.device)
+            prompt_lps = prompt.logprobs(logits.index_select(0, at), len(sampled))
             logits = logits.index_select(0, torch.from_numpy(
-                np.searchsorted(keep, last)).to(logits.device))
+                np.searchsorted(keep, rows.keep)).to(logits.device))
         if batch is None:
             return ModelRunnerOutput(out.step_id, sampled, prompt_logprobs=prompt_lps)
         result = self.sampler(logits, batch)
-        reply = self._to_output(out.step_id, inputs, result, sampled)
+        reply = self._to_output(out, inputs, rows, result, sampled)
         if prompt_lps is not None:
             reply.prompt_logprobs = prompt_lps
         return reply
@@ -172,25 +175,35 @@ class ModelRunner:
             keep = None  # every row: nothing to skip (a decode-only step)
         return self.model(input_ids, positions, attn, self.kv_caches, keep)
 
-    def _to_output(self, step_id: int, inputs: StepInputs, result: SamplerOutput,
-                   sampled: list[int]) -> ModelRunnerOutput:
+    def _to_output(self, out: SchedulerOutput, inputs: StepInputs, rows: SampleRows,
+                   result: SamplerOutput, sampled: list[int]) -> ModelRunnerOutput:
+        final, accepted, step_tokens = rows.accept(result.token_ids.cpu().numpy())
         if self.append_sampled:
-            tokens = result.token_ids.to(torch.long)
-            self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens.contiguous()))
-        token_ids = result.token_ids.tolist()
+            width = 1 + max(out.num_spec_tokens, default=0)
+            tokens = torch.full((len(final), width), -1, dtype=torch.long)
+            tokens[:, : step_tokens.shape[1]] = torch.from_numpy(step_tokens)
+            self.batch.append_sampled(inputs, parallel.tp_broadcast(tokens.to(self.device)))
+        token_ids = final.tolist()
         packed = inputs.order[inputs.sample_rows].tolist()
         for i, token in zip(packed, token_ids):
             sampled[i] = token
+        num_accepted = []
+        if accepted:
+            num_accepted = [0] * len(sampled)
+            for i, n in zip(packed, accepted):
+                num_accepted[i] = n
         logprobs: list[SampleLogprobs | None] = []
         if result.logprobs is not None:
+            # Requests with logprobs have no drafts: one row each, its first.
             logprobs = [None] * len(sampled)
             lp = result.logprobs
             top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
             chosen, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-            for j, (i, rid) in enumerate(zip(packed, inputs.sample_req_ids)):
+            for token, i, rid, j in zip(token_ids, packed, inputs.sample_req_ids,
+                                        rows.first.tolist()):
                 k = self.batch.params_of(rid).logprobs
                 if k is None:
                     continue
-                logprobs[i] = SampleLogprobs(
-                    [token_ids[j]] + top_ids[j][:k], [chosen[j]] + top_lps[j][:k], ranks[j])
-        return ModelRunnerOutput(step_id, sampled, logprobs)
+                logprobs[i] = SampleLogprobs([token] + top_ids[j][:k],
+                                             [chosen[j]] + top_lps[j][:k], ranks[j])
+        return ModelRunnerOutput(out.step_id, sampled, logprobs, num_accepted=num_accepted)

@@ -32,7 +32,8 @@ from typing import Sequence
 import torch
 
 from tierserve.scheduler.params import SamplingParams
-from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.backends.base import Backend
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.structured import GrammarMatchers
 from tierserve.workers.token_rules import TokenRules
 
@@ -406,14 +407,10 @@ class SamplerOutput:
     logprobs: LogprobsOutput | None = None
 
 
-def greedy(logits: torch.Tensor, backend: CpuBackend | None = None) -> torch.Tensor:
-    """Row-wise argmax [n, vocab] -> long[n], the first index on ties (as argmax). max(dim) gives
-    the same indices faster than argmax on CPU at decode batch sizes; the backend's C++
-    argmax_rows, where it has one, the same indices again, faster still."""
-    if backend is not None and backend.fuses(logits) and logits.dim() == 2 \
-            and logits.stride(-1) == 1 and logits.shape[-1] > 0:
-        return backend.argmax_rows(logits)
-    return logits.max(dim=-1).indices
+def greedy(logits: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """Row-wise argmax [n, vocab] -> long[n], the first index on ties (as argmax), by the
+    backend's argmax_rows."""
+    return (backend or torch_backend()).argmax_rows(logits)
 
 
 class Sampler:
@@ -423,7 +420,7 @@ class Sampler:
     """
 
     def __init__(self, generator: torch.Generator | None = None,
-                 backend: CpuBackend | None = None) -> None:
+                 backend: Backend | None = None) -> None:
         # None: unseeded rows draw from torch's default generator for the logits' device.
         self.generator = generator
         self.backend = backend or torch_backend()

@@ -17,12 +17,13 @@ from tierserve.scheduler.messages import (
 )
 from tierserve.scheduler.params import SamplingParams
 from tierserve.workers import parallel
-from tierserve.workers.attention import (
-    allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
-)
-from tierserve.workers.backends.cpu import CpuBackend, plan_for, torch_backend
+from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
+from tierserve.workers.backends.select import select_backend
+from tierserve.workers.kv_pool import (
+    allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
+)
 from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 from tierserve.workers.tier_copier import TierCopier
@@ -80,6 +81,8 @@ class WorkerSpec:
     async_scheduling: bool = False
     # The tokenizer.json structured outputs compile grammars against (on the driver rank).
     tokenizer_file: str | None = None
+    # Block format the linears are quantized to at load ("q8_0", "q4_1"), or None.
+    quantization: str | None = None
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
     # Test-only fault injection (rank, token id): that rank crashes on a new request holding
@@ -97,8 +100,9 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    backend: dict  # CpuBackend.describe() of the backend the rank runs
+    backend: dict  # Backend.describe() of the backend the rank runs
     kv_block_bytes: int  # one block id of the pool on this rank, all layers, K and V
+    weight_bytes: int = 0  # the model shard's weights as this rank holds them
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +141,10 @@ class Worker:
         # The kernel variant this rank would run (set by init_device); whether the engine
         # runs it is decided once, for all ranks, at load_model.
         self._kernels: KernelLibrary | None = None
-        self.backend: CpuBackend | None = None
+        self.backend: Backend | None = None
         # Seconds spent in each part of the start: kernels, weights, kv_pool.
         self.startup: dict[str, float] = {}
-        # The KV pool's background prefault (attention.prefault_in_background), if running.
+        # The KV pool's background prefault (kv_pool.prefault_in_background), if running.
         self._prefault = None
 
     @contextlib.contextmanager
@@ -209,30 +213,30 @@ class Worker:
         if use_kernels and not self.kernels_ready():
             raise RuntimeError(f"rank {self.rank}: kernels requested but not loaded")
         features = detect_cpu_features()
-        if use_kernels:
-            self.backend = plan_for(self._kernels.isa, features, self._kernels.ops,
-                                    quant_linear=self.spec.quantized_linears)
-        else:
-            self.backend = torch_backend()
-            if self._kernels is not None and self._kernels.building:
-                log.info("rank %d: the %s kernels are still building; this engine runs the "
-                         "torch backend, later starts the %s one", self.rank,
-                         self._kernels.isa, self._kernels.isa)
+        self.backend = select_backend(self.device, self._kernels if use_kernels else None,
+                                      quant_linear=self.spec.quantized_linears)
+        if not use_kernels and self._kernels is not None and self._kernels.building:
+            log.info("rank %d: the %s kernels are still building; this engine runs the torch "
+                     "backend, later starts the %s one", self.rank, self._kernels.isa,
+                     self._kernels.isa)
         log.info("rank %d: %s backend on %s (ISAs: %s)", self.rank, self.backend.name,
                  features.model_name, ", ".join(features.isas) or "none")
         if self.rank == 0:
-            progress.info("loading the weights of %s (%s, %s backend)",
+            progress.info("loading the weights of %s (%s, %s backend%s)",
                           os.path.basename(os.path.normpath(self.spec.model)), self.spec.dtype,
-                          self.backend.name)
+                          self.backend.name,
+                          f", quantized to {self.spec.quantization}" if self.spec.quantization
+                          else "")
         with self._phase("weights"), self._load_threads():
             config, self.model = load_model(self.spec.model, self.dtype, self.device,
-                                            self.backend)
+                                            self.backend, self.spec.quantization)
         if self.rank == 0:
             progress.info("weights loaded in %.1f s", self.startup["weights"])
         block_bytes = kv_cache_bytes_per_block(config, self.spec.tensor_parallel_size,
                                                self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
-                         tuple(config.eos_token_ids), self.backend.describe(), block_bytes)
+                         tuple(config.eos_token_ids), self.backend.describe(), block_bytes,
+                         self.model.weight_bytes())
 
     @contextlib.contextmanager
     def _load_threads(self):

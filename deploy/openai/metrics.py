@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 __all__ = ["Metrics", "Tracker", "EngineCollector", "FINISH_REASONS", "REFUSED_STATUSES"]
 
@@ -116,9 +116,68 @@ def _engine_families(sources: list[tuple[tuple, dict]], labels: tuple):
                      f"tier_{name}")
     yield family("counter", "worker_restarts", "times the engine rebuilt lost workers (a rank "
                  "died or a step hung) and re-admitted their requests" + _ENGINE, "restarts")
+    yield from _spec_families(sources, labels)
     if not labels:
         yield family("gauge", "engine_dead", "1 once the engine cannot serve",
                      lambda st: int(bool(st.get("dead"))))
+
+
+def _spec_families(sources: list[tuple[tuple, dict]], labels: tuple):
+    """Speculative decoding (vLLM's names): drafts, draft and accepted tokens (zero where the
+    engine does not speculate); where it does, accepted tokens by draft position and a
+    histogram of each finished request's acceptance rate."""
+    for name, key, doc in (("num_drafts", "spec_num_drafts", "steps of a request with drafts"),
+                           ("num_draft_tokens", "spec_num_draft_tokens", "draft tokens verified"),
+                           ("num_accepted_tokens", "spec_num_accepted_tokens",
+                            "draft tokens accepted")):
+        fam = CounterMetricFamily(f"tierserve:spec_decode_{name}", doc + _ENGINE,
+                                  labels=list(labels))
+        for values, st in sources:
+            fam.add_metric(list(values), st.get(key, 0))
+        yield fam
+    speculating = [(v, st) for v, st in sources if "spec_num_drafts" in st]
+    if not speculating:
+        return
+    per_pos = CounterMetricFamily("tierserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted, by position" + _ENGINE,
+                                  labels=[*labels, "position"])
+    rates = HistogramMetricFamily("tierserve:spec_decode_request_acceptance_rate",
+                                  "accepted drafts per draft of each finished request"
+                                  + _ENGINE, labels=list(labels))
+    for values, st in speculating:
+        for pos, count in enumerate(st["spec_accepted_per_position"]):
+            per_pos.add_metric([*values, str(pos)], count)
+        counts, bounds = st["spec_request_acceptance_buckets"], st["spec_request_acceptance_bounds"]
+        buckets = [(str(b), c) for b, c in zip(bounds[:-1], counts[:-1])]
+        buckets.append(("+Inf", counts[-1]))
+        rates.add_metric(list(values), buckets, st["spec_request_acceptance_sum"])
+    yield per_pos
+    yield rates
+
+
+def _spec_metrics(s: dict):
+    """Speculative decoding (vLLM's names), where the engine speculates: drafts, draft and
+    accepted tokens, accepted tokens by draft position, and a histogram of each finished
+    request's acceptance rate."""
+    if "spec_num_drafts" not in s:
+        return
+    yield _counter("spec_decode_num_drafts", "steps of a request with drafts",
+                   s["spec_num_drafts"])
+    yield _counter("spec_decode_num_draft_tokens", "draft tokens verified",
+                   s["spec_num_draft_tokens"])
+    yield _counter("spec_decode_num_accepted_tokens", "draft tokens accepted",
+                   s["spec_num_accepted_tokens"])
+    per_pos = CounterMetricFamily("tierserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted, by position", labels=["position"])
+    for pos, count in enumerate(s["spec_accepted_per_position"]):
+        per_pos.add_metric([str(pos)], count)
+    yield per_pos
+    counts, bounds = s["spec_request_acceptance_buckets"], s["spec_request_acceptance_bounds"]
+    buckets = [(str(b), c) for b, c in zip(bounds[:-1], counts[:-1])]
+    buckets.append(("+Inf", counts[-1]))
+    yield HistogramMetricFamily("tierserve:spec_decode_request_acceptance_rate",
+                                "accepted drafts per draft of each finished request",
+                                buckets=buckets, sum_value=s["spec_request_acceptance_sum"])
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

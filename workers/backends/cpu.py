@@ -1,69 +1,87 @@
-"""The CPU backend: which compiled kernels a model runs with, chosen once per engine.
+"""The CPU kernel backends: one class per ISA level, each running that level's compiled kernels
+(csrc/, built by kernels.py) where they apply and the torch backend's ops elsewhere.
 
-A backend is an immutable object built when the worker loads its model and passed to the
-layers, the attention and the sampler; nothing switches under a running engine, so a request's
-tokens never depend on when a background build finished. Its name is the ISA variant whose
-kernels it runs (`avx2`, `avx512`, `amx`), or `torch`: plain torch ops, correct on every CPU
-(and the only backend on CUDA).
-
-What each variant uses (`plan_for`) follows bench/ on CPUs of that level; a path is on only
-where it is correct there and measured faster than the torch path.
+What each level uses follows bench/ on CPUs of that level; a path is on only where it is
+correct there and measured faster than the torch path. Every level runs the paged attention,
+the fused elementwise ops, the panel kernel, the GGUF-code kernels and the greedy LM head; AMX
+adds its prefill linear.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cpu_features, isa_rank
+from tierserve.workers import attention as paged
+from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cpu_features
 from tierserve.workers.backends.kernels import kernel_library
+from tierserve.workers.backends.greedy import GreedyHead
+from tierserve.workers.backends.linear import PackedWeight, PanelWeight
+from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
+from tierserve.workers.backends.quant import QuantPanelWeight
 
-__all__ = ["BACKEND_NAMES", "CpuBackend", "torch_backend", "kernel_backend", "plan_for"]
-
-BACKEND_NAMES = ("torch",) + ISAS
+__all__ = ["CpuKernelBackend", "Avx2Backend", "Avx512Backend", "AmxBackend", "KERNEL_BACKENDS",
+           "kernel_backend", "plan_for", "torch_backend", "PANEL_MAX_ROWS",
+           "KERNEL_PREFILL_MAX_CONTEXT"]
 
 # Largest row count the fp32 panel kernel takes by default; larger (prefill-sized) inputs go to
 # AMX where the backend has it, else to MKL. Beyond it AMX or MKL's blocking for large M wins on
 # AVX-512 CPUs; on AVX2 the panel kernel keeps up with MKL further (bench/linear_kernels.py).
 PANEL_MAX_ROWS = 160
 AVX2_PANEL_MAX_ROWS = 1024
-# Largest row count the quantized-weight kernel takes: up to it a product is bound by the
-# bytes of weight it streams, past it by its FMAs, where the fp32 panels' register blocking wins.
-# Both kernels give the same bits, so the limit moves speed only; bench/linear_kernels.py's
-# q4_1 and panel routes show where they cross.
-QUANT_MAX_ROWS = 8
+
+# Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
+# token; longer ones through the tiled prefill kernel, whose tiles reuse each K/V row across a
+# block of queries (bench/prefill_attention.py times the token, tiled and SDPA routes by prompt
+# length). Up to the limit a lone prompt breaks even; a batch of short prompts gains (one call
+# instead of a call, gathers and copies per chunk).
+KERNEL_PREFILL_MAX_CONTEXT = 192
 
 
 @dataclass(frozen=True, eq=False)
-class CpuBackend:
-    name: str  # one of BACKEND_NAMES
-    features: CpuFeatures
-    ops: Any = None  # torch.ops.tierserve_<isa>; None for the torch backend
-    attention: bool = False  # paged attention read in place (decodes, short prefill chunks)
-    fused: bool = False  # rms_norm(+residual), silu_and_mul, rotary + KV write, argmax_rows
-    fp32_linear: bool = False  # panel kernel up to panel_max_rows rows
+class CpuKernelBackend(TorchBackend):
+    """A kernel backend: the ops of torch.ops.tierserve_<isa> where they take the input."""
+
+    ops: Any = None  # torch.ops.tierserve_<isa>
+    attention_kernel: bool = True  # paged attention read in place (decodes, prefill chunks)
+    fused: bool = True  # rms_norm(+residual), silu_and_mul, rotary + KV write, argmax_rows
+    fp32_linear: bool = True  # panel kernel up to panel_max_rows rows
     panel_max_rows: int = PANEL_MAX_ROWS
     amx_linear: bool = False  # fp32 linears above panel_max_rows rows on AMX (bf16x3)
-    greedy_head: bool = False  # exact greedy tokens from a bf16 copy of the fp32 LM head
-    # fp32 weights that are GGUF blocks dequantized run from their codes (backends/quant.py)
-    # in products of up to quant_max_rows rows.
-    quant_linear: bool = False
-    quant_max_rows: int = QUANT_MAX_ROWS
-    # How bf16 / fp16 linears run: "onednn" (weights packed once in oneDNN's layout, where
-    # oneDNN runs that dtype natively), "kernel" (the panel kernel, fp32 math on half-precision
-    # panels) or "torch" (F.linear on the plain weight; a dtype not in the map).
-    half_linear: dict = field(default_factory=dict)
+    greedy_head_route: bool = True  # exact greedy tokens from the LM head's Q8_0 codes
+    # fp32 weights that are GGUF blocks dequantized run from their codes alone (quant.py).
+    quant_linear: bool = True
     panel_width: int = 0
     head_dims: frozenset = frozenset()
 
+    @classmethod
+    def plan(cls, features: CpuFeatures, ops: Any, *, quant_linear: bool = True
+             ) -> "CpuKernelBackend":
+        """This level's backend on this CPU, its kernels loaded as `ops`."""
+        isa = cls.isa
+        if not features.has(isa):
+            raise RuntimeError(f"the {isa} backend needs a CPU with {isa}; this one has "
+                               f"{', '.join(features.isas) or 'none of ' + ', '.join(ISAS)}")
+        return cls(isa, features, half_linear_plan(features, isa), "cpu", ops,
+                   quant_linear=quant_linear, panel_width=int(ops.panel_width()),
+                   head_dims=frozenset(ops.decode_head_dims()), **cls.level_paths(features, ops))
+
+    @classmethod
+    def level_paths(cls, features: CpuFeatures, ops: Any) -> dict:
+        """The paths this level adds to or changes from the common plan."""
+        return {}
+
     @property
     def has_kernels(self) -> bool:
-        return self.ops is not None
+        return True
 
-    def half_linear_for(self, dtype: torch.dtype) -> str:
-        return self.half_linear.get(dtype, "torch")
+    @property
+    def paths(self) -> list[str]:
+        flags = {"attention": self.attention_kernel, "fused": self.fused,
+                 "fp32_linear": self.fp32_linear, "amx_linear": self.amx_linear,
+                 "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear}
+        return [name for name, on in flags.items() if on]
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the fused elementwise ops take x."""
@@ -72,20 +90,94 @@ class CpuBackend:
     def attends(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether attention takes the kernels: paged decode and the tiled causal prefill,
         which are built for the same dtypes and head sizes."""
-        return self.attention and dtype in (torch.float32, torch.bfloat16) \
+        return self.attention_kernel and dtype in (torch.float32, torch.bfloat16) \
             and head_dim in self.head_dims
 
-    def describe(self) -> dict:
-        """What stats(), `tierserve status` and the start-up log show."""
-        paths = [p for p in ("attention", "fused", "fp32_linear", "amx_linear", "greedy_head",
-                             "quant_linear")
-                 if getattr(self, p)]
-        half = {str(dt).removeprefix("torch."): how for dt, how in self.half_linear.items()}
-        return {"name": self.name, "paths": paths, "half_linear": half,
-                "cpu": self.features.model_name, "cpu_isas": list(self.features.isas),
-                "torch_capability": self.features.torch_capability}
+    # ------------------------------------------------------------ the contract
 
-    # ---------------------------------------------------------------- kernel ops
+    def linear_method(self, weight: torch.Tensor, quantization: str | None = None,
+                      head: bool = False):
+        if weight.device.type != "cpu":
+            return super().linear_method(weight, quantization, head)
+        if quantization is not None and QuantPanelWeight.applies_to(weight):
+            return QuantPanelWeight.quantize(weight, quantization, self)
+        if quantization is None:
+            exact = QuantPanelWeight.encode(weight, self)
+            if exact is not None:
+                return exact
+        # A head with a greedy route runs the panel kernel, whose arithmetic the route repeats.
+        greedy = head and GreedyHead.applies_to(weight, self)
+        if self.half_linear_for(weight.dtype) == "onednn" and PackedWeight.applies_to(weight) \
+                and not greedy:
+            return PackedWeight(weight)
+        if greedy:
+            return PanelWeight(weight, self)
+        if PanelWeight.applies_to(weight, self):
+            return PanelWeight(weight, self)
+        return super().linear_method(weight, None, head)
+
+    def greedy_head(self, method, weight: torch.Tensor):
+        if isinstance(method, PanelWeight) and GreedyHead.applies_to(weight, self):
+            return GreedyHead(method, weight, self)
+        return None
+
+    def rotary_write_kv(self, qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads, head_dim):
+        if not self.fuses(qkv):
+            return super().rotary_write_kv(qkv, cos, sin, kv_cache, slot_mapping, heads,
+                                           kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(qkv.shape[0], kv_heads, head_dim)
+        # One pass: rotated q and k out, rotated k and v into their pool slots.
+        q, k = self.ops.rotary_write_kv(qkv, cos, sin, *kv_cache, slot_mapping, heads)
+        return q, k, v
+
+    def attention(self, q, k, v, kv_cache, attn, scale, window=None):
+        num_tokens, heads, head_dim = q.shape
+        if q.device.type != "cpu" or not self.attends(q.dtype, head_dim):
+            return super().attention(q, k, v, kv_cache, attn, scale, window)
+        return self._kernel_step(q, k, v, kv_cache, attn, scale, window).view(
+            num_tokens, heads * head_dim)
+
+    def _kernel_step(self, q, k, v, kv_cache, attn, scale, window) -> torch.Tensor:
+        """A step through the kernels -> [T, heads, D]. The decode kernel takes the decodes
+        and the short chunks' tokens, each as one query over its causal context read in place
+        from the pool, in one call: no gathers, padding, layout copies or per-chunk SDPA calls
+        (bench/step_profile.py splits a step's time by op)."""
+        k_cache, v_cache = kv_cache
+        tables, lens, rows = attn.token_tables()
+        long = attn.prefills_longer_than(KERNEL_PREFILL_MAX_CONTEXT)
+        if not long:
+            return self.paged_attention(q, k_cache, v_cache, tables, lens, scale, window, rows)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        keep = torch.ones(q.shape[0], dtype=torch.bool)
+        for chunk in long:
+            keep[chunk.query_start : chunk.query_end] = False
+            keys, values = paged.chunk_context(k, v, k_cache, v_cache, chunk)
+            out[chunk.query_start : chunk.query_end] = self.prefill_attention(
+                q[chunk.query_start : chunk.query_end], keys, values, scale, window)
+        kept = keep.nonzero().squeeze(1).to(q.device)
+        if kept.numel():
+            out[kept] = self.paged_attention(
+                q.index_select(0, kept), k_cache, v_cache, tables, lens.index_select(0, kept),
+                scale, window, rows.index_select(0, kept))
+        return out
+
+    def rms_norm(self, x, residual, weight, eps):
+        if x.dim() == 2 and self.fuses(x):
+            return self.ops.rms_norm(x, residual, weight, eps)
+        return super().rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x):
+        if x.dim() == 2 and self.fuses(x):
+            return self.ops.silu_and_mul(x)
+        return super().silu_and_mul(x)
+
+    def argmax_rows(self, logits):
+        if self.fuses(logits) and logits.dim() == 2 and logits.stride(-1) == 1 \
+                and logits.shape[-1] > 0:
+            return self.ops.argmax_rows(logits)
+        return super().argmax_rows(logits)
+
+    # ------------------------------------------------------------ kernel ops
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                         window: int | None = None, rows=None):
@@ -115,76 +207,47 @@ class CpuBackend:
         """linear_f32's product on AMX, to fp32 accuracy (csrc/linear_amx.cpp)."""
         return self.ops.linear_amx(x, panels, bias, out_features)
 
-    def greedy_from_approx(self, approx, x, panels, norms, out_features: int, rel: float,
-                           out_rel: float):
-        """The first index of each row's maximum of linear_f32(x, panels), from approx [M, N]
-        bf16 within rel * |x| * norms + out_rel * |approx| of it -> long[M]; -1 for rows with
-        non-finite values (see csrc/linear.cpp)."""
-        return self.ops.greedy_from_approx(approx, x, panels, norms, out_features, rel, out_rel)
-
-    def rms_norm(self, x, residual, weight, eps: float):
-        """(norm(x + residual) * weight, x + residual); without residual (norm(x) * weight, x)."""
-        return self.ops.rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(self, x):
-        """[M, 2d] -> silu(x[:, :d]) * x[:, d:]."""
-        return self.ops.silu_and_mul(x)
-
-    def argmax_rows(self, x):
-        """[M, n] float32/bfloat16 with contiguous rows -> long[M], the first index of each
-        row's maximum, NaN counting as the maximum (what x.max(dim=-1).indices gives)."""
-        return self.ops.argmax_rows(x)
-
-    def rotary_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, heads: int):
-        """Rotate q and k of qkv [T, (heads + 2 kv_heads) D] by cos/sin [T, D/2]; write k and v
-        to their pool slots; returns q [T, heads, D] and k [T, kv_heads, D]."""
-        return self.ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads)
+    def greedy_tokens(self, approx, x, panels, norms, devs, out_features: int, gamma: float):
+        """The first index of each row's maximum of the panel product of x [M, K] (fp32) and
+        panels (fp32, or half precision rounded once), from approx [M, N] fp32, whose rows
+        deviate by at most devs from the weight's (see csrc/linear.cpp) -> long[M]; -1 for rows
+        with non-finite values."""
+        return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma)
 
 
-def _half_linear(features: CpuFeatures, isa: str = "torch") -> dict:
-    """How bf16 / fp16 linears run. oneDNN's packed weights where oneDNN runs the dtype
-    natively (elsewhere its reorder refuses the weight); else a kernel backend's panel kernel,
-    which widens the weights to fp32 in registers (torch's own half-precision linear on such a
-    CPU is several times slower than its fp32 one: bench/linear_kernels.py). A kernel backend
-    capped below AVX-512 plans as a CPU of its level would, so that the cap reproduces that
-    machine's paths."""
-    half = {}
-    native_ok = isa == "torch" or isa_rank(isa) >= isa_rank("avx512")
-    for dtype, native in ((torch.bfloat16, features.onednn_bf16),
-                          (torch.float16, features.onednn_fp16)):
-        if native and native_ok:
-            half[dtype] = "onednn"
-        elif isa != "torch":
-            half[dtype] = "kernel"
-    return half
+class Avx2Backend(CpuKernelBackend):
+    isa = "avx2"
+
+    @classmethod
+    def level_paths(cls, features, ops):
+        # On AVX2 the panel kernel keeps up with MKL to far larger batches.
+        return {"panel_max_rows": AVX2_PANEL_MAX_ROWS}
 
 
-@functools.cache
-def torch_backend() -> CpuBackend:
-    """Plain torch ops on this process's CPU (oneDNN-packed half-precision weights where oneDNN
-    takes them); what every device other than a CPU with kernels runs."""
-    features = detect_cpu_features()
-    return CpuBackend("torch", features, half_linear=_half_linear(features))
+class Avx512Backend(CpuKernelBackend):
+    isa = "avx512"
 
 
-def plan_for(isa: str, features: CpuFeatures, ops: Any, *, quant_linear: bool = True) -> CpuBackend:
-    """The backend of a loaded ISA variant on this CPU. Every level runs the paged attention,
-    the fused ops and the fp32 panel kernel; AMX adds its prefill linear; the greedy head
-    needs oneDNN's native bf16 for its approximate logits."""
-    if not features.has(isa):
-        raise RuntimeError(f"the {isa} backend needs a CPU with {isa}; this one has "
-                           f"{', '.join(features.isas) or 'none of ' + ', '.join(ISAS)}")
-    return CpuBackend(
-        isa, features, ops, attention=True, fused=True, fp32_linear=True,
-        panel_max_rows=AVX2_PANEL_MAX_ROWS if isa == "avx2" else PANEL_MAX_ROWS,
-        amx_linear=isa == "amx" and bool(ops.has_amx()),
-        greedy_head=features.onednn_bf16 and isa_rank(isa) >= isa_rank("avx512"),
-        quant_linear=quant_linear,
-        half_linear=_half_linear(features, isa), panel_width=int(ops.panel_width()),
-        head_dims=frozenset(ops.decode_head_dims()))
+class AmxBackend(Avx512Backend):
+    isa = "amx"
+
+    @classmethod
+    def level_paths(cls, features, ops):
+        return {**super().level_paths(features, ops), "amx_linear": bool(ops.has_amx())}
 
 
-def kernel_backend(isa: str, cache_root: str, *, features: CpuFeatures | None = None) -> CpuBackend:
+KERNEL_BACKENDS = {cls.isa: cls for cls in (Avx2Backend, Avx512Backend, AmxBackend)}
+assert tuple(KERNEL_BACKENDS) == ISAS
+
+
+def plan_for(isa: str, features: CpuFeatures, ops: Any, *, quant_linear: bool = True
+             ) -> CpuKernelBackend:
+    """The backend of a loaded ISA variant on this CPU."""
+    return KERNEL_BACKENDS[isa].plan(features, ops, quant_linear=quant_linear)
+
+
+def kernel_backend(isa: str, cache_root: str, *, features: CpuFeatures | None = None
+                   ) -> TorchBackend:
     """The `isa` backend, its kernels built (or loaded from cache_root) first, synchronously.
     For tests and benches that pin a backend; engines go through the worker's start-up."""
     if isa == "torch":

@@ -10,8 +10,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tierserve.workers.attention import AttentionMetadata, paged_attention
-from tierserve.workers.backends.cpu import CpuBackend, torch_backend
+from tierserve.workers.attention import AttentionMetadata
+from tierserve.workers.backends.base import Backend
+from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -47,9 +48,15 @@ def _shards_of(param_name: str) -> tuple:
     return shards or (None,)
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What identifies a tensor's memory: its data pointer, or for an opaque tensor (oneDNN's
+    packed weights) the tensor itself."""
+    return id(t) if t.is_mkldnn else t.data_ptr()
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
-                 backend: CpuBackend, window: int | None = None):
+                 backend: Backend, window: int | None = None):
         super().__init__()
         self.backend = backend
         self.window = window  # sliding window of this layer, None for full attention
@@ -71,30 +78,17 @@ class LlamaAttention(nn.Module):
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or [len(keep), hidden]: every token's K/V is written,
         and only the kept tokens' outputs are projected."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
-        qk_heads = self.num_heads + self.num_kv_heads
-        v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.backend.fuses(qkv):
-            # One pass: rotated q and k out, rotated k and v into their pool slots.
-            q, k = self.backend.rotary_write_kv(qkv, cos[:, 0], sin[:, 0], *kv_cache,
-                                               attn.slot_mapping, self.num_heads)
-            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend,
-                                  self.window, kv_written=True)
-        else:
-            # q and k share one rotation call: [T, heads + kv_heads, D]
-            qk = self.rotary.apply(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1),
-                                   cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            # [T, heads * D]
-            out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.backend, self.window)
+        q, k, v = self.backend.rotary_write_kv(qkv, cos, sin, kv_cache, attn.slot_mapping,
+                                               self.num_heads, self.num_kv_heads, self.head_dim)
+        out = self.backend.attention(q, k, v, kv_cache, attn, self.scale, self.window)
         if keep is not None:
             out = out.index_select(0, keep)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: CpuBackend):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: Backend):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -109,7 +103,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
-                 backend: CpuBackend, layer: int = 0):
+                 backend: Backend, layer: int = 0):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, backend)
@@ -134,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: CpuBackend):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: Backend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         # One rotary table for all layers; its inv_freq stays float32 like HF's.
@@ -148,7 +142,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache],
                 keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, D / 2] each
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -162,7 +156,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 backend: CpuBackend | None = None):
+                 backend: Backend | None = None, quantization: str | None = None):
         super().__init__()
         # Fails early, with the reason, when the head counts cannot be split at this TP size.
         partition_heads(config.num_attention_heads, config.num_key_value_heads, get_tp_size())
@@ -170,10 +164,23 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         # The kernels every layer runs with, fixed for the model's life.
         self.backend = backend or torch_backend()
+        # Block format the linears are quantized to at load (backends/quant.py), or None.
+        self.quantization = quantization
         self.model = LlamaModel(config, dtype, device, self.backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, device)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds: every parameter still held and every linear's
+        method (codes, panels, packed copies, a greedy head's copy), each tensor once."""
+        held = [p for p in self.parameters()]
+        for m in self.modules():
+            for route in (getattr(m, "method", None), getattr(m, "greedy_head", None)):
+                if route is not None:
+                    held += route.tensors()
+        unique = {_storage_key(t): t.numel() * t.element_size() for t in held if t.numel()}
+        return sum(unique.values())
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -205,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face named tensors; each layer keeps only this rank's shard.
 
         Raises ValueError on unknown names and on parameters the checkpoint never provided.
-        The weights then take the layout the backend's linears run.
+        The weights then take the layout the backend's linears run (quantized where the model
+        was built with a quantization).
         """
         params = dict(self.named_parameters())
         pending = {(name, shard) for name in params for shard in _shards_of(name)}
@@ -217,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in pending)
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
-        pack_weights(self, self.backend)
+        pack_weights(self, self.backend, self.quantization)
 
     def _load_one(self, params: dict, hf_name: str, tensor: torch.Tensor):
         """Load one HF tensor; returns the (param name, shard id) it filled, or None if skipped."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tierserve.workers.backends.cpu import CpuBackend
+from tierserve.workers.backends.base import Backend
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.config_files import (  # noqa: F401
@@ -91,12 +91,13 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu",
-               backend: CpuBackend | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model for the current TP rank and load only its shard of the weights; on CPU
-    it runs `backend`'s kernels (default: the torch backend)."""
+               device: torch.device | str = "cpu", backend: Backend | None = None,
+               quantization: str | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model for the current TP rank and load only its shard of the weights; it runs
+    on `backend` (default: the torch backend), its linears quantized at load to
+    `quantization`'s block format where given."""
     config = load_model_config(path)
-    model = LlamaForCausalLM(config, resolve_dtype(dtype), device, backend)
+    model = LlamaForCausalLM(config, resolve_dtype(dtype), device, backend, quantization)
     model.load_weights(iter_weights(path))
     return config, model.eval()
 

@@ -10,6 +10,9 @@
 // here equals linear_f32's on the same weight bit for bit, and a layer may send any batch size
 // to either kernel without a request's tokens depending on its batch.
 //
+// Batches past a few rows rebuild a k-slice of a panel once into L1 and run linear.cpp's
+// microkernel over it (kernels.cpp includes linear.cpp first): the same chain, the same bits.
+//
 // Layout, per panel of kNR output features (as linear.cpp's) and per block of 32 inputs:
 //   Q4_1 codes [32][kNR / 2] bytes, byte j of a row holding feature j (low nibble) and feature
 //   j + kLanes (high nibble); Q8_0 codes [32][kNR] int8; scales d [kNR] and offsets m [kNR]
@@ -19,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -29,6 +33,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace tierserve {
 namespace {
@@ -155,6 +160,66 @@ const float* check_quant(const char* op, const at::Tensor& x, const at::Tensor& 
   return bias->data_ptr<float>();
 }
 
+// One k-slice [kn][kQNR] of panel p rebuilt as fp32 into dst (the panel kernel's layout), from
+// block kc / 32 on: the same values quant_tile rebuilds in registers.
+template <bool Q4>
+void dequant_slice(const char* codes, const float* d, const float* m, int64_t kc, int64_t kn,
+                   float* dst) {
+  constexpr int64_t row_bytes = Q4 ? kQNR / 2 : kQNR;
+  for (int64_t b = kc / kQBlock; b < (kc + kn) / kQBlock; ++b) {
+    const Vec d0 = load(d + b * kQNR), d1 = load(d + b * kQNR + kLanes);
+    const Vec m0 = Q4 ? load(m + b * kQNR) : Vec{}, m1 = Q4 ? load(m + b * kQNR + kLanes) : Vec{};
+    const char* block = codes + b * kQBlock * row_bytes;
+    for (int64_t kk = 0; kk < kQBlock; ++kk) {
+      float* row = dst + (b * kQBlock + kk - kc) * kQNR;
+      if constexpr (Q4) {
+        const auto [c0, c1] = unpack_q4(reinterpret_cast<const uint8_t*>(block + kk * row_bytes));
+        store(row, fma_vec(c0, d0, m0));
+        store(row + kLanes, fma_vec(c1, d1, m1));
+      } else {
+        const auto [c0, c1] = unpack_q8(reinterpret_cast<const int8_t*>(block + kk * row_bytes));
+        store(row, c0 * d0);
+        store(row + kLanes, c1 * d1);
+      }
+    }
+  }
+}
+
+// Rows [m0, m1) of out through panel p, k-slices rebuilt into L1 once and reused by every row
+// tile with the panel kernel's microkernel: linear_f32's FMA chain, so its bits.
+template <bool Q4>
+void run_quant_panel(const float* x, int64_t ldx, const char* codes, const float* d,
+                     const float* m, int64_t k, float* out, int64_t n, int64_t m0, int64_t m1,
+                     int64_t p) {
+  alignas(64) float slice[kKC * kQNR];
+  const int64_t col = p * kQNR, width = std::min<int64_t>(kQNR, n - col);
+  const int64_t rows = m1 - m0;
+  const int64_t tiles = (rows + kMaxMR - 1) / kMaxMR;
+  auto tile_rows = [&](int64_t t) { return rows / tiles + (t < rows % tiles ? 1 : 0); };
+  std::vector<float> tail;
+  float* dst = out + m0 * n + col;
+  int64_t ldd = n;
+  if (width < kQNR) {  // the last, padded panel: accumulate into a scratch of full width
+    tail.assign(rows * kQNR, 0.0f);
+    dst = tail.data();
+    ldd = kQNR;
+  }
+  for (int64_t kc = 0; kc < k; kc += kKC) {
+    const int64_t kn = std::min(kKC, k - kc);
+    dequant_slice<Q4>(codes, d, m, kc, kn, slice);
+    for (int64_t t = 0, r0 = 0; t < tiles; r0 += tile_rows(t), ++t)
+      kMicro<float>[tile_rows(t) - 1](kn, x + (m0 + r0) * ldx + kc, ldx, slice, dst + r0 * ldd,
+                                      ldd, kc == 0, nullptr, 0);
+  }
+  if (width < kQNR)
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(tail.data() + r * kQNR, width, out + (m0 + r) * n + col);
+}
+
+// Rows up to this many rebuild the weights in registers for each row tile; more rows share
+// one rebuild per k-slice (run_quant_panel). Both give the same bits.
+constexpr int64_t kQDirectRows = kQMR;
+
 at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::Tensor& codes,
                         const at::Tensor& d, const at::Tensor& m,
                         const std::optional<at::Tensor>& bias, int64_t n) {
@@ -170,23 +235,70 @@ at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::
   const float* mp = q4 ? m.data_ptr<float>() : nullptr;
   float* op_ = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Each thread streams a contiguous run of panels once, all row tiles reusing it.
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t col = p * kQNR, width = std::min<int64_t>(kQNR, n - col);
-      for (int64_t r0 = 0; r0 < rows; r0 += kQMR) {
-        const int64_t mr = std::min<int64_t>(kQMR, rows - r0);
-        const auto tile = q4 ? kQuantTile<true>[mr - 1] : kQuantTile<false>[mr - 1];
-        tile(xp + r0 * ldx, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR,
-             q4 ? mp + p * blocks * kQNR : nullptr, blocks, op_ + r0 * n + col, n, width);
+  if (rows <= kQDirectRows) {
+    // Each thread streams a contiguous run of panels once, all row tiles reusing it.
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col = p * kQNR, width = std::min<int64_t>(kQNR, n - col);
+        for (int64_t r0 = 0; r0 < rows; r0 += kQMR) {
+          const int64_t mr = std::min<int64_t>(kQMR, rows - r0);
+          const auto tile = q4 ? kQuantTile<true>[mr - 1] : kQuantTile<false>[mr - 1];
+          tile(xp + r0 * ldx, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR,
+               q4 ? mp + p * blocks * kQNR : nullptr, blocks, op_ + r0 * n + col, n, width);
+        }
       }
-    }
-  });
+    });
+  } else {
+    // As linear.cpp's panel_product: (row block, panel) items, panel-major in a row block.
+    constexpr int64_t kRowBlock = 192;
+    const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+    at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t rb = i / panels, p = i % panels;
+        const int64_t r1 = std::min(rows, (rb + 1) * kRowBlock);
+        const float* pm = q4 ? mp + p * blocks * kQNR : nullptr;
+        if (q4)
+          run_quant_panel<true>(xp, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR, pm, k,
+                                op_, n, rb * kRowBlock, r1, p);
+        else
+          run_quant_panel<false>(xp, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR, pm, k,
+                                 op_, n, rb * kRowBlock, r1, p);
+      }
+    });
+  }
   if (b != nullptr)
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < n; ++j) op_[r * n + j] += b[j];
     });
+  return out;
+}
+
+// The codes rebuilt as fp32 panels [panels, K, kQNR] (linear.cpp's layout), for a product
+// too large for the kernels above: the caller hands them to AMX or MKL for that call only.
+at::Tensor quant_dequant_panels(const at::Tensor& codes, const at::Tensor& d,
+                                const std::optional<at::Tensor>& m, int64_t k) {
+  const bool q4 = m.has_value();
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && d.is_contiguous() &&
+                  k % kQBlock == 0 && codes.size(1) * kQBlock == k,
+              "quant_dequant_panels: codes do not match K = ", k);
+  const int64_t panels = codes.size(0), blocks = k / kQBlock;
+  const int64_t panel_bytes = blocks * kQBlock * (q4 ? kQNR / 2 : kQNR);
+  at::Tensor out = at::empty({panels, k, kQNR}, d.options());
+  const char* cp = static_cast<const char*>(codes.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = q4 ? m->data_ptr<float>() : nullptr;
+  float* op_ = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* dst = op_ + p * k * kQNR;
+      if (q4)
+        dequant_slice<true>(cp + p * panel_bytes, dp + p * blocks * kQNR,
+                            mp + p * blocks * kQNR, 0, k, dst);
+      else
+        dequant_slice<false>(cp + p * panel_bytes, dp + p * blocks * kQNR, nullptr, 0, k, dst);
+    }
+  });
   return out;
 }
 
@@ -332,6 +444,7 @@ TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("linear_q8_0(Tensor x, Tensor codes, Tensor d, Tensor? bias, int n) -> Tensor");
   m.def("quant_encode_q4_1(Tensor weight) -> (Tensor, Tensor, Tensor)");
   m.def("quant_encode_q8_0(Tensor weight) -> (Tensor, Tensor)");
+  m.def("quant_dequant_panels(Tensor codes, Tensor d, Tensor? m, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
@@ -339,4 +452,5 @@ TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("linear_q8_0", &tierserve::linear_q8_0);
   m.impl("quant_encode_q4_1", &tierserve::quant_encode_q4_1);
   m.impl("quant_encode_q8_0", &tierserve::quant_encode_q8_0);
+  m.impl("quant_dequant_panels", &tierserve::quant_dequant_panels);
 }

@@ -1,0 +1,89 @@
+"""The backend contract: what a model's ops run on, one object chosen once per engine.
+
+A backend is immutable, built when the worker loads its model and handed to the model's layers
+and to the sampler; nothing switches under a running engine, so a request's tokens never depend
+on when a background build finished. The model calls nothing but this interface, and never
+asks which backend it has: a new ISA or device is one new subclass.
+
+  linear_method(weight, quant, head)   once per linear weight, at load: the object whose
+                                       `linear(x, bias)` runs it (backends/linear.py)
+  greedy_head(method, weight)          once for an LM head at TP=1: exact greedy tokens
+                                       without the full logits, or None
+  rotary_write_kv(...)                 rotate q and k, write k and v to their pool slots
+  attention(q, k, v, kv_cache, attn, ...)  paged attention of a step's tokens
+  rms_norm, silu_and_mul               the layer's elementwise ops
+  argmax_rows(logits)                  the greedy token of each row
+  describe()                           what stats() and the start-up log show
+
+Implementations: TorchBackend (portable.py: plain torch ops, correct on every CPU), the CPU
+kernel backends (cpu.py: one class per ISA level), CudaBackend (cuda.py).
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+__all__ = ["Backend", "QUANTIZATIONS"]
+
+# Block formats a dense checkpoint may be quantized to at load (the `quantization` option).
+QUANTIZATIONS = ("q8_0", "q4_1")
+
+
+class Backend(abc.ABC):
+    name: str
+
+    # ------------------------------------------------------------ linears
+
+    @abc.abstractmethod
+    def linear_method(self, weight: torch.Tensor, quantization: str | None = None,
+                      head: bool = False):
+        """The method that runs y = x W^T + b for this [N, K] weight from now on (it may keep
+        the weight in another layout, or only its block codes: the caller drops its own
+        reference unless it needs the plain weight). quantization: one of QUANTIZATIONS, the
+        block format the weight is quantized to, or None. head: the weight is the LM head's
+        (a greedy route may need its product in the backend's own arithmetic)."""
+
+    def greedy_head(self, method, weight: torch.Tensor):
+        """An object whose `tokens(x)` gives the argmax of method.linear(x) per row without
+        the full logits (or None where it cannot decide), or None without such a route."""
+        return None
+
+    # ------------------------------------------------------------ attention
+
+    @abc.abstractmethod
+    def rotary_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                        heads: int, kv_heads: int, head_dim: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (heads + 2 kv_heads) D], cos / sin [T, D / 2] -> q [T, heads, D], k and v
+        [T, kv_heads, D], q and k rotated (rotate-half RoPE); k and v are written to their
+        flat pool slots."""
+
+    @abc.abstractmethod
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: tuple[torch.Tensor, torch.Tensor], attn, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+        """A step's paged attention (workers/attention.py: AttentionMetadata) with the step's
+        K/V already in the pool -> [T, heads * D]. window: each token sees the last `window`
+        tokens of its context; None: all of it."""
+
+    # ------------------------------------------------------------ elementwise
+
+    @abc.abstractmethod
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight, x + residual); without residual (norm(x) * weight,
+        x). Statistics in fp32, as Hugging Face's RMSNorm."""
+
+    @abc.abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] -> silu(x[..., :d]) * x[..., d:]."""
+
+    @abc.abstractmethod
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] -> long[n], the first index of each row's maximum (NaN the maximum)."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """name, paths (the fast paths it runs), device and CPU facts."""

@@ -1,0 +1,147 @@
+"""Linear methods: a weight in the layout one backend runs, and its product.
+
+A backend's `linear_method(weight)` picks one per weight at load; the layer then calls only
+`method.linear(x, bias)`. Each method also rebuilds its plain weight (`weight()`, a copy) and
+reports the bytes it holds (`nbytes`), which stats() sums.
+
+  PlainLinear    F.linear on the weight as loaded (any device, any dtype)
+  PackedWeight   bf16 / fp16 in oneDNN's blocked layout, where oneDNN runs the dtype natively
+  PanelWeight    the C++ panel kernel's layout (csrc/linear.cpp), fp32 or half precision
+Quantized methods (GGUF block codes) are in quant.py; the greedy LM head in greedy.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LinearMethod", "PlainLinear", "PackedWeight", "PanelWeight", "tensor_bytes"]
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class LinearMethod:
+    """y = x W^T + b for x [M, K] -> [M, N]."""
+
+    __slots__ = ()
+    out_features: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight(self) -> torch.Tensor:
+        """The plain [N, K] weight (a copy where the method holds another layout)."""
+        raise NotImplementedError
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the method holds (stats() sums their bytes, each tensor once)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(*self.tensors())
+
+
+class PlainLinear(LinearMethod):
+    __slots__ = ("w",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.w = weight.detach()
+
+    @property
+    def out_features(self) -> int:
+        return self.w.shape[0]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.w, bias)
+
+    def weight(self) -> torch.Tensor:
+        return self.w
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w,)
+
+
+class PackedWeight(LinearMethod):
+    """A CPU bf16/fp16 weight in oneDNN's blocked layout: with plain weights oneDNN re-lays
+    them out on every call, which doubles the cost of decode-sized (small-M) matmuls. Results
+    are the same kernels' results."""
+
+    __slots__ = ("packed", "plain")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.plain = weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
+
+    @property
+    def out_features(self) -> int:
+        return self.plain.shape[0]
+
+    @staticmethod
+    def applies_to(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+                and torch.backends.mkldnn.is_available())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def weight(self) -> torch.Tensor:
+        return self.plain
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        # The packed copy is what a product streams; the plain weight is kept for weight()
+        # (an LM head's is the embedding's).
+        return (self.packed, self.plain)
+
+
+class PanelWeight(LinearMethod):
+    """A CPU weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of W
+    output features, [ceil(N / W), K, W], the last one zero-padded, W the backend's panel width
+    (two of its vector registers). It replaces the plain weight.
+
+    fp32: inputs of up to the backend's panel_max_rows rows run the panel kernel; larger ones
+    run csrc/linear_amx.cpp where the backend has AMX (bf16x3, to fp32 accuracy), else MKL on
+    W rebuilt from the panels, a copy that is small next to a prefill-sized product. bf16 / fp16
+    (backends whose half_linear is "kernel"): the panel kernel at every size, in fp32 math.
+    bench/linear_kernels.py compares the routes."""
+
+    __slots__ = ("panels", "out_features", "backend")
+
+    def __init__(self, weight: torch.Tensor, backend) -> None:
+        n, k = weight.shape
+        width = backend.panel_width
+        num_panels = -(-n // width)
+        padded = F.pad(weight.detach(), (0, 0, 0, num_panels * width - n))
+        self.panels = padded.view(num_panels, width, k).transpose(1, 2).contiguous()
+        self.out_features = n
+        self.backend = backend
+
+    @staticmethod
+    def applies_to(weight: torch.Tensor, backend) -> bool:
+        if weight.device.type != "cpu":
+            return False
+        if weight.dtype == torch.float32:
+            return backend.fp32_linear
+        return backend.half_linear_for(weight.dtype) == "kernel"
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.backend.linear_half(x, self.panels, bias, self.out_features)
+        if x.shape[0] <= self.backend.panel_max_rows:
+            return self.backend.linear_f32(x, self.panels, bias, self.out_features)
+        if self.backend.amx_linear:
+            return self.backend.linear_amx(x, self.panels, bias, self.out_features)
+        return F.linear(x, self.weight(), bias)
+
+    def weight(self) -> torch.Tensor:
+        k = self.panels.shape[1]
+        return self.panels.transpose(1, 2).reshape(-1, k)[: self.out_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding's lookup): [len(ids), K]."""
+        width = self.panels.shape[2]
+        return self.panels[ids // width, :, ids % width]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.panels,)
