@@ -110,8 +110,9 @@ def test_tp3_on_ray_keeps_greedy_tokens_and_tp1_serves_its_ssd_entries(tiny3, tm
     assert cached > 0 and stats["tier_promotions"] > 0 and stats["tier_spills"] > 0
     # The TP=3 engine wrote one head per rank (and its cached blocks as it shut down); an
     # engine of TP=1 reads each block from the three entries.
+    # One prompt at a time: a batch's SSD loads beyond the 40-slot CPU tier would recompute.
     with LLM(tiny3, kv_offload_cpu_bytes=_cpu_bytes(40, 3), **tiers, **POOL) as llm:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
         stats = llm.stats()
     assert [o.outputs[0].token_ids for o in outs] == off[:len(prompts)]
     assert stats["tier_ssd_found_blocks"] > 0 and stats["tier_loads"] > 0
