@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
-from report import emit
+from report import best_of, emit
 from tierserve.runtime import envs
 from tierserve.workers.backends.cpu import CpuKernelBackend, kernel_backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
@@ -87,16 +86,6 @@ def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     qtype = gguf.GGMLQuantizationType.Q4_1
     raw = gguf.quants.quantize(w, qtype)
     return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_linears(backend: CpuKernelBackend, dtype: torch.dtype, rows: list[int],

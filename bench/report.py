@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 
 def emit(result: dict, as_json: bool) -> None:
@@ -57,3 +58,14 @@ class Rows:
 
     def __exit__(self, kind, error, tb) -> None:
         self.close(error)
+
+
+def best_of(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn, after one untimed (warm-up) call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

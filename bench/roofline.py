@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -34,23 +33,13 @@ import torch.nn.functional as F
 
 os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 
-from report import emit  # noqa: E402
+from report import best_of, emit  # noqa: E402
 
 # Bytes a weight takes per value in each storage format (GGUF blocks of 32: fp16 scale, Q4_1
 # an fp16 offset too).
 FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q8_0": 34 / 32,
                 "q4_1": 20 / 32}
 ROWS = (64, 256, 1024)
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure_bandwidth(buffer_mib: int = 512, repeats: int = 5) -> float:
