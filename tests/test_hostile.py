@@ -21,7 +21,7 @@ import pytest
 
 import tierserve
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
-from tests.test_http_hostile import Server
+from tests.http_thread import Server
 from tierserve import LLM, AsyncLLM, SamplingParams
 from tierserve.runtime.config import EngineConfig
 

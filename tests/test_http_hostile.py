@@ -12,49 +12,11 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.http_thread import MODEL, Server
 from tierserve import AsyncLLM
-from tierserve.deploy.openai import ServerConfig, build_app
-from tierserve.deploy.openai.connections import ConnectionLimits, uvicorn_config
-
-MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The server as `tierserve api-server` runs it (guarded connections), in a thread."""
-
-    def __init__(self, engine, **config) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.config = ServerConfig(served_model_name=MODEL, **config)
-        self.app = build_app(engine, self.config)
-        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port,
-                                                    self.config.connections,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "no server"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+from tierserve.deploy.openai.connections import ConnectionLimits
 
 
 @pytest.fixture(scope="module")

@@ -3,48 +3,18 @@ port, in front of an in-process engine on a tiny checkpoint with a tokenizer tra
 import asyncio
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.http_thread import MODEL, Server
 from tierserve import AsyncLLM
-from tierserve.deploy.openai import KeyTable, ServerConfig, build_app
-
-MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """uvicorn in a thread, on a free loopback port."""
-
-    def __init__(self, engine, **config) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        app = build_app(engine, ServerConfig(served_model_name=MODEL, **config))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+from tierserve.deploy.openai import KeyTable
 
 
 @pytest.fixture(scope="module")
