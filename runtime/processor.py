@@ -138,14 +138,7 @@ class InputProcessor:
             raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
 
     def _check_bytes(self, field: str, nbytes: int) -> None:
-        """Refuses a text too long for max_model_len whatever its tokens, before tokenizing."""
-        if nbytes <= self.max_model_len:
-            return  # fewer bytes than the limit's tokens: it may fit
-        per_token = self.tokenizer.max_token_bytes
-        if nbytes > self.max_model_len * per_token:
-            raise ValueError(f"{field} holds {nbytes} bytes of text: at least "
-                             f"{-(-nbytes // per_token)} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
+        check_text_bytes(field, nbytes, self.max_model_len, self.tokenizer.max_token_bytes)
 
     def _too_long(self, n: int) -> str:
         return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
@@ -246,3 +239,12 @@ class OutputProcessor:
             text += detok.finish()
         o.new_text = text
         return stopped
+
+
+def check_text_bytes(field: str, nbytes: int, max_model_len: int, max_token_bytes: int) -> None:
+    """Refuses a text too long for max_model_len whatever its tokens, before tokenizing: more
+    bytes than max_model_len tokens of the vocabulary's longest can hold."""
+    if nbytes > max_model_len * max_token_bytes:
+        raise ValueError(f"{field} holds {nbytes} bytes of text: at least "
+                         f"{-(-nbytes // max_token_bytes)} tokens, more than max_model_len "
+                         f"{max_model_len}")

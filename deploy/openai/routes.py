@@ -37,6 +37,7 @@ from tierserve.deploy.openai.tenants import KeyTable, Tenant
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.errors import EngineDeadError
+from tierserve.runtime.processor import check_text_bytes
 
 __all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
 
@@ -112,6 +113,7 @@ class OpenAIServer:
             raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
                            f"{self.config.max_queued_requests} (max_queued_requests) fit a "
                            f"body")
+        self._check_text_bytes(kind, prompts)  # before the queue: no retry could fit it
         if tenant is not None:
             tenant.admit(len(prompts))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
@@ -171,6 +173,22 @@ class OpenAIServer:
                                        "server does not compute")
             echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
         return await self.generate("completion", prompts, body, request, tenant, echo=echo)
+
+    def _check_text_bytes(self, kind: str, prompts: list) -> None:
+        if self.tokenizer is None or self.max_model_len is None:
+            return
+        for p in prompts:
+            if isinstance(p, str):
+                field, nbytes = "prompt", len(p.encode())
+            elif kind == "chat":
+                field, nbytes = "messages", sum(len(m["content"].encode()) for m in p)
+            else:
+                continue
+            try:
+                check_text_bytes(field, nbytes, self.max_model_len,
+                                 self.tokenizer.max_token_bytes)
+            except ValueError as e:
+                raise BadField(field, str(e)) from None
 
     def _tok(self):
         if self.tokenizer is None:
