@@ -53,6 +53,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import queue
 import random
 import shutil
 import signal
@@ -304,21 +305,28 @@ class Storm:
     broadcast, and a thread running the checker after each of its rounds."""
 
     def __init__(self, args, plane: dict, actor, checker: Checker, seconds: float) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        self.ctx = multiprocessing.get_context("spawn")
+        self.args, self.endpoints = args, plane["endpoints"]
+        self.deadline = time.monotonic() + seconds
         self.actor, self.checker = actor, checker
-        self.step = ctx.Value("q", plane["last_step_id"])
-        self.reports = ctx.Queue()
+        self.step = self.ctx.Value("q", plane["last_step_id"])
+        self.reports = self.ctx.Queue()
         self.checks: list[tuple[int, str | None]] = []
         self.totals: dict | None = None
+        self.attacker_crashes = 0
         self._stop = threading.Event()
-        self.proc = ctx.Process(target=frame_storm.storm_child, daemon=True, args=(
-            plane["endpoints"], args.frames, seconds, args.frame_rounds, self.step,
-            checker.marker, self.reports, args.seed))
-        self.proc.start()
+        self.proc = self._spawn(args.frames, seconds, args.frame_rounds)
         self._threads = [threading.Thread(target=f, daemon=True)
                          for f in (self._feed_steps, self._check_rounds)]
         for t in self._threads:
             t.start()
+
+    def _spawn(self, frames: int, seconds: float, rounds: int):
+        proc = self.ctx.Process(target=frame_storm.storm_child, daemon=True, args=(
+            self.endpoints, frames, seconds, rounds, self.step, self.checker.marker,
+            self.reports, self.args.seed + self.attacker_crashes))
+        proc.start()
+        return proc
 
     def _feed_steps(self) -> None:
         import ray
@@ -330,17 +338,36 @@ class Storm:
             self.step.value = plane["last_step_id"]
 
     def _check_rounds(self) -> None:
+        """Checks after each round. The attacking process is a client of libzmq's, which can
+        crash (a segfault in its reaper thread) under what it sends: a new one then sends the
+        frames left, and the counts go on from the last round the dead one reported."""
+        base = last = (0, 0)  # (sent, read) before this process; its last round's
         while True:
-            report = self.reports.get()
+            try:
+                report = self.reports.get(timeout=1.0)
+            except queue.Empty:
+                if self.proc.is_alive():
+                    continue
+                self.attacker_crashes += 1
+                base, last = (base[0] + last[0], base[1] + last[1]), (0, 0)
+                left, seconds = self.args.frames - base[0], self.deadline - time.monotonic()
+                if left <= 0 or seconds <= 0:
+                    self.totals = {"sent": base[0], "read": base[1], "refused": 0}
+                    return
+                rounds = max(1, self.args.frame_rounds * left // self.args.frames)
+                self.proc = self._spawn(left, seconds, rounds)
+                continue
             if report[0] == "done":
-                self.totals = report[1]
+                if report[1] is not None:
+                    self.totals = {k: v + (base[0] if k == "sent" else base[1] if k == "read"
+                                           else 0) for k, v in report[1].items()}
                 return
             _, sent, read = report
-            self.checks.append((sent, self.checker.problem(read)))
+            last = (sent, read)
+            self.checks.append((base[0] + sent, self.checker.problem(base[1] + read)))
 
     def finish(self, timeout_s: float = 600.0) -> dict:
         """Waits for the storm and its round checks, then checks once more."""
-        self.proc.join(timeout_s)
         self._threads[1].join(timeout_s)
         self._stop.set()
         self._threads[0].join(5)
@@ -357,7 +384,8 @@ class Storm:
         failed = [p for _, p in self.checks if p is not None]
         return {"frames_sent": sent, "frames_survived": survived, "frames_read": read,
                 "frames_the_transport_refused": refused, "storm_checks": len(self.checks),
-                "storm_checks_failed": len(failed), "first_failed_check": failed[0] if failed
+                "storm_checks_failed": len(failed), "attacker_crashes": self.attacker_crashes,
+                "first_failed_check": failed[0] if failed
                 else None}
 
 
