@@ -47,3 +47,15 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_idle(engine, timeout: float = 20.0) -> dict:
+    """The engine's stats once nothing runs or waits; every block back in the pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats["num_running"] == stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]):
+            return stats
+        assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
+        time.sleep(0.05)

@@ -21,7 +21,7 @@ import pytest
 
 import tierserve
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
-from tests.http_thread import Server
+from tests.http_thread import Server, wait_idle
 from tierserve import LLM, AsyncLLM, SamplingParams
 from tierserve.runtime.config import EngineConfig
 
@@ -38,17 +38,6 @@ def _params(n: int) -> SamplingParams:
 def tiny_tok(tmp_path_factory):
     """A tiny llama with a tokenizer of its own (a chat template too)."""
     return str(add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("hostile") / "l")))
-
-
-def _idle(llm, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = llm.stats()
-        if (stats["num_running"] == stats["num_waiting"] == 0
-                and stats["num_free_blocks"] == stats["num_total_blocks"]):
-            return stats
-        assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
-        time.sleep(0.05)
 
 
 async def _last(gen):
@@ -96,7 +85,7 @@ def test_text_work_never_stalls_the_step_loop(tiny_tok, monkeypatch):
 
         done = asyncio.run(scenario())
         assert done.error is None and done.outputs[0].finish_reason == "length"
-        _idle(llm)
+        wait_idle(llm)
 
 
 def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(tiny_tok, monkeypatch):
@@ -132,7 +121,7 @@ def test_out_of_range_token_ids_are_bad_requests(tiny_tok):
             assert out.error_kind == "bad_request", out.error
             assert out.error.startswith("prompt_token_ids[") and "out of range" in out.error
         assert good.error is None and len(good.outputs[0].token_ids) == 8
-        _idle(llm)
+        wait_idle(llm)
 
 
 # ---------------------------------------------------------------- 7: SSD path validation
@@ -200,7 +189,7 @@ def test_a_client_cannot_touch_another_clients_request(deployment):
     assert theirs.error is None and theirs.outputs[0].finish_reason == "length"
     assert rest[-1].outputs[0].finish_reason == "length" and rest[-1].finished
     assert sum(len(d.outputs[0].token_ids) for d in rest) == 59
-    _idle(deployment)
+    wait_idle(deployment)
 
 
 def test_a_stopped_engine_is_noticed_and_a_short_stop_is_survived(deployment):
@@ -255,7 +244,7 @@ def test_a_stopped_engine_is_noticed_and_a_short_stop_is_survived(deployment):
 
     again = asyncio.run(scenario())
     assert again[-1].error is None and sum(len(d.outputs[0].token_ids) for d in again) == 8
-    _idle(deployment)
+    wait_idle(deployment)
 
 
 # ---------------------------------------------------------------- the HTTP server on Ray
@@ -300,7 +289,7 @@ def test_over_http_a_duplicate_id_is_409_and_a_stopped_engine_503_at_once(deploy
         while httpx.get(srv.base + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-    _idle(deployment)
+    wait_idle(deployment)
 
 
 def test_error_bodies_carry_no_traceback_pid_address_or_actor_id(deployment, caplog):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
-from tests.http_thread import MODEL, Server
+from tests.http_thread import MODEL, Server, wait_idle
 from tierserve import AsyncLLM
 from tierserve.deploy.openai.connections import ConnectionLimits
 
@@ -32,17 +32,6 @@ def engine(tmp_path_factory):
 def server(engine):
     with Server(engine, max_queued_requests=8, max_body_bytes=2 << 20) as srv:
         yield srv
-
-
-def _idle(engine, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        if (stats["num_running"] == stats["num_waiting"] == 0
-                and stats["num_free_blocks"] == stats["num_total_blocks"]):
-            return stats
-        assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
-        time.sleep(0.05)
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -63,7 +52,7 @@ def test_out_of_range_token_ids_are_400_naming_prompt(server, engine, prompt):
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
     err = _error(r, 400)
     assert err["param"] == "prompt" and "Overflow" not in err["message"], err
-    _idle(engine)
+    wait_idle(engine)
 
 
 def test_more_prompts_than_the_queue_holds_is_400_not_503(server):
@@ -135,14 +124,14 @@ def test_a_client_gone_before_its_first_token_costs_at_most_a_chunk(server, engi
         assert app.admission.pending == 0
     finally:
         release.set()
-    _idle(engine)
+    wait_idle(engine)
     before = engine.stats()["prefix_cache_hit_tokens"]
     r = httpx.post(server.base + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 200
     reused = engine.stats()["prefix_cache_hit_tokens"] - before
     assert reused <= computed[0] < len(prompt), (reused, computed)
-    _idle(engine)
+    wait_idle(engine)
 
 
 # ---------------------------------------------------------------- slow and greedy clients

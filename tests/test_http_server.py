@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
-from tests.http_thread import MODEL, Server
+from tests.http_thread import MODEL, Server, wait_idle
 from tierserve import AsyncLLM
 from tierserve.deploy.openai import KeyTable
 
@@ -39,18 +39,6 @@ def server(engine):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
-
-
-def _idle(engine, timeout=20.0) -> dict:
-    """The engine's stats once nothing runs or waits; every block back in the pool."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        if (stats["num_running"] == stats["num_waiting"] == 0
-                and stats["num_free_blocks"] == stats["num_total_blocks"]):
-            return stats
-        assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
-        time.sleep(0.05)
 
 
 def test_chat_and_completions_with_usage(client, engine):
@@ -167,7 +155,7 @@ def test_bad_parameters_are_400_naming_the_field(client, engine, kwargs, param):
         client.chat.completions.create(**args)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param, e.value.body
-    _idle(engine)
+    wait_idle(engine)
 
 
 def test_too_long_prompt_is_400_and_unknown_model_404(client):
@@ -200,7 +188,7 @@ def test_disconnect_mid_stream_frees_the_request(server, engine):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
         assert engine.stats()["num_running"] == 1
-    _idle(engine)  # the server aborted it: its blocks are back
+    wait_idle(engine)  # the server aborted it: its blocks are back
 
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, engine):
@@ -219,7 +207,7 @@ def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, 
                        timeout=httpx.Timeout(30, read=0.3))
     finally:
         hold.set()
-    _idle(engine)
+    wait_idle(engine)
 
 
 NO_TENANT = (("tenant", ""),)
@@ -319,7 +307,7 @@ def test_a_full_queue_answers_503_at_once(engine):
     finally:
         hold.set()
         srv.stop()
-    _idle(engine)
+    wait_idle(engine)
 
 
 def test_health_is_503_once_the_engine_is_dead(tmp_path):
