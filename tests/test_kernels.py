@@ -283,7 +283,10 @@ def test_decode_kernel_rejects_bad_inputs(kernels, case):
 
 def test_concurrent_cold_builds_share_one_compile(kernels, tmp_path):
     """Two builders at once (TP ranks) into an empty folder holding a dead builder's torch baton:
-    one compiles, the other waits and reuses it, and neither waits on the stale baton."""
+    one compiles, the other waits and reuses it, and neither waits on the stale baton. The lock
+    is the same whatever the ISA: one compile (avx2's, the quickest) shows it."""
+    if kernels.name != "avx2":
+        pytest.skip("the build lock is ISA-independent: tested with avx2")
     build_dir = tmp_path / "kernels"
     build_dir.mkdir()
     (build_dir / "lock").touch()
