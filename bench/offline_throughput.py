@@ -180,10 +180,11 @@ def bench_tierserve(dtype: str, prompts: list[list[int]], cpu_isa: str = "auto",
 
 
 def bench_transformers(dtype: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
-                       folder: str | None = None) -> float:
+                       folder: str | None = None, device: str = "cpu") -> float:
     from transformers import AutoModelForCausalLM
     if folder is not None:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+        model = model.to(device).eval()
     else:
         path = default_model_path()
         model = AutoModelForCausalLM.from_pretrained(
@@ -191,14 +192,16 @@ def bench_transformers(dtype: str, prompts: list[list[int]], new_tokens: int = N
             dtype=getattr(torch, dtype)).eval()
     width = max(len(p) for p in prompts)
     pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
         model.generate(ids[:4, -8:], attention_mask=mask[:4, -8:], max_new_tokens=4,
                        do_sample=False, pad_token_id=pad)
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        if device != "cpu":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
     assert out.shape[1] == width + new_tokens
     return len(prompts) * new_tokens / elapsed

@@ -39,7 +39,10 @@ progress = logging.getLogger("tierserve.progress")
 # less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
 # of bookkeeping.
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-_CPU_DEFAULT_MAX_BLOCKS = 32768
+# A default budget's pool (no kv_cache_memory_bytes) holds at most this many blocks: the
+# bookkeeping (one KVCacheBlock per id, O(blocks) integrity checks) grows with the count, and a
+# small model's blocks are small enough for a GPU's memory to hold tens of millions.
+_DEFAULT_MAX_BLOCKS = {"cpu": 32768, "cuda": 1 << 19}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +262,8 @@ class Worker:
                                              spec.block_size, self.dtype)
         budget = spec.kv_cache_memory_bytes or self._default_budget()
         num_blocks = budget // per_block
-        if spec.kv_cache_memory_bytes is None and self.device.type == "cpu":
-            num_blocks = min(num_blocks, _CPU_DEFAULT_MAX_BLOCKS)
+        if spec.kv_cache_memory_bytes is None:
+            num_blocks = min(num_blocks, _DEFAULT_MAX_BLOCKS[self.device.type])
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
                              f"{per_block} bytes, and an engine needs 2 at least; set "
