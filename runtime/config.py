@@ -82,6 +82,10 @@ class EngineConfig:
                                        low=1)
     long_prefill_token_threshold: int = _opt(
         0, "a prefill chunk takes at most this many tokens of a step; 0: no limit", low=0)
+    step_time_target_ms: float = _opt(
+        0.0, "while requests decode, a step takes only the prefill tokens that its measured "
+        "cost per token fits in this time, so new prompts stretch the gap between a stream's "
+        "tokens to about this much; 0: no bound", low=0.0)
     enable_prefix_caching: bool = _opt(True, "reuse the KV of identical prompt prefixes",
                                        flags=("--prefix-caching",))
     verify_prefix_hits: bool = _opt(True, "compare a cached block's tokens before serving a hit")

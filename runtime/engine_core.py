@@ -287,7 +287,8 @@ class EngineCore:
                               policy=config.scheduling_policy, vocab_size=info.vocab_size,
                               max_queued_requests=config.max_queued_requests,
                               async_scheduling=config.pipelined,
-                              speculative_config=config.speculative_config)
+                              speculative_config=config.speculative_config,
+                              step_time_target_s=config.step_time_target_ms / 1e3)
         return scheduler
 
     def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,

@@ -39,6 +39,7 @@ from tierserve.scheduler.params import (
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
+from tierserve.scheduler.step_budget import StepTimeBudget
 
 __all__ = ["Scheduler"]
 
@@ -53,6 +54,8 @@ class _StepPlan:
     """What one schedule() call has decided so far."""
 
     budget: int
+    # Prefill tokens the step-time bound leaves this step (None: no bound).
+    prefill_left: int | None = None
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
     resumed_reqs: list[Request] = field(default_factory=list)
@@ -60,12 +63,23 @@ class _StepPlan:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    prefill: dict[str, int] = field(default_factory=dict)
 
-    def add(self, group: list[Request], req: Request, n: int, blocks: list[int]) -> None:
+    def cap_prefill(self, n: int) -> int:
+        """A prefill chunk (n > 1) cut to what the step-time bound leaves; 0: none fits."""
+        if n <= 1 or self.prefill_left is None:
+            return n
+        return min(n, self.prefill_left)
+
+    def add(self, group: list[Request], req: Request, n: int, blocks: list[int],
+            prefill: bool = False) -> None:
         group.append(req)
         self.num_tokens[req.request_id] = n
         self.block_ids[req.request_id] = blocks
         self.budget -= n
+        if prefill and self.prefill_left is not None:
+            self.prefill_left -= n
+            self.prefill[req.request_id] = n
 
     def drop(self, req: Request) -> None:
         """Undoes a request scheduled earlier this step (it was just preempted)."""
@@ -73,6 +87,8 @@ class _StepPlan:
         if n is None:
             return
         self.budget += n
+        if req.request_id in self.prefill:
+            self.prefill_left += self.prefill.pop(req.request_id)
         del self.block_ids[req.request_id]
         self.drafts.pop(req.request_id, None)
         (self.cached_reqs if req in self.cached_reqs else self.new_reqs).remove(req)
@@ -93,7 +109,8 @@ class Scheduler:
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs",
                  vocab_size: int | None = None, max_queued_requests: int | None = None,
                  async_scheduling: bool = False,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None,
+                 step_time_target_s: float = 0.0) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -114,6 +131,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        if step_time_target_s < 0:
+            raise ValueError("step_time_target_s must be >= 0 (0 disables it)")
+        # While requests decode, a step's prefill fits the measured cost into this time.
+        self.step_budget = StepTimeBudget(step_time_target_s, kv_cache_manager.block_size) \
+            if step_time_target_s else None
         self.policy = policy
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
@@ -252,7 +274,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if not self.async_scheduling:
             self._in_flight.clear()  # a step whose reply never came was dropped by the caller
-        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -268,6 +290,16 @@ class Scheduler:
             self._in_flight[out.step_id] = scheduled
         return out
 
+    def _prefill_limit(self) -> int | None:
+        if self.step_budget is None:
+            return None
+        decoding = sum(1 for r in self.running
+                       if r.num_tokens + r.num_output_placeholders - r.num_computed_tokens <= 1)
+        limit = self.step_budget.prefill_limit(decoding)
+        if limit is not None and limit >= self.max_num_batched_tokens:
+            return None
+        return limit
+
     def _chunk(self, num_new_tokens: int, budget: int) -> int:
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
@@ -282,8 +314,12 @@ class Scheduler:
                                                 or self._awaits_drafts(req)):
                 i += 1  # its step in flight samples its last token, or drafts
                 continue
-            n = self._chunk(req.num_tokens + req.num_output_placeholders
-                            - req.num_computed_tokens, plan.budget)
+            n = plan.cap_prefill(self._chunk(req.num_tokens + req.num_output_placeholders
+                                             - req.num_computed_tokens, plan.budget))
+            if n == 0:
+                i += 1  # the step-time bound leaves no prefill this step
+                continue
+            prefill = n > 1
             drafts = self._drafts(req, plan.budget) if n == 1 else []
             n += len(drafts)
             blocks = self.kv.allocate_slots(req, n)
@@ -292,9 +328,9 @@ class Scheduler:
                 if blocks is None:
                     break  # it preempted itself: nothing behind it can fit either
             if req.num_sent_tokens:
-                plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks])
+                plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks], prefill)
             else:  # a forked sample the workers have not seen: its whole table travels
-                plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id))
+                plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id), prefill)
             if drafts:
                 plan.drafts[req.request_id] = drafts
             # A priority preemption may have removed a request ahead of this one.
@@ -358,7 +394,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
         loading = self.tiers.num_loading
-        while self.waiting and plan.budget > 0 and len(self.running) + loading < self.max_num_seqs:
+        while self.waiting and plan.budget > 0 and plan.prefill_left != 0 \
+                and len(self.running) + loading < self.max_num_seqs:
             if self.suspects and self._quarantined(self.waiting.peek()):
                 break
             admitted = self._admit(self.waiting.peek(), plan)
@@ -393,7 +430,7 @@ class Scheduler:
         if admission.defer:
             return None
         num_hit += len(admission.cpu_hits) * self.kv.block_size
-        n = self._chunk(req.num_tokens - num_hit, plan.budget)
+        n = plan.cap_prefill(self._chunk(req.num_tokens - num_hit, plan.budget))
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
             self.tiers.refused(admission)
@@ -416,7 +453,7 @@ class Scheduler:
         return device, below - ssd, ssd
 
     def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
-        n = self._chunk(req.num_tokens - num_swapped, plan.budget)
+        n = plan.cap_prefill(self._chunk(req.num_tokens - num_swapped, plan.budget))
         blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
         if blocks is None:
             return None
@@ -433,7 +470,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
-        plan.add(group, req, n, self.kv.get_block_ids(req.request_id))
+        plan.add(group, req, n, self.kv.get_block_ids(req.request_id), prefill=n > 1)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_data = []
@@ -582,9 +619,13 @@ class Scheduler:
         return FlushTiers(next(self._step_ids), [_wire(b) for b in batches], deadline_s)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's measured time: its prefill throughput feeds swap-vs-recompute."""
+        """A step's measured time: its prefill throughput feeds swap-vs-recompute, its time per
+        token the step-time bound."""
+        tokens = sum(out.num_scheduled_tokens)
         if seconds > 0 and max(out.num_scheduled_tokens, default=1) > 1:
-            self.tiers.costs.observe_prefill(sum(out.num_scheduled_tokens), seconds)
+            self.tiers.costs.observe_prefill(tokens, seconds)
+        if self.step_budget is not None and tokens:
+            self.step_budget.observe(tokens, seconds)
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""

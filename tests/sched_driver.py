@@ -13,12 +13,12 @@ def next_token(tokens: list[int], seed: int = 0) -> int:
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                    max_model_len=64, threshold=0, policy="fcfs", caching=True, watermark=0.0,
-                   async_scheduling=False):
+                   async_scheduling=False, step_time_target_s=0.0):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, watermark=watermark)
     return Scheduler(kv, BlockHasher(block_size), max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      long_prefill_token_threshold=threshold, policy=policy, vocab_size=1000,
-                     async_scheduling=async_scheduling)
+                     async_scheduling=async_scheduling, step_time_target_s=step_time_target_s)
 
 
 class WorkerMirror:

@@ -2,6 +2,7 @@
 import pytest
 
 from tierserve.scheduler import FinishReason, RequestStatus, SamplingParams
+from tierserve.scheduler.step_budget import StepTimeBudget
 from tests.sched_driver import EOS, WorkerMirror, make_scheduler, next_token, step
 
 
@@ -50,6 +51,69 @@ def test_long_prefill_threshold_caps_a_chunk_and_decodes_share_the_budget():
     # "a" decodes one token, "b" gets a 5-token chunk though 15 tokens of budget remain.
     assert out.num_scheduled_tokens == [5, 1]
     assert out.scheduled_req_ids() == ["b", "a"]
+
+
+def test_step_time_budget_fits_a_line_and_leaves_decodes_their_share():
+    budget = StepTimeBudget(target_s=0.25, min_chunk=4)
+    assert budget.prefill_limit(10) is None  # nothing measured yet
+    for tokens in (10, 50, 200, 400, 30, 120):
+        budget.observe(tokens, 0.05 + 0.001 * tokens)  # 50 ms a step, 1 ms a token
+    a, b = budget.line()
+    assert a == pytest.approx(0.05) and b == pytest.approx(0.001)
+    assert budget.prefill_limit(10) == 190
+    assert budget.prefill_limit(0) is None  # no stream waits on the step
+    assert budget.prefill_limit(500) == 0  # the decodes fill the step: prompts wait
+    budget.observe(100, 30.0)  # a stalled step counts as 3x the line's prediction, no more
+    assert budget.line()[1] < 0.0015
+    tight = StepTimeBudget(target_s=0.052, min_chunk=4)  # one decode overruns it: no way to
+    for tokens in (10, 50, 200, 400, 30, 120):           # meet it, so prompts still progress
+        tight.observe(tokens, 0.05 + 0.001 * tokens)
+    assert tight.prefill_limit(3) == 4
+    flat = StepTimeBudget(target_s=0.25, min_chunk=4)
+    for _ in range(8):
+        flat.observe(100, 0.1)
+    assert flat.prefill_limit(10) is None  # no slope to read: no limit
+    for _ in range(30):  # bigger steps faster (noise): no slope to read, the last fit stays
+        budget.observe(100, 0.20)
+        budget.observe(200, 0.05)
+    a, b = budget.fit
+    assert budget.line() is None and b > 0
+    assert budget.prefill_limit(10) == max(int((0.25 - a) / b) - 10, 0)
+    with pytest.raises(ValueError):
+        StepTimeBudget(target_s=0, min_chunk=4)
+
+
+def test_step_time_target_bounds_prefill_beside_decodes_and_keeps_the_tokens():
+    def run(target):
+        sched = make_scheduler(max_num_batched_tokens=64, max_model_len=128, num_blocks=128,
+                               step_time_target_s=target)
+        mirror, got, outs = WorkerMirror(), {}, []
+        sched.add_request("a", list(range(1, 6)), greedy(30), eos_token_id=EOS)
+        for i in range(40):
+            if i == 6:  # once the cost of a few steps is known
+                sched.add_request("b", list(range(10, 90)), greedy(4), eos_token_id=EOS)
+            if not sched.has_unfinished_requests():
+                break
+            out, outputs = step(sched, mirror)
+            # A made-up cost: 10 ms a step and 1 ms a token, as the engine would measure.
+            sched.observe_step(out, 0.010 + 0.001 * out.total_num_scheduled_tokens)
+            sched.check_integrity()
+            outs.append(out)
+            for o in outputs:
+                got.setdefault(o.req_id, []).extend(o.new_token_ids)
+        return outs, got
+
+    bounded, got = run(0.030)
+    free, want = run(0.0)
+    assert got == want == {"a": expected_tokens(list(range(1, 6)), 30),
+                           "b": expected_tokens(list(range(10, 90)), 4)}
+    # Beside "a"'s decode, "b"'s prompt goes in chunks of (30 - 10) / 1 - 1 = 19 tokens.
+    chunks = [n for o in bounded for rid, n in zip(o.scheduled_req_ids(), o.num_scheduled_tokens)
+              if rid == "b" and n > 1]
+    assert chunks[:4] == [19, 19, 19, 19] and sum(chunks) == 80
+    assert max(n for o in free for n in o.num_scheduled_tokens) == 63  # unbounded: one chunk
+    with pytest.raises(ValueError):
+        make_scheduler(step_time_target_s=-1.0)
 
 
 def test_max_num_seqs_and_token_budget_hold_every_step():
