@@ -128,20 +128,40 @@ def test_inputs_past_the_panel_limit_take_amx_or_mkl(kernels, monkeypatch):
         assert torch.equal(packed.weight(), w)
 
 
+# n: panels one by one, and groups of them (a single row runs 4 or 8 full panels at once).
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads):
+@pytest.mark.parametrize("k,n", [(600, 200), (576, 600)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads, k, n, dtype):
     """Every output element is one fixed-order chain over k, whatever the batch size, the row's
     place in it and the thread count: the same request gets bitwise the same result."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        w, x, b = _case(160, 600, 200, seed=3)
+        w, x, b = (t.to(dtype) for t in _case(160, k, n, seed=3))
         packed = PanelWeight(w, kernels)
         full = packed.linear(x, b)
         for rows in (slice(0, 1), slice(5, 6), slice(17, 81), slice(100, None)):
             assert torch.equal(packed.linear(x[rows].contiguous(), b), full[rows])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_onednn_weight_runs_single_rows_on_the_panel_kernel(kernels, dtype):
+    """Given a kernel backend, a oneDNN-packed weight keeps panels instead of its plain copy: a
+    single row runs the panel kernel (bitwise its result), batches oneDNN."""
+    if not PackedWeight.applies_to(torch.empty(1, 1, dtype=dtype)):
+        pytest.skip("no oneDNN here")
+    w, x, b = (t.to(dtype) for t in _case(9, 576, 600, seed=4))
+    try:
+        PackedWeight(w)
+    except RuntimeError:
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    hybrid, panel = PackedWeight(w, kernels), PanelWeight(w, kernels)
+    assert hybrid.plain is None and torch.equal(hybrid.weight(), w)
+    assert torch.equal(hybrid.linear(x[:1], b), panel.linear(x[:1], b))
+    assert torch.equal(hybrid.linear(x, b), PackedWeight(w).linear(x, b))
 
 
 def test_kernel_takes_strided_rows(kernels):

@@ -109,7 +109,7 @@ class CpuKernelBackend(TorchBackend):
         greedy = head and GreedyHead.applies_to(weight, self)
         if self.half_linear_for(weight.dtype) == "onednn" and PackedWeight.applies_to(weight) \
                 and not greedy:
-            return PackedWeight(weight)
+            return PackedWeight(weight, self)
         if greedy:
             return PanelWeight(weight, self)
         if PanelWeight.applies_to(weight, self):

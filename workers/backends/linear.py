@@ -66,17 +66,17 @@ class PlainLinear(LinearMethod):
 class PackedWeight(LinearMethod):
     """A CPU bf16/fp16 weight in oneDNN's blocked layout: with plain weights oneDNN re-lays
     them out on every call, which doubles the cost of decode-sized (small-M) matmuls. Results
-    are the same kernels' results."""
+    are the same kernels' results. Given a kernel backend, a single row (a lone decode) runs
+    the panel kernel instead (the weight kept in its layout too, in place of the plain copy):
+    oneDNN's one-row product runs at half the memory bandwidth, the panel kernel's near it."""
 
-    __slots__ = ("packed", "plain")
+    __slots__ = ("packed", "plain", "panel", "out_features")
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.plain = weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
-
-    @property
-    def out_features(self) -> int:
-        return self.plain.shape[0]
+    def __init__(self, weight: torch.Tensor, backend=None) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.panel = PanelWeight(weight, backend) if backend is not None else None
+        self.plain = weight.detach() if self.panel is None else None
 
     @staticmethod
     def applies_to(weight: torch.Tensor) -> bool:
@@ -84,15 +84,17 @@ class PackedWeight(LinearMethod):
                 and torch.backends.mkldnn.is_available())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panel is not None and x.shape[0] == 1:
+            return self.panel.linear(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def weight(self) -> torch.Tensor:
-        return self.plain
+        return self.plain if self.panel is None else self.panel.weight()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        # The packed copy is what a product streams; the plain weight is kept for weight()
-        # (an LM head's is the embedding's).
-        return (self.packed, self.plain)
+        # The packed copy is what a product streams; the plain weight (or the panels) is kept
+        # for weight() (an LM head's is the embedding's) and for single rows.
+        return (self.packed, self.plain if self.panel is None else self.panel.panels)
 
 
 class PanelWeight(LinearMethod):

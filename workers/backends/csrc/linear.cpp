@@ -115,10 +115,54 @@ void run_panel(const float* x, int64_t ldx, const W* packed, float* out, int64_t
   }
 }
 
+// A single input row (decode) through kGroup full panels at once. The microkernel gives one
+// row two accumulators, whose FMA chains then wait on the FMA latency every k step; kGroup
+// panels give 2 x kGroup independent chains. Each chain is the microkernel's own (k in order from
+// zero), so the products equal those of any M.
+constexpr int kGroup = kVecRegs >= 32 ? 8 : 4;  // 16 (of 32) or 8 (of 16) accumulators
+constexpr int64_t kRowAhead = 8;                   // k steps each weight stream is prefetched ahead
+
+template <typename W>
+void row_panels(int64_t k, const float* __restrict a, const W* __restrict b, float* __restrict c) {
+  const int64_t stride = k * kNR;  // one panel
+  Vec lo[kGroup], hi[kGroup];
+  for (int g = 0; g < kGroup; ++g) lo[g] = hi[g] = Vec{};
+  for (int64_t i = 0; i < k; ++i) {
+    const Vec av = splat(a[i]);
+    for (int g = 0; g < kGroup; ++g) {
+      const W* p = b + g * stride + i * kNR;
+      if (i + kRowAhead < k) __builtin_prefetch(p + kRowAhead * kNR, 0, 0);
+      lo[g] += av * load_as_float(p);
+      hi[g] += av * load_as_float(p + kLanes);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) {
+    store(c + g * kNR, lo[g]);
+    store(c + g * kNR + kLanes, hi[g]);
+  }
+}
+
 // out[M, n] fp32 = x[M, K] fp32 (row stride ldx) times the panels, no bias.
 template <typename W>
 void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* wp,
                    int64_t panels, float* op, int64_t n) {
+  // fp32 panels stream from memory at near its bandwidth one after another (one sequential
+  // stream per thread), which kGroup streams at once would lose; half-precision ones are
+  // bound by the FMA latency of a single row, which kGroup chains hide.
+  if (m == 1 && !std::is_same_v<W, float>) {
+    // Groups of kGroup full panels, then the panels left (the last may be partial) one by one.
+    const int64_t groups = (n / kNR) / kGroup;
+    const int64_t rest = panels - groups * kGroup;
+    at::parallel_for(0, groups + rest, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (i < groups)
+          row_panels(k, xp, wp + i * kGroup * k * kNR, op + i * kGroup * kNR);
+        else
+          run_panel(xp, ldx, wp, op, n, k, 0, 1, groups * kGroup + (i - groups));
+      }
+    });
+    return;
+  }
   // Work items are (row block, panel), panel-major within a row block: a thread's contiguous
   // share of items is a run of panels, so with few rows each thread streams its own share of
   // the weight, and a row block (the rows one panel slice is reused over) stays in L2.
