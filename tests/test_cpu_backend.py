@@ -43,6 +43,7 @@ def test_isa_levels_from_cpu_flags(flags, permitted, machine, isas):
     cpu = fake_cpu(flags, permitted=permitted, machine=machine)
     assert cpu.isas == isas
     assert cpu.best_isa() == (isas[-1] if isas else "torch")
+    assert cpu.best_isa("auto") == cpu.best_isa()  # TIERSERVE_CPU_ISA's default: no cap
     assert cpu.best_isa("avx2") == ("avx2" if isas else "torch")
     assert cpu.best_isa("torch") == "torch"
 

@@ -63,8 +63,9 @@ class CpuFeatures:
         return tuple(isa for isa in ISAS if self.has(isa))
 
     def best_isa(self, cap: str = "amx") -> str:
-        """The highest level this CPU runs, at most `cap`; "torch" when none."""
-        allowed = [isa for isa in self.isas if isa_rank(isa) <= isa_rank(cap)]
+        """The highest level this CPU runs, at most `cap` ("auto": no cap); "torch" when
+        none."""
+        allowed = [isa for isa in self.isas if cap == "auto" or isa_rank(isa) <= isa_rank(cap)]
         return allowed[-1] if allowed else "torch"
 
     def describe(self) -> dict:
