@@ -87,6 +87,7 @@ class HostileClients:
         self.rng = random.Random(seed)
         self.every_s = every_s
         self.outcomes: list[tuple[str, str]] = []
+        self.lost_details: list[str] = []  # what each lost one got, to tell why
 
     async def run(self, until: float) -> None:
         limits = httpx.Limits(max_connections=64)
@@ -131,9 +132,12 @@ class HostileClients:
         try:
             r = await client.post(self.url, json=body)
             ok = r.status_code in (400, 413) and "error" in r.json()
-        except (httpx.HTTPError, ValueError):
-            ok = False
+            got = f"HTTP {r.status_code}: {r.text[:200]}"
+        except (httpx.HTTPError, ValueError) as e:
+            ok, got = False, f"{type(e).__name__}: {e}"
         self.outcomes.append(("megabyte_prompt", "rejected" if ok else "lost"))
+        if not ok:
+            self.lost_details.append(f"megabyte_prompt: {got}")
 
     async def _gone_early(self, client: httpx.AsyncClient) -> None:
         """A streaming request whose client leaves before reading anything."""

@@ -526,6 +526,7 @@ def hostile_summary(hostile: HostileClients | None, stops: EngineStops | None,
     return out | {"hostile": counts,
                   "hostile_lost": sum(n for c in counts.values() for o, n in c.items()
                                       if o == "lost"),
+                  "hostile_lost_details": hostile.lost_details,
                   "engine_stops": len(stops.windows), "stopped_health_ms": stops.health_ms,
                   "engine_stop_problems": stops.problems}
 
