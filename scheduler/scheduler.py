@@ -66,10 +66,12 @@ class _StepPlan:
     prefill: dict[str, int] = field(default_factory=dict)
 
     def cap_prefill(self, n: int) -> int:
-        """A prefill chunk (n > 1) cut to what the step-time bound leaves; 0: none fits."""
+        """A prefill chunk (n > 1) cut to what the step-time bound leaves; 0: none fits. Never
+        1: a one-token step reads as a decode (drafts, no prefill accounting)."""
         if n <= 1 or self.prefill_left is None:
             return n
-        return min(n, self.prefill_left)
+        capped = min(n, self.prefill_left)
+        return capped if capped > 1 else 0
 
     def add(self, group: list[Request], req: Request, n: int, blocks: list[int],
             prefill: bool = False) -> None:
@@ -394,7 +396,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
         loading = self.tiers.num_loading
-        while self.waiting and plan.budget > 0 and plan.prefill_left != 0 \
+        while self.waiting and plan.budget > 0 \
+                and (plan.prefill_left is None or plan.prefill_left > 1) \
                 and len(self.running) + loading < self.max_num_seqs:
             if self.suspects and self._quarantined(self.waiting.peek()):
                 break
@@ -431,6 +434,7 @@ class Scheduler:
             return None
         num_hit += len(admission.cpu_hits) * self.kv.block_size
         n = plan.cap_prefill(self._chunk(req.num_tokens - num_hit, plan.budget))
+        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
             self.tiers.refused(admission)
@@ -454,6 +458,7 @@ class Scheduler:
 
     def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
         n = plan.cap_prefill(self._chunk(req.num_tokens - num_swapped, plan.budget))
+        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
         blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
         if blocks is None:
             return None
