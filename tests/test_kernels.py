@@ -30,32 +30,31 @@ LENS = [1, 15, 16, 17, 300]
 
 
 def _decode_batch(dtype, group: int, head_dim: int, *, kv_heads: int = 2, block_size: int = 16,
-                  seed: int = 0):
+                  seed: int = 0, lens: list[int] = LENS):
     """q (a strided slice, as the model's fused qkv gives it), K/V pools with each sequence's
     blocks scattered over them, and the step's AttentionMetadata."""
     g = torch.Generator().manual_seed(seed)
-    counts = [-(-n // block_size) for n in LENS]
+    counts = [-(-n // block_size) for n in lens]
     num_blocks = 2 * sum(counts) + 3
     ids = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [ids[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(LENS))]
+    tables = [ids[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(lens))]
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
     heads = kv_heads * group
-    q = torch.randn(len(LENS), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
+    q = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
     slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
-             for t, n in zip(tables, LENS)]
-    attn = AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * len(LENS), seq_lens=LENS,
-                                   block_tables=tables, num_decodes=len(LENS),
+             for t, n in zip(tables, lens)]
+    attn = AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * len(lens), seq_lens=lens,
+                                   block_tables=tables, num_decodes=len(lens),
                                    block_size=block_size)
     return q, k_cache, v_cache, attn
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
-    """The kernel gives a work item all KV heads of a sequence when there are at least 4
-    sequences per thread, else one KV head: the 5 test sequences take the first way on 1 thread
-    and the second on 2."""
+    """Work items are claimed by the threads; a single sequence decoded alone takes one KV head
+    per item (too few items otherwise), a batch all KV heads of a context part."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -170,6 +169,37 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
     assert len(tiled) == (2 if max_context == 30 else 0)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 37, 200])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_kernel_splits_long_contexts(kernels, threads, dtype, atol, window):
+    """Contexts past the kernel's part length (300 and 1000 tokens) are split into parts merged
+    afterwards; with a sliding window the parts start at the window's first token."""
+    q, k_cache, v_cache, attn = _decode_batch(dtype, 3, 64, kv_heads=3, seed=4,
+                                              lens=[1000, 300, 17])
+    expected = _decode(q, k_cache, v_cache, attn, 0.125, window)
+    got = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.125, window)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_output_is_batch_invariant(kernels, dtype):
+    """A sequence's output depends on its own context only: bitwise the same alone, in a batch
+    and on any number of threads (the split of a long context depends on its length alone)."""
+    q, k_cache, v_cache, attn = _decode_batch(dtype, 3, 64, seed=5)
+    tables, lens = attn.decode_tables()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = kernels.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        torch.set_num_threads(1)
+        for i in range(len(LENS)):
+            alone = kernels.paged_attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                            lens[i : i + 1], 0.125)
+            assert torch.equal(alone[0], batch[i]), f"sequence {i} ({LENS[i]} tokens)"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):

@@ -3,21 +3,21 @@
 // A sequence's table is row i of block_tables, or row rows[i] where rows is given: the worker
 // passes its persistent table and each query's row, so a step builds no table of its own.
 //
-// A work item is (sequence, range of KV heads), spread over at::parallel_for's threads (see
-// run_decode). It walks the context in tiles of kTile tokens, token-major: a token's K rows of
-// all the item's KV heads are contiguous in the pool, so each block is read front to back, and
-// every query head sharing a KV head is scored against the row while it is in L1; the tile's V
-// rows are then accumulated into all heads' outputs while in cache. Every K/V row of the context
-// is read from memory exactly once, and the tile kAhead ahead is prefetched a token at a time
-// meanwhile, into L2.
+// A work item is (sequence, range of KV heads, part of the context), spread over
+// at::parallel_for's threads (see run_decode). It walks its tokens in tiles of kTile, token-major:
+// a token's K rows of all the item's KV heads are contiguous in the pool, so each block is read
+// front to back. Per KV head, a K row is loaded once for all query heads sharing it, and the
+// lane-wise products of kLanes tokens are summed across lanes together; the tile's V rows are
+// then accumulated into those heads' outputs, held in registers. bf16 rows widen in registers.
+// Every K/V row of the context is read from memory exactly once, and the tile kAhead ahead is
+// prefetched a token at a time meanwhile, into L2.
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 // With a sliding window W > 0, a token attends to the last W tokens of its context only
 // (Mistral's: keys j with q - W < j <= q); tiles start at the window's first token.
 //
-// Vectorised with vec.h's Vec (one register of floats; head dims are multiples of it). Plain
-// loops proved fragile here: g++ turned the V accumulation into gathers and the dot-product reductions into
-// scalar adds. D is a template parameter, so a row is a fixed number of Vecs and a row of
-// accumulators stays in registers.
+// Vectorised with vec.h's Vec (one register of floats; head dims are multiples of it): g++ turns
+// plain loops here into gathers and scalar adds. D and the heads done at once are template
+// parameters, so rows are fixed numbers of Vecs and the accumulators stay in registers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -39,6 +40,7 @@ namespace {
 
 constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
 constexpr int kAhead = 2;   // tiles between a prefetch and the use
+constexpr int kPart = 128; // tokens of one work item of a split context (a multiple of kTile)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (it is only taken of score - running max). Below -87 the result is
@@ -51,11 +53,45 @@ inline Vec exp_nonpositive(Vec x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
+// Query heads scored and accumulated at once per KV head: their accumulator rows and one K or
+// V row fit in half the vector registers.
 template <int D>
-inline float dot(const float* a, const float* b) {
-  Vec acc = load(a) * load(b);
-  for (int d = kLanes; d < D; d += kLanes) acc += load(a + d) * load(b + d);
-  return hsum(acc);
+constexpr int kHeadsAtOnce = std::max(1, (kVecRegs / 2) / (D / kLanes));
+
+// kLanes Vecs -> one Vec whose lane i is the sum of v[i]'s lanes: a tree of two-source shuffles,
+// each level halving the lanes every input owns (kLanes - 1 shuffle pairs in all, against
+// kLanes horizontal sums).
+inline Vec transpose_sum(Vec* v) {
+#if defined(__AVX512F__)
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+#else
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 template <typename T>
@@ -83,80 +119,109 @@ struct Scratch {
   std::vector<float> acc;     // [heads, D] unnormalised outputs
   std::vector<float> p;       // [heads, kTile] scores, then probabilities
   std::vector<float> m, l;    // [heads] running max and running sum of exp
-  std::vector<float> k, v;    // [kTile, kv_heads, D] fp32 copies of bf16 rows
-  Scratch(int64_t heads, int64_t kv_heads, int D)
-      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads),
-        k(kTile * kv_heads * D), v(kTile * kv_heads * D) {}
+  std::vector<Vec> part;      // [heads, kTile] lane-wise products of q and each K row
+  Scratch(int64_t heads, int D)
+      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads), part(heads * kTile) {}
 };
 
-// Points rows[j] (j < n) at the fp32 K and V rows of KV heads [h0, h0 + span) of tokens
-// t0 .. t0 + n - 1 ([span, D] each, contiguous in the pool), converting bf16 rows into scratch.
-// Tokens walk their block table without a division per token.
-template <typename T, int D>
-void fetch_rows(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int64_t span, int t0,
-                int n, Scratch& s, const float** krows, const float** vrows) {
-  const T* k_cache = a.k_cache + h0 * D;
-  const T* v_cache = a.v_cache + h0 * D;
+// Addresses of the rows of KV head h0 of tokens t0 .. t0 + n - 1 in the K and V pools (a
+// token's rows of all heads follow each other). Tokens walk their block table without a
+// division per token. Rows past n are null.
+template <typename T>
+void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int64_t D, int t0,
+                   int n, const T** krows, const T** vrows) {
   int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
   for (int j = 0; j < n; ++j) {
-    const int64_t at = table[bi] * a.block_stride + off * a.row_stride;
-    if constexpr (std::is_same_v<T, float>) {
-      krows[j] = k_cache + at;
-      vrows[j] = v_cache + at;
-    } else {
-      float* kf = s.k.data() + j * span * D;
-      float* vf = s.v.data() + j * span * D;
-      for (int d = 0; d < span * D; d += kLanes) {
-        store(kf + d, load_bf16(k_cache + at + d));
-        store(vf + d, load_bf16(v_cache + at + d));
-      }
-      krows[j] = kf;
-      vrows[j] = vf;
-    }
+    const int64_t at = table[bi] * a.block_stride + off * a.row_stride + h0 * D;
+    krows[j] = a.k_cache + at;
+    vrows[j] = a.v_cache + at;
     if (++off == a.block_size) {
       off = 0;
       ++bi;
     }
   }
+  for (int j = n; j < kTile; ++j) krows[j] = vrows[j] = nullptr;
 }
 
-// Addresses of the K and V rows of tokens t0 .. t0 + n - 1, for prefetching them one tile ahead
-// of use: blocks are scattered over the pool, which the hardware prefetchers cannot follow, and
-// decode attention is bound by memory. The prefetches are issued a row at a time, interleaved
-// with the current tile's work (see score_tile, accumulate_tile): issued all at once they
-// overflow the core's queue of outstanding misses and are dropped.
-template <typename T, int D>
-void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t kv_head, int t0, int n,
-                   const char** kaddr, const char** vaddr) {
-  int64_t bi = t0 / a.block_size, off = t0 % a.block_size;
-  for (int j = 0; j < n; ++j) {
-    const int64_t at = table[bi] * a.block_stride + off * a.row_stride + kv_head * D;
-    kaddr[j] = reinterpret_cast<const char*>(a.k_cache + at);
-    vaddr[j] = reinterpret_cast<const char*>(a.v_cache + at);
-    if (++off == a.block_size) {
-      off = 0;
-      ++bi;
-    }
-  }
-  for (int j = n; j < kTile; ++j) kaddr[j] = vaddr[j] = nullptr;
-}
-
-inline void prefetch_row(const char* row, int bytes) {
+// Blocks are scattered over the pool, which the hardware prefetchers cannot follow, and decode
+// attention is bound by memory: the rows of the tile kAhead tiles ahead are prefetched a row at
+// a time, interleaved with the current tile's work (see score_heads, accumulate_heads). Issued
+// all at once they overflow the core's queue of outstanding misses and are dropped.
+template <typename T>
+inline void prefetch_row(const T* row, int bytes) {
   if (row == nullptr) return;
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+  const char* at = reinterpret_cast<const char*>(row);
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, 2);
 }
 
-// p[h][j] <- q[h] . k[j][h / group] for the span's heads h and j < n, -inf for the tile's
-// padding. Token-major, so that each block is read front to back.
-template <int D>
-void score_tile(const float* q, int64_t span, int64_t group, const float* const* krows, int n,
-                float* p, const char* const* pf, int pf_bytes) {
+// p[h][j] <- q[h] . k[j][h / group] for the item's query heads h (q [heads, D] scaled, p rows
+// kTile apart) and the tile's n tokens; -inf for the tile's padding. Token-major, so each block
+// is read front to back; a K row is loaded once for its group of query heads, and the lane-wise
+// products of kLanes tokens are summed across lanes together (transpose_sum).
+template <typename T, int D>
+void score_tile(const float* q, int64_t span, int64_t group, const T* const* krows, int n,
+                float* p, Vec* part, const T* const* pf, int pf_bytes) {
+  constexpr int kVecs = D / kLanes;
   const int64_t heads = span * group;
   for (int j = 0; j < n; ++j) {
     prefetch_row(pf[j], pf_bytes);
-    for (int64_t h = 0; h < heads; ++h) p[h * kTile + j] = dot<D>(q + h * D, krows[j] + (h / group) * D);
+    for (int64_t kv = 0; kv < span; ++kv) {
+      const T* row = krows[j] + kv * D;
+      Vec k[kVecs];
+      for (int c = 0; c < kVecs; ++c) k[c] = load_as_float(row + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        const float* qh = q + h * D;
+        Vec acc = load(qh) * k[0];
+        for (int c = 1; c < kVecs; ++c) acc += load(qh + c * kLanes) * k[c];
+        part[h * kTile + j] = acc;
+      }
+    }
   }
-  for (int64_t h = 0; h < heads; ++h) std::fill(p + h * kTile + n, p + (h + 1) * kTile, kNegInf);
+  for (int64_t h = 0; h < heads; ++h) {
+    Vec* ph = part + h * kTile;
+    for (int j = n; j < kTile; ++j) ph[j] = Vec{};
+    for (int b = 0; b < kTile; b += kLanes) store(p + h * kTile + b, transpose_sum(ph + b));
+    std::fill(p + h * kTile + n, p + (h + 1) * kTile, kNegInf);
+  }
+}
+
+// acc[h] += sum_j p[h][j] * v[j] for NH query heads of one KV head, their accumulator rows
+// held in registers over the tile and each V row loaded once for all of them.
+template <typename T, int D, int NH>
+void accumulate_heads(const float* p, const T* const* vrows, int64_t offset, int n, float* acc,
+                      const T* const* pf, int pf_bytes) {
+  constexpr int kVecs = D / kLanes;
+  Vec rows[NH][kVecs];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < kVecs; ++c) rows[h][c] = load(acc + h * D + c * kLanes);
+  for (int j = 0; j < n; ++j) {
+    if (pf != nullptr) prefetch_row(pf[j], pf_bytes);
+    const T* row = vrows[j] + offset;
+    Vec v[kVecs];
+    for (int c = 0; c < kVecs; ++c) v[c] = load_as_float(row + c * kLanes);
+    for (int h = 0; h < NH; ++h) {
+      const Vec w = splat(p[h * kTile + j]);
+      for (int c = 0; c < kVecs; ++c) rows[h][c] += w * v[c];
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < kVecs; ++c) store(acc + h * D + c * kLanes, rows[h][c]);
+}
+
+// Calls f(integral_constant<NH>, g0) over the group's query heads in chunks of at most
+// kHeadsAtOnce<D>, so that each chunk runs fully unrolled with its rows in registers.
+template <int D, typename F>
+void for_head_chunks(int64_t group, F&& f) {
+  constexpr int kMax = kHeadsAtOnce<D>;
+  for (int64_t g0 = 0; g0 < group; g0 += kMax) {
+    switch (std::min<int64_t>(kMax, group - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: if constexpr (kMax >= 2) f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: if constexpr (kMax >= 3) f(std::integral_constant<int, 3>{}, g0); break;
+      default: if constexpr (kMax >= 4) f(std::integral_constant<int, 4>{}, g0); break;
+    }
+  }
 }
 
 // Folds one tile of scores into the running (max, sum) and turns them into weights relative to
@@ -190,97 +255,197 @@ void softmax_update(int64_t group, float* p, float* m, float* l, float* acc) {
   }
 }
 
-// acc[g] += sum_j p[g][j] * v[j], with one row of accumulators held in registers per query head.
-template <int D>
-void accumulate_tile(int64_t span, int64_t group, const float* p, const float* const* vrows, int n,
-                     float* acc, const char* const* pf, int pf_bytes) {
-  constexpr int kVecs = D / kLanes;
-  for (int j = 0; j < kTile; ++j) prefetch_row(pf[j], pf_bytes);
-  // One KV head at a time, its group's accumulator rows in registers over the tile; the tile's
-  // V rows are in cache by now (their K rows were just read through the same blocks).
-  for (int64_t kv = 0; kv < span; ++kv) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = kv * group + g;
-      float* ag = acc + h * D;
-      Vec row[kVecs];
-      for (int c = 0; c < kVecs; ++c) row[c] = load(ag + c * kLanes);
-      for (int j = 0; j < n; ++j) {
-        const Vec w = splat(p[h * kTile + j]);
-        const float* vr = vrows[j] + kv * D;
-        for (int c = 0; c < kVecs; ++c) row[c] += w * load(vr + c * kLanes);
-      }
-      for (int c = 0; c < kVecs; ++c) store(ag + c * kLanes, row[c]);
-    }
-  }
+// A work item: the query heads of KV heads [h0, h1) of one sequence over context tokens
+// [t_begin, t_end).
+struct Item {
+  int64_t seq, h0, h1;
+  int t_begin, t_end;
+  int64_t part;  // row of the partial results; -1: the item covers the whole context
+};
+
+// The rows of tile `tile` of an item (kTile tokens from its first), for prefetching; null
+// rows past its end.
+template <typename T, int D>
+void tile_rows(const DecodeArgs<T>& a, const Item& it, int tile, const T** krows,
+               const T** vrows) {
+  const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
+  const int t0 = it.t_begin + tile * kTile;
+  row_addresses<T>(a, table, it.h0, D, t0, std::clamp(it.t_end - t0, 0, kTile), krows, vrows);
 }
 
-// Query heads of KV heads [h0, h1) of one sequence over its whole context. Tiles are the outer
-// loop, so the item's KV heads consume each tile of blocks together while it is in cache.
+inline int num_tiles(const Item& it) { return (it.t_end - it.t_begin + kTile - 1) / kTile; }
+
+// Scores an item's tokens, online softmax over tiles. Tiles are the outer loop, so the item's KV
+// heads consume each tile of blocks together while it is in cache. Leaves the unnormalised
+// outputs and the running (max, sum) in s. The prefetches run kAhead tiles ahead through the
+// item, then on into `next` (the item this thread takes next, or null), so that an item starts
+// on rows already on their way; the first `ready` tiles of this one were prefetched so.
+// Returns how many tiles of `next` it prefetched.
 template <typename T, int D>
-void attend(const DecodeArgs<T>& a, int64_t seq, int64_t h0, int64_t h1, Scratch& s) {
-  const int64_t group = a.group, heads = (h1 - h0) * group;
-  const int len = a.seq_lens[seq];
-  const int start = a.window > 0 && len > a.window ? len - a.window : 0;
-  const int32_t* table = a.block_tables + (a.rows ? a.rows[seq] : seq) * a.table_stride;
+int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, Scratch& s) {
+  const int64_t group = a.group, span = it.h1 - it.h0, heads = span * group;
+  const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
   for (int64_t h = 0; h < heads; ++h) {
-    const T* src = a.q + seq * a.q_seq_stride + (h0 * group + h) * a.q_head_stride;
+    const T* src = a.q + it.seq * a.q_seq_stride + (it.h0 * group + h) * a.q_head_stride;
     for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
   }
   std::fill_n(s.acc.begin(), heads * D, 0.0f);
   std::fill_n(s.m.begin(), heads, kNegInf);
   std::fill_n(s.l.begin(), heads, 0.0f);
-  // A token's rows of the item's KV heads are contiguous: prefetched as one span, during the
-  // tile before.
-  const int span = static_cast<int>((h1 - h0) * D * sizeof(T));
-  const float* krows[kTile];
-  const float* vrows[kTile];
-  const char* kpf[kTile];
-  const char* vpf[kTile];
-  for (int t = start; t < start + kAhead * kTile && t < len; t += kTile) {
-    row_addresses<T, D>(a, table, h0, t, std::min(kTile, len - t), kpf, vpf);
+  // A token's rows of the item's KV heads are contiguous: prefetched as one span. Every item
+  // has the same span.
+  const int bytes = static_cast<int>(span * D * sizeof(T));
+  const int tiles = num_tiles(it), next_tiles = next ? num_tiles(*next) : 0;
+  const T* krows[kTile];
+  const T* vrows[kTile];
+  const T* kpf[kTile];
+  const T* vpf[kTile];
+  for (int t = ready; t < kAhead && t < tiles; ++t) {
+    tile_rows<T, D>(a, it, t, kpf, vpf);
     for (int j = 0; j < kTile; ++j) {
-      prefetch_row(kpf[j], span);
-      prefetch_row(vpf[j], span);
+      prefetch_row(kpf[j], bytes);
+      prefetch_row(vpf[j], bytes);
     }
   }
-  for (int t0 = start; t0 < len; t0 += kTile) {
-    const int n = std::min(kTile, len - t0);
-    row_addresses<T, D>(a, table, h0, t0 + kAhead * kTile,
-                        std::clamp(len - t0 - kAhead * kTile, 0, kTile), kpf, vpf);
-    fetch_rows<T, D>(a, table, h0, h1 - h0, t0, n, s, krows, vrows);
-    score_tile<D>(s.q.data(), h1 - h0, group, krows, n, s.p.data(), kpf, span);
+  int next_ready = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int t0 = it.t_begin + t * kTile, n = std::min(kTile, it.t_end - t0);
+    if (t + kAhead < tiles) {
+      tile_rows<T, D>(a, it, t + kAhead, kpf, vpf);
+    } else if (t + kAhead - tiles < next_tiles) {
+      tile_rows<T, D>(a, *next, t + kAhead - tiles, kpf, vpf);
+      next_ready = t + kAhead - tiles + 1;
+    } else {
+      std::fill_n(kpf, kTile, nullptr);
+      std::fill_n(vpf, kTile, nullptr);
+    }
+    row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
+    score_tile<T, D>(s.q.data(), span, group, krows, n, s.p.data(), s.part.data(), kpf, bytes);
     softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
-    accumulate_tile<D>(h1 - h0, group, s.p.data(), vrows, n, s.acc.data(), vpf, span);
+    for (int64_t kv = 0; kv < span; ++kv)
+      for_head_chunks<D>(group, [&](auto nh, int64_t g0) {
+        const int64_t h = kv * group + g0;
+        const bool first = kv == 0 && g0 == 0;
+        accumulate_heads<T, D, decltype(nh)::value>(s.p.data() + h * kTile, vrows, kv * D, n,
+                                                     s.acc.data() + h * D,
+                                                     first ? vpf : nullptr, bytes);
+      });
   }
-  T* out = a.out + (seq * a.kv_heads + h0) * group * D;
+  return next_ready;
+}
+
+// Partial results of the parts of split contexts: per part and query head, m, l, then D
+// unnormalised outputs.
+template <int D>
+constexpr int64_t kPartialRow = D + 2;
+
+template <typename T, int D>
+void write_out(const DecodeArgs<T>& a, const Item& it, const Scratch& s) {
+  const int64_t heads = (it.h1 - it.h0) * a.group;
+  T* out = a.out + (it.seq * a.kv_heads + it.h0) * a.group * D;
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.0f / s.l[h];  // l >= 1: the max score contributes exp(0)
     for (int d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(s.acc[h * D + d] * inv);
   }
 }
 
-// Work item = (sequence, range of KV heads). With enough sequences to keep every thread busy,
-// an item takes all KV heads of its sequence, so each block of the pool is read as one
-// contiguous run; with few sequences it takes one KV head, for parallelism. Items are claimed
-// from a shared counter, longest sequences first, rather than split statically: contexts are
-// ragged, so equal counts of items are far from equal work.
+template <typename T, int D>
+void write_partial(const DecodeArgs<T>& a, const Item& it, const Scratch& s, float* partials) {
+  const int64_t heads = (it.h1 - it.h0) * a.group, all_heads = a.kv_heads * a.group;
+  float* row = partials + (it.part * all_heads + it.h0 * a.group) * kPartialRow<D>;
+  for (int64_t h = 0; h < heads; ++h, row += kPartialRow<D>) {
+    row[0] = s.m[h];
+    row[1] = s.l[h];
+    std::copy_n(s.acc.data() + h * D, D, row + 2);
+  }
+}
+
+// out[seq] from its parts [p0, p0 + parts), merged in part order (so the result depends on
+// the context length only, never on the batch or the threads): each part's sums are rescaled
+// to the largest running max of all parts.
+template <typename T, int D>
+void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
+                 const float* partials) {
+  constexpr int kVecs = D / kLanes;
+  const int64_t heads = a.kv_heads * a.group;
+  T* out = a.out + seq * heads * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = kNegInf;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials[((p0 + p) * heads + h) * kPartialRow<D>]);
+    Vec acc[kVecs] = {};
+    float l = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* row = partials + ((p0 + p) * heads + h) * kPartialRow<D>;
+      const float w = exp_nonpositive(row[0] - top);
+      l += w * row[1];
+      for (int c = 0; c < kVecs; ++c) acc[c] += splat(w) * load(row + 2 + c * kLanes);
+    }
+    const float inv = 1.0f / l;
+    for (int c = 0; c < kVecs; ++c)
+      for (int i = 0; i < kLanes; ++i) out[h * D + c * kLanes + i] = static_cast<T>(acc[c][i] * inv);
+  }
+}
+
+// Work items. A context longer than kPart tokens is split into parts of kPart tokens, each its
+// own item (flash-decoding), so that one long sequence keeps every thread busy; the parts'
+// results are merged by whichever thread finishes a sequence's last part. With enough items to
+// keep every thread busy, an item takes all KV heads, so each block of the pool is read as one
+// contiguous run; with few, it takes one KV head, for parallelism. Items are claimed from a
+// shared counter, longest first: contexts are ragged, so equal counts of items are far from
+// equal work.
 template <typename T, int D>
 void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
   static_assert(D % kLanes == 0, "rows are processed in whole vectors of kLanes floats");
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = num_seqs >= 4 * threads ? a.kv_heads : 1;
+  std::vector<int64_t> first_part(num_seqs), num_parts(num_seqs);
+  std::vector<int> start(num_seqs);
+  int64_t total_parts = 0, units = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int len = a.seq_lens[s];
+    start[s] = a.window > 0 && len > a.window ? len - a.window : 0;
+    num_parts[s] = (len - start[s] + kPart - 1) / kPart;
+    units += num_parts[s];
+    first_part[s] = num_parts[s] > 1 ? total_parts : -1;
+    if (num_parts[s] > 1) total_parts += num_parts[s];
+  }
+  const int64_t heads_per_item = units >= 2 * threads ? a.kv_heads : 1;
   const int64_t chunks = a.kv_heads / heads_per_item;
-  std::vector<int64_t> order(num_seqs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return a.seq_lens[x] > a.seq_lens[y]; });
-  const int64_t items = num_seqs * chunks;
+  std::vector<Item> items;
+  items.reserve(units * chunks);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t p = 0; p < num_parts[s]; ++p)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int t0 = start[s] + static_cast<int>(p) * kPart;
+        items.push_back({s, c * heads_per_item, (c + 1) * heads_per_item, t0,
+                         std::min(t0 + kPart, a.seq_lens[s]),
+                         num_parts[s] > 1 ? first_part[s] + p : -1});
+      }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.t_end - x.t_begin > y.t_end - y.t_begin;
+  });
+  std::vector<float> partials(total_parts * a.kv_heads * a.group * kPartialRow<D>);
+  // Items of each split sequence still running; the thread taking it to 0 merges.
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) pending[s].store(num_parts[s] * chunks);
   std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch scratch(heads_per_item * a.group, heads_per_item, D);
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t h0 = (i % chunks) * heads_per_item;
-      attend<T, D>(a, order[i / chunks], h0, h0 + heads_per_item, scratch);
+    Scratch scratch(heads_per_item * a.group, D);
+    // A thread claims its next item before finishing the current one, to prefetch into it.
+    int ready = 0;
+    for (int64_t i = next.fetch_add(1); i < count;) {
+      const int64_t following = next.fetch_add(1);
+      const Item& it = items[i];
+      ready = attend<T, D>(a, it, following < count ? &items[following] : nullptr, ready,
+                           scratch);
+      i = following;
+      if (it.part < 0) {
+        write_out<T, D>(a, it, scratch);
+        continue;
+      }
+      write_partial<T, D>(a, it, scratch, partials.data());
+      if (pending[it.seq].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_parts<T, D>(a, it.seq, first_part[it.seq], num_parts[it.seq], partials.data());
     }
   });
 }
