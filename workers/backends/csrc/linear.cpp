@@ -24,6 +24,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -198,11 +199,18 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
 template <typename T>
 void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, int64_t n,
                  at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]: a Vec of inputs per splat
-  at::Tensor acc = at::empty({m, n}, xf.options());
-  float* ap = acc.data_ptr<float>();
-  panel_product(xf.data_ptr<float>(), k, m, k, packed.data_ptr<T>(), packed.size(0), ap, n);
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
+  // fp32 copies of x ([M, K]: a Vec of inputs per splat) and of the product, in plain buffers:
+  // for a lone decode row, tensor allocations and conversions through the dispatcher cost a
+  // good part of a small weight's product.
+  std::unique_ptr<float[]> xf(new float[m * k]), acc(new float[m * n]);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(xp[r * ldx + i]);
+  });
+  float* ap = acc.get();
+  panel_product(xf.get(), k, m, k, packed.data_ptr<T>(), packed.size(0), ap, n);
   T* op = out.data_ptr<T>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
