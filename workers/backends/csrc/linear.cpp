@@ -123,24 +123,33 @@ void run_panel(const float* x, int64_t ldx, const W* packed, float* out, int64_t
 constexpr int kGroup = kVecRegs >= 32 ? 8 : 4;  // 16 (of 32) or 8 (of 16) accumulators
 constexpr int64_t kRowAhead = 8;                   // k steps each weight stream is prefetched ahead
 
-template <typename W>
+template <typename W, int G>
 void row_panels(int64_t k, const float* __restrict a, const W* __restrict b, float* __restrict c) {
   const int64_t stride = k * kNR;  // one panel
-  Vec lo[kGroup], hi[kGroup];
-  for (int g = 0; g < kGroup; ++g) lo[g] = hi[g] = Vec{};
+  Vec lo[G], hi[G];
+  for (int g = 0; g < G; ++g) lo[g] = hi[g] = Vec{};
   for (int64_t i = 0; i < k; ++i) {
     const Vec av = splat(a[i]);
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       const W* p = b + g * stride + i * kNR;
       if (i + kRowAhead < k) __builtin_prefetch(p + kRowAhead * kNR, 0, 0);
       lo[g] += av * load_as_float(p);
       hi[g] += av * load_as_float(p + kLanes);
     }
   }
-  for (int g = 0; g < kGroup; ++g) {
+  for (int g = 0; g < G; ++g) {
     store(c + g * kNR, lo[g]);
     store(c + g * kNR + kLanes, hi[g]);
   }
+}
+
+// row_panels over `count` (1 .. kGroup) full panels.
+template <typename W, int G = kGroup>
+void row_panels_n(int64_t count, int64_t k, const float* a, const W* b, float* c) {
+  if constexpr (G > 1) {
+    if (count < G) return row_panels_n<W, G - 1>(count, k, a, b, c);
+  }
+  row_panels<W, G>(k, a, b, c);
 }
 
 // out[M, n] fp32 = x[M, K] fp32 (row stride ldx) times the panels, no bias.
@@ -151,15 +160,19 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   // stream per thread), which kGroup streams at once would lose; half-precision ones are
   // bound by the FMA latency of a single row, which kGroup chains hide.
   if (m == 1 && !std::is_same_v<W, float>) {
-    // Groups of kGroup full panels, then the panels left (the last may be partial) one by one.
-    const int64_t groups = (n / kNR) / kGroup;
-    const int64_t rest = panels - groups * kGroup;
-    at::parallel_for(0, groups + rest, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        if (i < groups)
-          row_panels(k, xp, wp + i * kGroup * k * kNR, op + i * kGroup * kNR);
-        else
-          run_panel(xp, ldx, wp, op, n, k, 0, 1, groups * kGroup + (i - groups));
+    // Each thread takes an equal run of panels (within one), in groups of kGroup and a smaller
+    // last group: whole groups as work items would leave one thread most of a weight whose
+    // panels are few (576 outputs are 18 panels on AVX-512). A partial last panel takes
+    // run_panel, which writes only its columns.
+    const int64_t full = n / kNR;
+    const int64_t chunks = std::min<int64_t>(at::get_num_threads(), panels);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p0 = panels * t / chunks, p1 = panels * (t + 1) / chunks;
+        for (int64_t p = p0; p < std::min(p1, full); p += kGroup)
+          row_panels_n<W>(std::min<int64_t>(kGroup, std::min(p1, full) - p), k, xp,
+                          wp + p * k * kNR, op + p * kNR);
+        if (p1 > full) run_panel(xp, ldx, wp, op, n, k, 0, 1, full);
       }
     });
     return;
