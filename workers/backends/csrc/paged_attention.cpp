@@ -145,7 +145,7 @@ void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int
 
 // Blocks are scattered over the pool, which the hardware prefetchers cannot follow, and decode
 // attention is bound by memory: the rows of the tile kAhead tiles ahead are prefetched a row at
-// a time, interleaved with the current tile's work (see score_heads, accumulate_heads). Issued
+// a time, interleaved with the current tile's work (see score_tile, accumulate_heads). Issued
 // all at once they overflow the core's queue of outstanding misses and are dropped.
 template <typename T>
 inline void prefetch_row(const T* row, int bytes) {
@@ -224,6 +224,19 @@ void for_head_chunks(int64_t group, F&& f) {
   }
 }
 
+// acc[h] += sum_j p[h][j] * v[j][h / group] for the item's query heads h, in chunks of heads
+// per KV head; the first chunk also issues the V prefetches.
+template <typename T, int D>
+void accumulate_tile(int64_t span, int64_t group, const float* p, const T* const* vrows, int n,
+                     float* acc, const T* const* pf, int pf_bytes) {
+  for (int64_t kv = 0; kv < span; ++kv)
+    for_head_chunks<D>(group, [&](auto nh, int64_t g0) {
+      const int64_t h = kv * group + g0;
+      accumulate_heads<T, D, decltype(nh)::value>(p + h * kTile, vrows, kv * D, n, acc + h * D,
+                                                   kv == 0 && g0 == 0 ? pf : nullptr, pf_bytes);
+    });
+}
+
 // Folds one tile of scores into the running (max, sum) and turns them into weights relative to
 // the new max; the accumulated outputs are rescaled to the same reference.
 template <int D>
@@ -275,6 +288,19 @@ void tile_rows(const DecodeArgs<T>& a, const Item& it, int tile, const T** krows
 
 inline int num_tiles(const Item& it) { return (it.t_end - it.t_begin + kTile - 1) / kTile; }
 
+// The item's scaled queries into s, its outputs and running (max, sum) reset.
+template <typename T, int D>
+void start_item(const DecodeArgs<T>& a, const Item& it, Scratch& s) {
+  const int64_t heads = (it.h1 - it.h0) * a.group;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* src = a.q + it.seq * a.q_seq_stride + (it.h0 * a.group + h) * a.q_head_stride;
+    for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
+  }
+  std::fill_n(s.acc.begin(), heads * D, 0.0f);
+  std::fill_n(s.m.begin(), heads, kNegInf);
+  std::fill_n(s.l.begin(), heads, 0.0f);
+}
+
 // Scores an item's tokens, online softmax over tiles. Tiles are the outer loop, so the item's KV
 // heads consume each tile of blocks together while it is in cache. Leaves the unnormalised
 // outputs and the running (max, sum) in s. The prefetches run kAhead tiles ahead through the
@@ -285,13 +311,7 @@ template <typename T, int D>
 int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, Scratch& s) {
   const int64_t group = a.group, span = it.h1 - it.h0, heads = span * group;
   const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
-  for (int64_t h = 0; h < heads; ++h) {
-    const T* src = a.q + it.seq * a.q_seq_stride + (it.h0 * group + h) * a.q_head_stride;
-    for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
-  }
-  std::fill_n(s.acc.begin(), heads * D, 0.0f);
-  std::fill_n(s.m.begin(), heads, kNegInf);
-  std::fill_n(s.l.begin(), heads, 0.0f);
+  start_item<T, D>(a, it, s);
   // A token's rows of the item's KV heads are contiguous: prefetched as one span. Every item
   // has the same span.
   const int bytes = static_cast<int>(span * D * sizeof(T));
@@ -322,14 +342,7 @@ int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, 
     row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
     score_tile<T, D>(s.q.data(), span, group, krows, n, s.p.data(), s.part.data(), kpf, bytes);
     softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
-    for (int64_t kv = 0; kv < span; ++kv)
-      for_head_chunks<D>(group, [&](auto nh, int64_t g0) {
-        const int64_t h = kv * group + g0;
-        const bool first = kv == 0 && g0 == 0;
-        accumulate_heads<T, D, decltype(nh)::value>(s.p.data() + h * kTile, vrows, kv * D, n,
-                                                     s.acc.data() + h * D,
-                                                     first ? vpf : nullptr, bytes);
-      });
+    accumulate_tile<T, D>(span, group, s.p.data(), vrows, n, s.acc.data(), vpf, bytes);
   }
   return next_ready;
 }
@@ -393,44 +406,59 @@ void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
 // contiguous run; with few, it takes one KV head, for parallelism. Items are claimed from a
 // shared counter, longest first: contexts are ragged, so equal counts of items are far from
 // equal work.
+struct Plan {
+  std::vector<Item> items;
+  std::vector<int64_t> first_part;  // per sequence: its first row of partials (-1: one part)
+  std::vector<int64_t> num_parts;   // per sequence
+  int64_t total_parts = 0;          // rows of partials
+  int64_t heads_per_item = 1;
+};
+
+template <typename T>
+Plan plan_items(const DecodeArgs<T>& a, int64_t num_seqs, int64_t threads) {
+  Plan plan;
+  plan.first_part.resize(num_seqs);
+  plan.num_parts.resize(num_seqs);
+  std::vector<int> start(num_seqs);
+  int64_t units = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int len = a.seq_lens[s];
+    start[s] = a.window > 0 && len > a.window ? len - a.window : 0;
+    const int64_t parts = plan.num_parts[s] = (len - start[s] + kPart - 1) / kPart;
+    units += parts;
+    plan.first_part[s] = parts > 1 ? plan.total_parts : -1;
+    if (parts > 1) plan.total_parts += parts;
+  }
+  const int64_t per_item = plan.heads_per_item = units >= 2 * threads ? a.kv_heads : 1;
+  plan.items.reserve(units * (a.kv_heads / per_item));
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t p = 0; p < plan.num_parts[s]; ++p)
+      for (int64_t h0 = 0; h0 < a.kv_heads; h0 += per_item) {
+        const int t0 = start[s] + static_cast<int>(p) * kPart;
+        plan.items.push_back({s, h0, h0 + per_item, t0, std::min(t0 + kPart, a.seq_lens[s]),
+                              plan.num_parts[s] > 1 ? plan.first_part[s] + p : -1});
+      }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& x, const Item& y) {
+    return x.t_end - x.t_begin > y.t_end - y.t_begin;
+  });
+  return plan;
+}
+
 template <typename T, int D>
 void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
   static_assert(D % kLanes == 0, "rows are processed in whole vectors of kLanes floats");
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> first_part(num_seqs), num_parts(num_seqs);
-  std::vector<int> start(num_seqs);
-  int64_t total_parts = 0, units = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int len = a.seq_lens[s];
-    start[s] = a.window > 0 && len > a.window ? len - a.window : 0;
-    num_parts[s] = (len - start[s] + kPart - 1) / kPart;
-    units += num_parts[s];
-    first_part[s] = num_parts[s] > 1 ? total_parts : -1;
-    if (num_parts[s] > 1) total_parts += num_parts[s];
-  }
-  const int64_t heads_per_item = units >= 2 * threads ? a.kv_heads : 1;
-  const int64_t chunks = a.kv_heads / heads_per_item;
-  std::vector<Item> items;
-  items.reserve(units * chunks);
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t p = 0; p < num_parts[s]; ++p)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int t0 = start[s] + static_cast<int>(p) * kPart;
-        items.push_back({s, c * heads_per_item, (c + 1) * heads_per_item, t0,
-                         std::min(t0 + kPart, a.seq_lens[s]),
-                         num_parts[s] > 1 ? first_part[s] + p : -1});
-      }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.t_end - x.t_begin > y.t_end - y.t_begin;
-  });
-  std::vector<float> partials(total_parts * a.kv_heads * a.group * kPartialRow<D>);
+  const Plan plan = plan_items(a, num_seqs, threads);
+  const std::vector<Item>& items = plan.items;
+  std::vector<float> partials(plan.total_parts * a.kv_heads * a.group * kPartialRow<D>);
   // Items of each split sequence still running; the thread taking it to 0 merges.
   std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[num_seqs]);
-  for (int64_t s = 0; s < num_seqs; ++s) pending[s].store(num_parts[s] * chunks);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    pending[s].store(plan.num_parts[s] * (a.kv_heads / plan.heads_per_item));
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch scratch(heads_per_item * a.group, D);
+    Scratch scratch(plan.heads_per_item * a.group, D);
     // A thread claims its next item before finishing the current one, to prefetch into it.
     int ready = 0;
     for (int64_t i = next.fetch_add(1); i < count;) {
@@ -445,7 +473,8 @@ void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
       }
       write_partial<T, D>(a, it, scratch, partials.data());
       if (pending[it.seq].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge_parts<T, D>(a, it.seq, first_part[it.seq], num_parts[it.seq], partials.data());
+        merge_parts<T, D>(a, it.seq, plan.first_part[it.seq], plan.num_parts[it.seq],
+                          partials.data());
     }
   });
 }
