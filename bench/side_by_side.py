@@ -159,12 +159,14 @@ def _cache_load_failure(log_path: str) -> str | None:
 def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | None = None,
               model: str | None = None) -> dict:
     """What every driver gets; the random prompts are distinct, so none is cached at first.
-    decode_prompts: the two single-stream prompts (default: random ids of --prompt-len)."""
-    long = random_prompts(2 + args.ttft_repeats, args.prompt_len, seed=1)
+    decode_prompts: the single-stream prompts, a pair per decode (default: random ids of
+    --prompt-len, --decode-repeats pairs)."""
+    pairs = 2 * getattr(args, "decode_repeats", 1)
+    long = random_prompts(pairs + args.ttft_repeats, args.prompt_len, seed=1)
     return {"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),
             "prompts": prompts, "output_len": args.output_len,
-            "decode_prompts": decode_prompts or long[:2], "ttft_prompts": long[2:],
+            "decode_prompts": decode_prompts or long[:pairs], "ttft_prompts": long[pairs:],
             "engine_options": getattr(args, "engine", {})}
 
 
