@@ -82,7 +82,7 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     model, TP size or placement that cannot work fails here at once, before anything waits;
     a start that fails later leaves no actor, placement group or folder behind."""
     from tierserve.deploy.placement import make_placement_group
-    from tierserve.runtime.engine_core import check_model
+    from tierserve.runtime.engine_setup import check_model
     from tierserve.workers.worker import resolve_device
 
     check_model(config)
@@ -222,7 +222,7 @@ def start_replicated(config: EngineConfig, name: str | None = None,
     from tierserve.deploy.replicas import replica_config
     from tierserve.deploy.router import Router, router_name
     from tierserve.deploy.router_client import RouterClient
-    from tierserve.runtime.engine_core import check_model
+    from tierserve.runtime.engine_setup import check_model
     from tierserve.workers.worker import resolve_device
 
     check_model(config)

@@ -8,48 +8,40 @@ in deployment (deploy/); the EngineCore code is the same.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
-import threading
 import time
 from collections import deque
 from typing import Callable, Iterator
 
-from tierserve.kvcache import BlockHasher, KVCacheManager, KVEventRecorder, TierIndex, TierPolicy
+from tierserve.kvcache import KVEventRecorder
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.engine_setup import (
+    Background, check_model, make_request_log, make_scheduler, make_worker_spec,
+)
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
-from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
+from tierserve.runtime.request_log import RequestLog
 from tierserve.runtime.requests import check_request, rejection
 from tierserve.runtime.tokenizer import load_model_tokenizer, tokenizer_json_file
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
-    RequestStatus, SamplingParams, Scheduler, SchedulerOutput, WorkerError,
+    RequestStatus, SchedulerOutput, WorkerError,
 )
 from tierserve.scheduler.kv_events import (
     KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
 )
 from tierserve.scheduler.params import ErrorKind
 from tierserve.scheduler.request import seq_id
-from tierserve.workers.kv_fingerprint import kv_fingerprint
-from tierserve.workers.model.config import ModelConfig
-from tierserve.workers.model.layers import partition_heads
-from tierserve.workers.model.loader import default_model_path, load_model_config
-from tierserve.workers.tier_ssd import SsdFolder
-from tierserve.workers.worker import WorkerSpec, resolve_device
+from tierserve.workers.worker import WorkerSpec
 
-__all__ = ["EngineCore", "make_worker_spec", "load_model_tokenizer", "EngineDeadError",
-           "rejection", "check_model"]
+__all__ = ["EngineCore", "load_model_tokenizer", "EngineDeadError", "rejection"]
 
 log = logging.getLogger("tierserve.engine")
 progress = logging.getLogger("tierserve.progress")  # a start's steps, on the CLI's terminal
 
-# Longest context a default config admits, whatever the model's positions allow.
-_DEFAULT_MAX_MODEL_LEN = 8192
 # A step that only asks the workers how far their asynchronous tier copies got waits this long
 # first, so that waiting for an SSD load does not spin the engine.
 _POLL_S = 0.002
@@ -57,122 +49,6 @@ _POLL_S = 0.002
 FLUSH_DEADLINE_S = 30.0
 # Worker failures within this window count against max_restarts.
 RESTART_WINDOW_S = 600.0
-
-
-def make_worker_spec(config: EngineConfig) -> WorkerSpec:
-    device = resolve_device(config.device)
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    model = config.model or default_model_path()
-    return WorkerSpec(
-        model=model, dtype=dtype, device=device,
-        block_size=config.block_size, tensor_parallel_size=config.tensor_parallel_size,
-        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        num_kv_blocks=config.num_kv_blocks,
-        cpu_threads=None if config.cpus_per_worker is None else math.ceil(config.cpus_per_worker),
-        collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
-        cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
-        cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
-        quantization=config.quantization,
-        debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
-        debug_late_copies=envs.debug_late_copies(),
-        kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,
-        kv_offload_ssd_path=config.kv_offload_ssd_path,
-        kv_offload_ssd_bytes=config.kv_offload_ssd_bytes,
-        kv_fingerprint=_kv_fingerprint(config, model, dtype),
-        # The input batch's first capacity (None: the model's length is not known yet; it grows).
-        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        async_scheduling=config.pipelined)
-
-
-def _kv_fingerprint(config: EngineConfig, model: str, dtype: str) -> str:
-    """The KV fingerprint naming SSD entries ("" without an SSD tier: nothing is hashed)."""
-    if not config.kv_offload_ssd_path or not config.kv_offload_cpu_bytes:
-        return ""
-    t0 = time.perf_counter()
-    fp = kv_fingerprint(model, load_model_config(model), dtype=dtype,
-                        block_size=config.block_size, cache_dir=envs.cache_dir(),
-                        hash_id=f"{config.prefix_caching_hash_algo}:{config.hash_seed}",
-                        quantization=config.quantization)
-    log.info("KV fingerprint %s in %.3f s", fp[:16], time.perf_counter() - t0)
-    return fp
-
-
-def check_model(config: EngineConfig) -> ModelConfig:
-    """The model's config, read before anything starts; a model path that does not exist or
-    does not parse, a TP size its heads cannot split over, or a max_model_len beyond its
-    positions is a ValueError naming the option."""
-    path = config.model or default_model_path()
-    if not os.path.exists(path):
-        raise ValueError(f"model: {path!r} does not exist")
-    try:
-        model = load_model_config(path)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"model: cannot read the model config of {path!r}: "
-                         f"{type(e).__name__}: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"model: {e}") from e
-    try:
-        partition_heads(model.num_attention_heads, model.num_key_value_heads,
-                        config.tensor_parallel_size)
-    except ValueError as e:
-        raise ValueError(f"tensor_parallel_size: {e}") from None
-    if config.max_model_len is not None and not config.allow_long_max_model_len \
-            and config.max_model_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({model.max_position_embeddings}); set "
-                         f"allow_long_max_model_len=True to force it")
-    generation_defaults(config.generation_config, path)
-    return model
-
-
-def _pool_too_small(config: EngineConfig, info: WorkerInfo, usable_tokens: int) -> str:
-    """The error of a max_model_len the KV pool cannot hold, naming settings that fit."""
-    blocks = -(-config.max_model_len // config.block_size) + 1
-    while True:  # usable blocks (less the null block) beside the admission watermark
-        probe = KVCacheManager(blocks, config.block_size, False)
-        if (probe.pool.num_usable_blocks - probe.watermark_blocks) * config.block_size \
-                >= config.max_model_len:
-            break
-        blocks += 1
-    fix = f"num_kv_blocks={blocks}" if config.num_kv_blocks is not None else \
-        f"kv_cache_memory_bytes={blocks * info.kv_block_bytes}"
-    return (f"max_model_len {config.max_model_len} does not fit the KV pool ({usable_tokens} "
-            f"tokens in {info.num_blocks} blocks); set {fix}, or max_model_len="
-            f"{usable_tokens}" if usable_tokens > 0 else
-            f"max_model_len {config.max_model_len} does not fit the KV pool ({info.num_blocks} "
-            f"blocks); set {fix}")
-
-
-class _Background:
-    """fn(*args) on a thread of its own; result() waits for it and re-raises its error."""
-
-    def __init__(self, fn: Callable, *args) -> None:
-        self.seconds = 0.0
-        self._result = self._error = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
-                                        name="tierserve-start")
-        self._thread.start()
-
-    def _run(self, fn: Callable, args: tuple) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._result = fn(*args)
-        except BaseException as e:  # handed to the caller of result()
-            self._error = e
-        self.seconds = time.perf_counter() - t0
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 class EngineCore:
@@ -188,7 +64,7 @@ class EngineCore:
         # transformers, which it imports) loads while the workers load their weights: Python
         # work beside work that runs in torch, mostly without the GIL.
         tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
-        tokenizer = _Background(load_model_tokenizer, self.tokenizer_path)
+        tokenizer = Background(load_model_tokenizer, self.tokenizer_path)
         if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
             tokenizer.wait()
             tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
@@ -204,7 +80,7 @@ class EngineCore:
             info = self.executor.start()
             self.worker_start_s = time.perf_counter() - t0  # what a restart compares with
             self.tokenizer = tokenizer.result()
-            self.scheduler = self._make_scheduler(config, info, model, spec, self.kv_events)
+            self.scheduler = make_scheduler(config, info, model, spec, self.kv_events)
         except BaseException:
             self.executor.shutdown()  # a failed start leaves no worker, folder or socket
             tokenizer.wait()
@@ -245,77 +121,16 @@ class EngineCore:
         self.restart_s = 0.0
         self._shutting_down = False
 
-    @staticmethod
-    def _make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
-                    spec: WorkerSpec) -> TierPolicy:
-        """The tier policy over the CPU slots the ranks allocated and the SSD folder; a tier
-        layer of capacity 0 where the engine has no tiers."""
-        mode, bs = config.preemption_mode, config.block_size
-        if not info.cpu_slots or not config.enable_prefix_caching:
-            return TierPolicy(block_size=bs, preemption_mode=mode)
-        ssd_blocks, probe = 0, None
-        if config.kv_offload_ssd_path:
-            folder = SsdFolder(config.kv_offload_ssd_path, spec.kv_fingerprint,
-                               model.num_key_value_heads, config.kv_offload_ssd_bytes)
-            ranges = sorted(set(info.kv_head_ranges))
-            # One block in the folder: every distinct head range's entry.
-            ssd_blocks = config.kv_offload_ssd_bytes // (info.kv_block_bytes * len(ranges))
-            probe = lambda block_hash: folder.has_block(block_hash, ranges)  # noqa: E731
-        index = TierIndex(info.cpu_slots, ssd_blocks, ssd_probe=probe,
-                          verify_hits=config.verify_prefix_hits)
-        policy = TierPolicy(index, block_size=bs, preemption_mode=mode,
-                            block_bytes=info.kv_block_bytes)
-        policy.costs.copy_bytes_per_s = info.copy_bytes_per_s
-        return policy
-
-    @classmethod
-    def _make_scheduler(cls, config: EngineConfig, info: WorkerInfo, model: ModelConfig,
-                        spec: WorkerSpec, events: KVEventRecorder | None = None) -> Scheduler:
-        kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.verify_prefix_hits,
-                            tiers=cls._make_tiers(config, info, model, spec), events=events)
-        usable_tokens = (kv.pool.num_usable_blocks - kv.watermark_blocks) * config.block_size
-        if config.max_model_len is not None and config.max_model_len > usable_tokens:
-            raise ValueError(_pool_too_small(config, info, usable_tokens))
-        max_model_len = config.max_model_len or min(
-            info.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN, usable_tokens)
-        hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo, config.hash_seed)
-        scheduler = Scheduler(kv, hasher, max_num_seqs=config.max_num_seqs,
-                              max_num_batched_tokens=config.max_num_batched_tokens,
-                              max_model_len=max_model_len,
-                              long_prefill_token_threshold=config.long_prefill_token_threshold,
-                              policy=config.scheduling_policy, vocab_size=info.vocab_size,
-                              max_queued_requests=config.max_queued_requests,
-                              async_scheduling=config.pipelined,
-                              speculative_config=config.speculative_config,
-                              step_time_target_s=config.step_time_target_ms / 1e3)
-        return scheduler
-
     def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
                           info: WorkerInfo) -> RequestLog | None:
         """The request log, where configured: every finished sequence goes to it."""
-        if config.request_log_path is None:
-            return None
-        index = self.scheduler.tiers.index
-        header = LogHeader(
-            MAGIC, LOG_VERSION, config.block_size, hash_algo=config.prefix_caching_hash_algo,
-            hash_seed=config.hash_seed, model=spec.model, dtype=spec.dtype,
-            tensor_parallel_size=config.tensor_parallel_size,
-            kv_block_bytes=info.kv_block_bytes, num_blocks=info.num_blocks,
-            cpu_slots=index.cpu.num_slots, ssd_entries=index.ssd.capacity,
-            kv_head_ranges=len(set(info.kv_head_ranges)) or 1,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            copy_bytes_per_s=info.copy_bytes_per_s)
         try:
-            request_log = RequestLog(config.request_log_path, header,
-                                     with_tokens=config.request_log_tokens,
-                                     max_bytes=config.request_log_max_bytes,
-                                     keep=config.request_log_keep)
+            request_log = make_request_log(config, spec, info, self.scheduler.tiers.index)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler.on_finish = request_log.add
+        if request_log is not None:
+            self.scheduler.on_finish = request_log.add
         return request_log
 
     # ------------------------------------------------------------------ requests

@@ -1,7 +1,7 @@
 """User-facing results, shaped like vLLM's RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tierserve.scheduler.messages import EngineCoreOutput
 from tierserve.scheduler.params import ErrorKind, FinishReason

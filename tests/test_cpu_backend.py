@@ -13,7 +13,7 @@ from tests.checkpoints import make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
-from tierserve.runtime.engine_core import make_worker_spec
+from tierserve.runtime.engine_setup import make_worker_spec
 from tierserve.workers import worker as worker_module
 from tierserve.workers.backends.cpu import plan_for
 from tierserve.workers.backends.portable import half_linear_plan as _half_linear, torch_backend

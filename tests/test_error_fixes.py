@@ -13,7 +13,7 @@ import pytest
 from tests.checkpoints import make_tiny_llama
 from tierserve import LLM, EngineConfig, SamplingParams
 from tierserve.deploy.ray_engine import _fitting_cpus, _room, default_cpus_per_worker
-from tierserve.runtime.engine_core import make_worker_spec
+from tierserve.runtime.engine_setup import make_worker_spec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = [5, 6, 7, 8]
