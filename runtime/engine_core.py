@@ -448,13 +448,9 @@ class EngineCore:
                                  batch.load)
 
     def load(self) -> ReplicaLoad:
-        """O(unfinished requests): prompt tokens not computed yet, by request."""
+        """O(unfinished requests, and the waiting ones' prompt blocks)."""
         sched = self.scheduler
-        queued = sum(r.num_tokens for r in sched.waiting)
-        for r in sched.running:
-            left = r.num_tokens - r.num_computed_tokens - 1  # a decode's last token aside
-            if left > 0:
-                queued += left
+        queued = sched.queued_prefill_tokens()
         costs = sched.tiers.costs
         cpu_block_s = costs.block_bytes / costs.copy_bytes_per_s if costs.copy_bytes_per_s \
             and sched.tiers.enabled else 0.0

@@ -673,6 +673,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- introspection
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: of a waiting request, those past the prefix its
+        admission would find cached on the device now (a chat turn's history mostly is); of a
+        running one, those not computed yet (a decode's last token aside)."""
+        queued = sum(r.num_tokens - self.kv.get_computed_blocks(r)[1] for r in self.waiting)
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens - 1
+            if left > 0:
+                queued += left
+        return queued
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -239,3 +239,21 @@ def test_config_errors():
         make_scheduler(policy="lifo")
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_scheduler(max_num_seqs=0)
+
+
+def test_queued_prefill_tokens_leave_out_a_waiting_prompts_cached_prefix():
+    """What a router reads as a replica's prefill queue: a waiting chat turn whose history is
+    cached on the device counts only the tokens past it; a running prefill its uncomputed
+    tokens."""
+    sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    mirror = WorkerMirror()
+    history = list(range(10, 30))  # 20 tokens: 5 full blocks of 4
+    sched.add_request("turn1", history, greedy(max_tokens=1))
+    run_to_completion(sched, mirror)
+    assert sched.queued_prefill_tokens() == 0
+    sched.add_request("long", list(range(100, 124)), greedy(max_tokens=4))
+    step(sched, mirror)  # "long" runs (8 of its 24 tokens); the next request must wait
+    sched.add_request("turn2", history + [7, 8, 9], greedy(max_tokens=1))
+    # "long": 24 - 8 computed - its last token's 1; "turn2": 23 tokens, the first 20 cached.
+    assert sched.queued_prefill_tokens() == 15 + 3
+    sched.check_integrity()
