@@ -5,12 +5,13 @@ there, from the exact KV index (deploy/kv_index.py) and the replica's load:
 
     work  = queued prefill tokens + tokens routed there and not yet reported + this request's
             tokens not cached there
-    ttft ~ (work + running requests x steps) / prefill rate (the replicas' measured mean)
+    ttft ~ (work + running requests x steps + tokens of the blocks work lacks) / prefill rate
            + blocks found in the CPU tier x a CPU block's load time
            + blocks found on SSD x an SSD block's load time
 
 where steps = 1 + work / max_num_batched_tokens (each step also carries every running
-request's decode). A replica may take a request only while its outstanding requests stay
+request's decode), the prefill rate is the replicas' measured mean, and the blocks work lacks
+are those it needs beyond the replica's free ones (they wait for running requests to finish). A replica may take a request only while its outstanding requests stay
 within `load_bound` x the mean (bounded loads), so a hot prefix spreads once its replica is
 that far ahead. `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the
 approximate policy of SGLang's and Ray Serve's routers: a tree of the prompts each replica was
@@ -214,7 +215,11 @@ class KVAware:
         work = r.queued_prefill_tokens + load.in_transit_tokens + num_tokens \
             - m.blocks * self.block_size
         steps = 1 + work / self.budget
-        return (work + steps * r.num_running) / rate + m.cpu * cpu_s + m.ssd * ssd_s
+        # Blocks the queue and this request need beyond the free ones wait for running
+        # requests to finish (or preempt one): as long again as prefilling their tokens.
+        deficit = -(-work // self.block_size) - r.free_blocks if r.total_blocks else 0
+        return (work + steps * r.num_running + max(deficit, 0) * self.block_size) / rate \
+            + m.cpu * cpu_s + m.ssd * ssd_s
 
     def forget(self, replica: int) -> None:
         pass

@@ -197,6 +197,22 @@ def test_kv_policy_weighs_the_queue_and_bounds_the_load():
     assert len(bounded(cands)) >= 1
 
 
+def test_kv_policy_weighs_blocks_the_holder_lacks():
+    """A prefix holder whose pool has no free blocks for its queue and the request makes them
+    wait for running requests to finish: with free blocks it wins, without it loses to an idle
+    replica that recomputes the prompt."""
+    hasher = BlockHasher(BS)
+    prompt = list(range(1, 42))  # 40 tokens cacheable
+    chain = hasher.hash_blocks(prompt, 0, None)[0]
+    policy = KVAware(_index_with({0: [chain, [], []], 1: [[], [], []]}), hasher, 64)
+    idle = Candidate(1, LoadTracker(ReplicaLoad(free_blocks=100, total_blocks=100)))
+    # 20 queued + 1 uncached token need 6 blocks of 4.
+    for free, winner in ((6, 0), (0, 1)):
+        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=20,
+                                                      free_blocks=free, total_blocks=100)))
+        assert policy.pick(RouteQuery(prompt), [holder, idle]).replica == winner, free
+
+
 def test_load_tracker_counts_requests_in_transit_until_reported():
     t = LoadTracker()
     t.report(ReplicaLoad(requests_added=0), epoch=5)
