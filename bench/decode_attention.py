@@ -4,8 +4,9 @@ SmolLM2-135M shapes: 64 decode sequences of 40-330 tokens (seeded), 9 query head
 heads, head_dim 64, block_size 16, block ids scattered over the pool. Each of 30 layers has its
 own pool, as in a real step, so one step's K/V does not sit in cache from the previous layer;
 a step is `paged_attention` over all 30 layers (the pools already hold the step's K/V),
-reported per layer. Median of --steps steps per run,
-then the median over --repeats runs.
+reported per layer. Median of --steps steps per run, then the median over --repeats runs.
+--single N times one sequence of N tokens instead (a lone decode: the kernel splits its context
+so that every thread has work).
 
 --model-step also times whole decode steps of SmolLM2-135M (the default GGUF) over the same 64
 sequences, torch path against kernel. There the gather is dearer than in the isolated loop: its
@@ -15,7 +16,8 @@ per float32 step, none with the kernel).
 The kernel is the one of --cpu-isa's backend (default: the best this CPU runs).
 
 Usage: python bench/decode_attention.py [--json] [--dtypes float32,bfloat16] [--repeats 3]
-                                        [--model-step] [--cpu-isa avx2|avx512|amx]
+                                        [--single N] [--model-step]
+                                        [--cpu-isa avx2|avx512|amx]
 """
 from __future__ import annotations
 
@@ -37,10 +39,11 @@ from tierserve.workers.backends.cpu_features import detect_cpu_features
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
 
 
-def make_batch(num_blocks_factor: int = 2, seed: int = 0):
-    """Context lengths, scattered block tables, last-token slots and the pool size."""
+def make_batch(num_blocks_factor: int = 2, seed: int = 0, single: int = 0):
+    """Context lengths, scattered block tables, last-token slots and the pool size: NUM_SEQS
+    ragged contexts, or one of `single` tokens."""
     rng = random.Random(seed)
-    lens = [rng.randint(40, 330) for _ in range(NUM_SEQS)]
+    lens = [single] if single else [rng.randint(40, 330) for _ in range(NUM_SEQS)]
     need = sum(-(-n // BLOCK_SIZE) for n in lens)
     ids = list(range(num_blocks_factor * need))
     rng.shuffle(ids)
@@ -55,16 +58,16 @@ def make_batch(num_blocks_factor: int = 2, seed: int = 0):
 
 
 def metadata(lens, tables, slots) -> AttentionMetadata:
-    return AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * NUM_SEQS, seq_lens=lens,
-                                   block_tables=tables, num_decodes=NUM_SEQS,
+    return AttentionMetadata.build(slot_mapping=slots, query_lens=[1] * len(lens), seq_lens=lens,
+                                   block_tables=tables, num_decodes=len(lens),
                                    block_size=BLOCK_SIZE)
 
 
-def make_step(dtype: torch.dtype):
-    lens, tables, slots, num_blocks = make_batch()
+def make_step(dtype: torch.dtype, single: int = 0):
+    lens, tables, slots, num_blocks = make_batch(single=single)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     pools = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
-    q = torch.randn(NUM_SEQS, HEADS, HEAD_DIM).to(dtype)
+    q = torch.randn(len(lens), HEADS, HEAD_DIM).to(dtype)
     return q, pools, (lens, tables, slots)
 
 
@@ -82,8 +85,8 @@ def time_step(q, pools, attn, backend: Backend, steps: int) -> float:
     return statistics.median(times)
 
 
-def run(dtype: torch.dtype, steps: int, backend: Backend) -> dict:
-    q, pools, batch = make_step(dtype)
+def run(dtype: torch.dtype, steps: int, backend: Backend, single: int = 0) -> dict:
+    q, pools, batch = make_step(dtype, single)
     return {"attn_torch_us": time_step(q, pools, metadata(*batch), torch_backend(), steps),
             "attn_kernel_us": time_step(q, pools, metadata(*batch), backend, steps)}
 
@@ -123,10 +126,15 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--single", type=int, default=0, metavar="N",
+                        help="one sequence of N tokens instead of 64 ragged ones")
     parser.add_argument("--model-step", action="store_true")
     parser.add_argument("--cpu-isa", choices=("avx2", "avx512", "amx"),
                         default=detect_cpu_features().best_isa())
     args = parser.parse_args()
+    if args.single < 0 or args.single and args.model_step:
+        parser.error("--single takes a positive length, and times attention alone (no "
+                     "--model-step)")
     if args.cpu_isa == "torch":
         raise SystemExit("this CPU runs no kernel backend")
     backend = kernel_backend(args.cpu_isa, envs.cache_dir())
@@ -134,7 +142,7 @@ def main() -> None:
     result = {"backend": backend.name, "threads": torch.get_num_threads()}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        runs = [run(dtype, args.steps, backend) for _ in range(args.repeats)]
+        runs = [run(dtype, args.steps, backend, args.single) for _ in range(args.repeats)]
         if args.model_step:
             runs = [r | model_step_ms(dtype, args.steps, backend) for r in runs]
         for key in runs[0]:
