@@ -34,7 +34,8 @@ class ReplicaLoad(msgspec.Struct, **_WIRE):
 
     num_running: int = 0
     num_waiting: int = 0  # waiting for admission or for SSD loads
-    # Prompt tokens not computed yet, of waiting and running requests.
+    # Prompt tokens not computed yet, of waiting and running requests (a waiting request's
+    # prefix cached on the device now left out).
     queued_prefill_tokens: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
