@@ -136,6 +136,18 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny):
     assert stats["spec_num_drafts"] > 0
 
 
+def test_seeded_speculation_samples_what_one_token_at_a_time_does(tiny):
+    """Draws for rejected drafts are rewound: a seeded stream advances one draw per kept
+    token, so its tokens are those of decoding without speculation (the kernels give a row
+    the same logits in a verification as alone), and a continuation on other workers, which
+    skips one draw per token, resumes the very stream."""
+    seeded = SamplingParams(temperature=0.2, seed=5, max_tokens=24, ignore_eos=True)
+    want, _ = _run(tiny, PROMPTS, seeded)
+    got, stats = _run(tiny, PROMPTS, seeded, speculative_config=SPEC)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert got == want
+
+
 def test_metrics_report_acceptance_per_request():
     """/metrics (deploy/openai/metrics.py) from the scheduler's speculation stats: vLLM's
     counters and a histogram of each finished request's acceptance rate."""

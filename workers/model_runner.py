@@ -141,8 +141,9 @@ class ModelRunner:
                 np.searchsorted(keep, rows.keep)).to(logits.device))
         if batch is None:
             return ModelRunnerOutput(out.step_id, sampled, prompt_logprobs=prompt_lps)
+        seeded = self.batch.sampling.seeded_states(rows.req_ids) if rows.drafts else None
         result = self.sampler(logits, batch)
-        reply = self._to_output(out, inputs, rows, result, sampled)
+        reply = self._to_output(out, inputs, rows, result, sampled, seeded)
         if prompt_lps is not None:
             reply.prompt_logprobs = prompt_lps
         return reply
@@ -175,9 +176,23 @@ class ModelRunner:
             keep = None  # every row: nothing to skip (a decode-only step)
         return self.model(input_ids, positions, attn, self.kv_caches, keep)
 
+    def _rewind_rejected(self, rows: SampleRows, accepted: list[int],
+                         seeded: dict[str, torch.Tensor]) -> None:
+        """A seeded sequence drew a row of uniforms for each of its step's rows; where it
+        rejected drafts, its stream goes back to having advanced by its kept tokens alone. So
+        its tokens are those of decoding one token at a time, and a continuation elsewhere
+        (which skips one draw per token) resumes the same stream."""
+        for s, num_accepted in enumerate(accepted):
+            req_id = rows.req_ids[int(rows.first[s])]
+            if req_id in seeded and num_accepted < len(rows.drafts[s]):
+                self.batch.sampling.rewind(req_id, seeded[req_id], num_accepted + 1)
+
     def _to_output(self, out: SchedulerOutput, inputs: StepInputs, rows: SampleRows,
-                   result: SamplerOutput, sampled: list[int]) -> ModelRunnerOutput:
+                   result: SamplerOutput, sampled: list[int],
+                   seeded: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
         final, accepted, step_tokens = rows.accept(result.token_ids.cpu().numpy())
+        if seeded:
+            self._rewind_rejected(rows, accepted, seeded)
         if self.append_sampled:
             width = 1 + max(out.num_spec_tokens, default=0)
             tokens = torch.full((len(final), width), -1, dtype=torch.long)

@@ -353,6 +353,19 @@ class SamplingStateTable:
         if self.grammars is not None and len(self.grammars):
             self.grammars.prefetch(req_ids)
 
+    def seeded_states(self, req_ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The generator state of each seeded random request of req_ids, before a step draws."""
+        return {r: e.generator.get_state() for r in dict.fromkeys(req_ids)
+                if (e := self._entries[r]).generator is not None and not is_greedy(e.params)}
+
+    def rewind(self, req_id: str, state: torch.Tensor, num_tokens: int) -> None:
+        """Sets a request's generator back to `state`, then past the draws of num_tokens
+        sampled tokens: a step that also drew for drafts it rejected leaves the stream where
+        sampling only its kept tokens would have (what skip_draws rebuilds elsewhere)."""
+        generator = self._entries[req_id].generator
+        generator.set_state(state)
+        skip_draws(generator, num_tokens, self.vocab_size, self.device)
+
     def make_batch(self, req_ids: Sequence[str]) -> SamplingBatch:
         """The batch for this step's rows, in order; O(n) Python + O(penalised rows x vocab)."""
         entries = [self._entries[r] for r in req_ids]
