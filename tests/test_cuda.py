@@ -106,6 +106,21 @@ def test_speculation_keeps_greedy_output_on_cuda(checkpoints):
     assert stats["spec_num_draft_tokens"] > 0
 
 
+def test_seeded_speculation_rewinds_its_cuda_generator(checkpoints):
+    """Rejected drafts' draws are rewound on the device's generator (get_state / set_state and
+    skip_draws on CUDA): the seeded streams repeat, with drafts rejected along the way."""
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 20, 21, 22, 20, 21]]
+    params = SamplingParams(temperature=0.2, max_tokens=24, ignore_eos=True, seed=5)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    with LLM(checkpoints["llama"], block_size=4, speculative_config=spec, **CUDA) as llm:
+        first = _tokens(llm, prompts, params)
+        again = _tokens(llm, prompts, params)
+        stats = llm.stats()
+    assert first == again
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
 def test_bf16_default_serves_and_seeded_sampling_repeats(checkpoints):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=7)
     prompts = _prompts(384, n=4)
