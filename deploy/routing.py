@@ -11,11 +11,12 @@ there, from the exact KV index (deploy/kv_index.py) and the replica's load:
 
 where steps = 1 + work / max_num_batched_tokens (each step also carries every running
 request's decode), the prefill rate is the replicas' measured mean, and the blocks work lacks
-are those it needs beyond the replica's free ones (they wait for running requests to finish). A replica may take a request only while its outstanding requests stay
-within `load_bound` x the mean (bounded loads), so a hot prefix spreads once its replica is
-that far ahead. `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the
-approximate policy of SGLang's and Ray Serve's routers: a tree of the prompts each replica was
-sent (never told of evictions, tiers or salts), for comparison.
+are those it needs beyond the replica's free ones (they wait for running requests to finish).
+A replica may take a request only while its outstanding requests stay within `load_bound` x
+the mean (bounded loads), so a hot prefix spreads once its replica is that far ahead.
+`least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the approximate policy of
+SGLang's and Ray Serve's routers: a tree of the prompts each replica was sent (never told of
+evictions, tiers or salts), for comparison.
 
 Policies are plain objects driven by the router actor (deploy/router.py), Ray-free and
 testable alone.

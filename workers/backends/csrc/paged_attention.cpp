@@ -384,7 +384,8 @@ void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
   T* out = a.out + seq * heads * D;
   for (int64_t h = 0; h < heads; ++h) {
     float top = kNegInf;
-    for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials[((p0 + p) * heads + h) * kPartialRow<D>]);
+    for (int64_t p = 0; p < parts; ++p)
+      top = std::max(top, partials[((p0 + p) * heads + h) * kPartialRow<D>]);
     Vec acc[kVecs] = {};
     float l = 0.0f;
     for (int64_t p = 0; p < parts; ++p) {
@@ -395,7 +396,8 @@ void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
     }
     const float inv = 1.0f / l;
     for (int c = 0; c < kVecs; ++c)
-      for (int i = 0; i < kLanes; ++i) out[h * D + c * kLanes + i] = static_cast<T>(acc[c][i] * inv);
+      for (int i = 0; i < kLanes; ++i)
+        out[h * D + c * kLanes + i] = static_cast<T>(acc[c][i] * inv);
   }
 }
 
