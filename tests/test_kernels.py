@@ -21,6 +21,7 @@ from tierserve.workers.backends import cpu as cpu_backends
 from tierserve.workers.backends.cpu import CpuKernelBackend
 from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.kernels import KernelLibrary, build_dir_for
+from tierserve.workers.backends.stack import KernelLayerStack
 
 COMPILER = os.environ.get("CXX", "c++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
@@ -406,16 +407,20 @@ def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypat
     prompts = [[(7 * i + 3) % 380 + 3 for i in range(n)] for n in (5, 40, 17, 3, 61)]
     references = [hf_greedy(hf, p, 10) for p in prompts]
     spied = _spy(monkeypatch, "paged_attention")
+    stacked = []
+    run = KernelLayerStack.run
+    monkeypatch.setattr(KernelLayerStack, "run", lambda self, hidden, *a: stacked.append(
+        (hidden.shape[0], run(self, hidden, *a) is not None)) or run(self, hidden, *a))
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(str(path), block_size=4, cpu_isa=kernels.name) as llm:
         assert llm.stats()["cpu_backend"] == kernels.name
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
-    # Every layer of every step: the prompts' tokens first, then 3 layers x 9 decode steps over
-    # the whole batch of 5.
+    # The prompts' tokens through every layer's kernel, then 9 decode steps over the whole
+    # batch of 5 through the layer stack (the same kernels in one call).
     assert {args[0].name for args in spied} == {kernels.name}
-    calls = [args[1].shape[0] for args in spied]
-    assert calls.count(len(prompts)) >= 27 and max(calls) > len(prompts)
+    assert max(args[1].shape[0] for args in spied) > len(prompts)
+    assert stacked.count((len(prompts), True)) >= 9
 
 
 @pytest.mark.parity

@@ -368,3 +368,42 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
     prompts = [SMOL_PROMPT, SMOL_PROMPT[:5]]
     got = PagedRunner(ours, num_blocks=32, block_size=16).greedy(prompts, 10)
     assert got == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, None),
+                                         (torch.float32, "q4_1")])
+def test_layer_stack_is_bitwise_the_layer_by_layer_path(tiny_ckpts, kernels, name, dtype, quant,
+                                                        monkeypatch):
+    """A kernel backend runs a step's layers in one call (backends/stack.py) where every piece
+    takes a kernel: prefills, single decodes and batches give the very logits and pools of the
+    model's layer-by-layer path (biases, sliding windows, quantized linears included)."""
+    from tierserve.workers.backends.stack import KernelLayerStack
+    taken = []
+    run = KernelLayerStack.run
+    monkeypatch.setattr(KernelLayerStack, "run", lambda self, *a: taken.append(
+        run(self, *a) is not None) or run(self, *a))
+    model = load_model(str(tiny_ckpts[name]), dtype=dtype, backend=kernels,
+                       quantization=quant)[1]
+    rng = random.Random(4)
+    seqs = [_tokens(rng, n, model.config.vocab_size) for n in (7, 19, 2)]
+    stacked, plain = PagedRunner(model, seed=3), PagedRunner(model, seed=3)
+
+    def both(works):
+        model.model.use_layer_stack = True
+        a = stacked.step(works)
+        model.model.use_layer_stack = False
+        b = plain.step(works)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    both([Work(f"s{i}", s, 0) for i, s in enumerate(seqs)])
+    for step in range(6):
+        live = seqs if step % 2 else seqs[:1]  # one row, then the batch
+        for s in live:
+            s.append(rng.randrange(3, model.config.vocab_size))
+        both([Work(f"s{i}", s[-1:], len(s) - 1) for i, s in enumerate(live)])
+    # oneDNN's packed half-precision weights take the panel kernel for single rows alone.
+    assert len(taken) == 7 and all(taken[1::2])
+    assert all(taken) or (dtype != torch.float32 and kernels.half_linear_for(dtype) == "onednn")
+    for (k1, v1), (k2, v2) in zip(stacked.kv_caches, plain.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -13,6 +13,8 @@ asks which backend it has: a new ISA or device is one new subclass.
   attention(q, k, v, kv_cache, attn, ...)  paged attention of a step's tokens
   rms_norm, silu_and_mul               the layer's elementwise ops
   argmax_rows(logits)                  the greedy token of each row
+  layer_stack(layers, ...)             once per model at TP=1: an object whose `run(...)`
+                                       runs a step's decoder layers in one call, or None
   describe()                           what stats() and the start-up log show
 
 Implementations: TorchBackend (portable.py: plain torch ops, correct on every CPU), the CPU
@@ -67,6 +69,14 @@ class Backend(abc.ABC):
         """A step's paged attention (workers/attention.py: AttentionMetadata) with the step's
         K/V already in the pool -> [T, heads * D]. window: each token sees the last `window`
         tokens of its context; None: all of it."""
+
+    def layer_stack(self, layers: list, heads: int, head_dim: int, scale: float, eps: float,
+                    dtype: torch.dtype):
+        """An object whose `run(hidden, cos, sin, kv_caches, attn)` gives a step's (last MLP
+        output, residual stream) through all `layers` (backends/stack.py: StackLayer) in one
+        call, bitwise the layer-by-layer result, or None for a step it does not take; None
+        where the backend has no such route."""
+        return None
 
     # ------------------------------------------------------------ elementwise
 

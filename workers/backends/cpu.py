@@ -20,6 +20,7 @@ from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
+from tierserve.workers.backends.stack import KernelLayerStack
 
 __all__ = ["CpuKernelBackend", "Avx2Backend", "Avx512Backend", "AmxBackend", "KERNEL_BACKENDS",
            "kernel_backend", "plan_for", "torch_backend", "PANEL_MAX_ROWS",
@@ -120,6 +121,14 @@ class CpuKernelBackend(TorchBackend):
         if isinstance(method, PanelWeight) and GreedyHead.applies_to(weight, self):
             return GreedyHead(method, weight, self)
         return None
+
+    def layer_stack(self, layers, heads, head_dim, scale, eps, dtype):
+        if not (self.fused and dtype in (torch.float32, torch.bfloat16)
+                and self.attends(dtype, head_dim)):
+            return None
+        stack = KernelLayerStack(self.ops, layers, heads, scale, eps, dtype,
+                                 self.panel_max_rows, KERNEL_PREFILL_MAX_CONTEXT)
+        return stack if stack.takes_any else None
 
     def rotary_write_kv(self, qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads, head_dim):
         if not self.fuses(qkv):

@@ -13,6 +13,7 @@ from torch import nn
 from tierserve.workers.attention import AttentionMetadata
 from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.portable import torch_backend
+from tierserve.workers.backends.stack import StackLayer
 from tierserve.workers.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -126,6 +127,17 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def stack_layer(self) -> StackLayer | None:
+        """The layer in plain values for a backend's layer stack; None before its linears
+        have their methods (backends/stack.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = tuple((m.method, m.bias) for m in (attn.qkv_proj, attn.o_proj,
+                                                      mlp.gate_up_proj, mlp.down_proj))
+        if any(method is None for method, _ in linears):
+            return None
+        return StackLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                          linears, attn.window)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device, backend: Backend):
@@ -138,11 +150,36 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, backend)
+        self.config, self.dtype, self.backend = config, dtype, backend
+        # The backend's one-call route through the layers (None: it has none), built on the
+        # first forward after the weights are packed. False turns it off (tests compare).
+        self.use_layer_stack = True
+        self._stack: object | None = None
+        self._stack_built = False
+
+    def layer_stack(self):
+        """The backend's route for a step's layers in one call, or None (backends/stack.py)."""
+        if not self.use_layer_stack or get_tp_size() != 1:
+            return None
+        if not self._stack_built:
+            layers = [layer.stack_layer() for layer in self.layers]
+            if any(layer is None for layer in layers):
+                return None  # not packed yet
+            attn = self.layers[0].self_attn
+            self._stack = self.backend.layer_stack(layers, attn.num_heads, attn.head_dim,
+                                                   attn.scale, self.config.rms_norm_eps,
+                                                   self.dtype)
+            self._stack_built = True
+        return self._stack
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache],
                 keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, D / 2] each
+        stack = self.layer_stack() if keep is None else None
+        out = None if stack is None else stack.run(hidden, cos, sin, kv_caches, attn)
+        if out is not None:
+            return self.norm(*out)[0]
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

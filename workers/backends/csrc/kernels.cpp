@@ -8,6 +8,7 @@
 #include "linear_amx.cpp"
 #include "fused.cpp"
 #include "quant.cpp"
+#include "layer_stack.cpp"
 
 #include <string>
 

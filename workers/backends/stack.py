@@ -1,0 +1,114 @@
+"""A model's decoder layers as one kernel call per step (csrc/layer_stack.cpp).
+
+The model's per-layer path calls about ten ops per layer from Python; at decode sizes each op's
+dispatch costs about as much as its work. The kernel backends run the same kernels, in the
+same order, from one C++ loop, when every piece of the step takes a kernel: every linear has a
+kernel method for the step's row count, attention reads the pool in place (no prefill chunk
+longer than KERNEL_PREFILL_MAX_CONTEXT), and the elementwise ops are fused for the dtype. Any
+other step returns None and the model takes its per-layer path. Results are bitwise the
+per-layer path's (tests/test_kernels.py compares them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from tierserve.workers.backends.linear import PackedWeight, PanelWeight
+from tierserve.workers.backends.quant import QuantPanelWeight
+
+__all__ = ["StackLayer", "KernelLayerStack"]
+
+# csrc/layer_stack.cpp's LinearKind.
+_PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1 = range(4)
+
+
+class StackLayer(NamedTuple):
+    """One decoder layer in plain values: its norms' weights, its four linears in order
+    (qkv, o, gate_up, down) as (method, bias), and its sliding window (None: full)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    linears: tuple[tuple[Any, torch.Tensor | None], ...]
+    window: int | None
+
+
+class _Plan(NamedTuple):
+    weights: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
+    kinds: list[int]
+    widths: list[int]
+
+
+def _kernel_of(method, dtype: torch.dtype, rows: int, max_rows: int):
+    """(kind, tensors) of the kernel `method.linear` runs for `rows` rows of `dtype`, or None
+    where it runs something else (oneDNN, MKL, AMX or a dtype conversion)."""
+    if isinstance(method, PackedWeight):
+        if rows != 1 or method.panel is None:
+            return None
+        method = method.panel
+    if isinstance(method, PanelWeight):
+        if dtype != torch.float32:
+            return (_PANEL_HALF, (method.panels,)) if method.panels.dtype == dtype else None
+        return (_PANEL_F32, (method.panels,)) if rows <= max_rows else None
+    if isinstance(method, QuantPanelWeight) and dtype == torch.float32 and rows <= max_rows:
+        if method.format == "q4_1":
+            return _Q4_1, (method.codes, method.scales, method.offsets)
+        return _Q8_0, (method.codes, method.scales)
+    return None
+
+
+@dataclass(eq=False)
+class KernelLayerStack:
+    """A CPU kernel backend's route for a model's layers (module docstring)."""
+
+    ops: Any
+    layers: list[StackLayer]
+    heads: int
+    scale: float
+    eps: float
+    dtype: torch.dtype
+    max_rows: int
+    max_prefill_context: int
+
+    def __post_init__(self) -> None:
+        self._norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        self._windows = [layer.window or 0 for layer in self.layers]
+        # Row count -> plan: one row and several rows may run different kernels (oneDNN
+        # weights take the panel kernel for a single row only).
+        self._plans = {1: self._plan(1), 2: self._plan(2)}
+
+    @property
+    def takes_any(self) -> bool:
+        """Whether some row count runs through the stack."""
+        return any(plan is not None for plan in self._plans.values())
+
+    def _plan(self, rows: int) -> _Plan | None:
+        plan = _Plan([], [], [], [])
+        for layer in self.layers:
+            for method, bias in layer.linears:
+                kernel = _kernel_of(method, self.dtype, rows, self.max_rows)
+                if kernel is None:
+                    return None
+                kind, tensors = kernel
+                plan.weights.extend(list(tensors) + [None] * (3 - len(tensors)))
+                plan.biases.append(bias)
+                plan.kinds.append(kind)
+                plan.widths.append(method.out_features)
+        return plan
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list, attn) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's MLP output, residual stream) for the step, or None where a piece of
+        it takes no kernel (the caller then runs its layers one by one)."""
+        rows = hidden.shape[0]
+        plan = self._plans[min(rows, 2)]
+        if plan is None or rows > self.max_rows or hidden.dtype != self.dtype \
+                or attn.prefills_longer_than(self.max_prefill_context):
+            return None
+        tables, lens, token_rows = attn.token_tables()
+        return self.ops.layer_stack(
+            hidden, None, cos, sin, attn.slot_mapping, tables, lens, token_rows, self._norms,
+            plan.weights, plan.biases, plan.kinds, plan.widths, [t for pair in kv_caches for t in pair],
+            self._windows, self.heads, self.scale, self.eps)
