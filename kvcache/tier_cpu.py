@@ -1,6 +1,6 @@
 """The CPU tier: a fixed array of slots whose ids mean the same place on every TP rank, like
 block ids, their free list and their hash map, and the KV events of the hashes it starts and
-stops holding.
+stops holding. The order in which evictable slots go is kvcache/tier_cpu_eviction.py's.
 
 A slot is FREE, FILLING (a copy into it is in flight) or READY. A READY slot is cached (in the
 hash map, evictable when no copy reads it) or owned by one swapped-out request (private, never
@@ -10,11 +10,10 @@ slots (check_integrity, cached_slots, held_hashes, clear and drop_all excepted).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from tierserve.kvcache.block import BlockHash
 from tierserve.kvcache.events import KVEventRecorder, KVTier
 from tierserve.kvcache.tenants import TierShares
+from tierserve.kvcache.tier_cpu_eviction import CpuEvictionOrder
 from tierserve.kvcache.tier_records import CpuSlot, SlotState
 
 __all__ = ["CpuTier"]
@@ -30,14 +29,13 @@ class CpuTier:
         self.slots = [CpuSlot(i) for i in range(num_slots)]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._index: dict[BlockHash, CpuSlot] = {}
-        # Evictable slots (READY, cached, not busy, kept), coldest first.
-        self._clean: OrderedDict[int, CpuSlot] = OrderedDict()
-        self._dirty: OrderedDict[int, CpuSlot] = OrderedDict()
         self.num_clean = 0  # READY cached clean slots, busy or not
         self.num_collisions = 0
         self.events: KVEventRecorder | None = None
-        # Indexed slots and the LRUs' slots per tenant with a share (lane 0 clean, 1 dirty).
+        # Indexed slots per tenant with a share, and its evictable ones (lane 0 clean, 1 dirty).
         self.shares = TierShares(num_slots, num_lanes=2)
+        # Evictable slots (READY, cached, not busy, kept).
+        self._evictable = CpuEvictionOrder(self.shares)
 
     @property
     def num_slots(self) -> int:
@@ -52,11 +50,11 @@ class CpuTier:
 
     @property
     def num_evictable_dirty(self) -> int:
-        return len(self._dirty)
+        return self._evictable.num_dirty
 
     def available(self) -> int:
         """Slots `allocate` could hand out now: free ones and evictable cached ones."""
-        return len(self._free) + len(self._clean) + len(self._dirty)
+        return len(self._free) + len(self._evictable)
 
     def lookup(self, block_hash: BlockHash, key: bytes | None) -> CpuSlot | None:
         """The READY cached slot of this hash (its stored key equal to `key` when verifying)."""
@@ -77,11 +75,7 @@ class CpuTier:
 
     def touch(self, slot: CpuSlot) -> None:
         """A hit: the slot becomes the hottest of its LRU."""
-        lru = self._clean if slot.clean else self._dirty
-        if slot.slot in lru:
-            lru.move_to_end(slot.slot)
-            if slot.tenant is not None:
-                self.shares.touch(slot.tenant, not slot.clean, slot.slot)
+        self._evictable.touch(slot)
 
     def allocate(self, block_hash: BlockHash | None, key: bytes | None, owner: str | None = None,
                  tenant: str | None = None
@@ -91,17 +85,14 @@ class CpuTier:
         (slot, evicted), `evicted` the dropped slot's (hash, clean), or (None, None) when
         every slot is busy or owned."""
         evicted = None
-        shares = self.shares
-        tenant = shares.tracked(tenant) if owner is None and block_hash is not None else None
+        tenant = self.shares.tracked(tenant) if owner is None and block_hash is not None \
+            else None
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
-            slot = shares.victim(tenant) if shares.lanes else None
+            slot = self._evictable.victim(tenant)
             if slot is None:
-                lru = self._clean or self._dirty
-                if not lru:
-                    return None, None
-                slot = next(iter(lru.values()))
+                return None, None
             evicted = (slot.block_hash, slot.clean)
             self._unindex(slot)
             self._set_clean(slot, False)
@@ -113,7 +104,7 @@ class CpuTier:
             # lookup sees it only when READY.
             self._index[block_hash] = slot
             if tenant is not None:
-                shares.hold(tenant)
+                self.shares.hold(tenant)
         return slot, evicted
 
     def commit(self, slot: CpuSlot, clean: bool = False) -> None:
@@ -151,7 +142,7 @@ class CpuTier:
     def pin(self, slot: CpuSlot) -> None:
         """A copy (or a request waiting to be admitted) reads the slot: not evictable."""
         slot.readers += 1
-        self._leave_lru(slot)
+        self._evictable.leave(slot)
 
     def unpin(self, slot: CpuSlot) -> None:
         assert slot.readers > 0, f"cpu slot {slot.slot} unpinned too often"
@@ -164,42 +155,34 @@ class CpuTier:
     def mark_clean(self, slot: CpuSlot) -> None:
         """The slot's block is also on SSD."""
         if slot.state == SlotState.READY and slot.cached and not slot.clean:
-            in_lru = self._leave_lru(slot)
-            self._set_clean(slot, True)
-            if in_lru:
-                self._settle(slot)
+            self._reclassify(slot, True)
 
     def mark_dirty(self, block_hash: BlockHash) -> None:
         """The SSD copy of this hash is gone: a CPU copy of it is the only one."""
         slot = self._index.get(block_hash)
         if slot is not None and slot.clean:
-            in_lru = self._leave_lru(slot)
-            self._set_clean(slot, False)
-            if in_lru:
-                self._settle(slot)
+            self._reclassify(slot, False)
 
     def coldest_dirty(self, n: int) -> list[CpuSlot]:
         """Up to n evictable dirty slots, coldest first (write-back candidates)."""
-        out = []
-        for slot in self._dirty.values():
-            if len(out) == n:
-                break
-            out.append(slot)
-        return out
+        return self._evictable.coldest_dirty(n)
 
     def eviction_order(self) -> list[int]:
         """Evictable slot ids in the order `allocate` takes them (tests)."""
-        return list(self._clean) + list(self._dirty)
+        return self._evictable.order()
 
     def cached_slots(self) -> list[CpuSlot]:
         """Every READY cached slot, busy or not (a shutdown's flush; O(size))."""
         return [s for s in self._index.values() if s.state == SlotState.READY]
 
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash the tier holds (a KV-event snapshot)."""
+        return [h for h, s in self._index.items() if s.state == SlotState.READY]
+
     def clear(self) -> None:
         """Drops every evictable slot (reset_prefix_cache); busy ones stay."""
-        for lru in (self._clean, self._dirty):
-            for slot in list(lru.values()):
-                self.release(slot)
+        for slot in self._evictable.slots():
+            self.release(slot)
 
     def drop_all(self) -> None:
         """Every slot FREE, copies and pins or not: the memory holding them is gone."""
@@ -212,8 +195,7 @@ class CpuTier:
                 slot.release_pending = False
                 self._free_slot(slot)
         self._index.clear()
-        self._clean.clear()
-        self._dirty.clear()
+        self._evictable.clear()
         self.shares.clear()
         self.num_clean = 0
 
@@ -225,20 +207,17 @@ class CpuTier:
         now = clean and slot.state == SlotState.READY and slot.cached
         self.num_clean += now - counted
 
+    def _reclassify(self, slot: CpuSlot, clean: bool) -> None:
+        """Moves the slot to the other LRU (as its hottest) if it was evictable."""
+        in_lru = self._evictable.leave(slot)
+        self._set_clean(slot, clean)
+        if in_lru:
+            self._settle(slot)
+
     def _settle(self, slot: CpuSlot) -> None:
         """Enters an idle READY cached slot in its LRU as the hottest."""
         if slot.state == SlotState.READY and slot.cached and not slot.busy:
-            (self._clean if slot.clean else self._dirty)[slot.slot] = slot
-            if slot.tenant is not None:
-                self.shares.add(slot.tenant, not slot.clean, slot.slot, slot)
-
-    def _leave_lru(self, slot: CpuSlot) -> bool:
-        """Takes the slot out of its LRU (not evictable); True if it was in it."""
-        if (self._clean if slot.clean else self._dirty).pop(slot.slot, None) is None:
-            return False
-        if slot.tenant is not None:
-            self.shares.remove(slot.tenant, not slot.clean, slot.slot)
-        return True
+            self._evictable.enter(slot)
 
     def _maybe_free(self, slot: CpuSlot) -> None:
         if not slot.busy:
@@ -258,34 +237,21 @@ class CpuTier:
                 self.shares.drop(slot.tenant)
             if slot.state == SlotState.READY:
                 self._report(slot.block_hash, False)
-        self._leave_lru(slot)
+        self._evictable.leave(slot)
 
     def _report(self, block_hash: BlockHash, held: bool) -> None:
         """The tier starts (or stops) holding the hash: a KV event."""
         if self.events is not None:
             (self.events.stored if held else self.events.removed)(KVTier.CPU, block_hash)
 
-    def held_hashes(self) -> list[BlockHash]:
-        """Every hash the tier holds (a KV-event snapshot)."""
-        return [h for h, s in self._index.items() if s.state == SlotState.READY]
+    # ---------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "cpu tier: a slot is free twice"
         num_clean = 0
         for slot in self.slots:
-            assert (slot.state == SlotState.FREE) == (slot.slot in free), (
-                f"cpu slot {slot.slot}: free list and state disagree")
-            if slot.state == SlotState.FREE:
-                assert slot.readers == 0 and slot.block_hash is None and slot.owner is None
-                assert not slot.clean
-            evictable = (slot.state == SlotState.READY and slot.cached and not slot.busy
-                         and not slot.release_pending)
-            in_lru = slot.slot in (self._clean if slot.clean else self._dirty)
-            assert in_lru == evictable, f"cpu slot {slot.slot}: in an LRU iff evictable"
-            assert slot.slot not in (self._dirty if slot.clean else self._clean)
-            if slot.release_pending:
-                assert slot.busy and self._index.get(slot.block_hash) is not slot
+            self._check_slot(slot, free)
             num_clean += slot.clean and slot.state == SlotState.READY and slot.cached
         assert num_clean == self.num_clean, f"cpu tier: {self.num_clean} clean counted, " \
                                             f"{num_clean} found"
@@ -294,17 +260,27 @@ class CpuTier:
             assert slot.state in (SlotState.FILLING, SlotState.READY)
         self._check_shares()
 
+    def _check_slot(self, slot: CpuSlot, free: set[int]) -> None:
+        assert (slot.state == SlotState.FREE) == (slot.slot in free), (
+            f"cpu slot {slot.slot}: free list and state disagree")
+        if slot.state == SlotState.FREE:
+            assert slot.readers == 0 and slot.block_hash is None and slot.owner is None
+            assert not slot.clean
+        evictable = (slot.state == SlotState.READY and slot.cached and not slot.busy
+                     and not slot.release_pending)
+        in_lru = self._evictable.contains(slot.slot, slot.clean)
+        assert in_lru == evictable, f"cpu slot {slot.slot}: in an LRU iff evictable"
+        assert not self._evictable.contains(slot.slot, not slot.clean)
+        if slot.release_pending:
+            assert slot.busy and self._index.get(slot.block_hash) is not slot
+
     def _check_shares(self) -> None:
         held: dict[str, int] = {}
         for slot in self._index.values():
             if slot.tenant is not None:
                 assert self.shares.cap(slot.tenant) is not None
                 held[slot.tenant] = held.get(slot.tenant, 0) + 1
-        lanes: dict[str, list[list[int]]] = {}
-        for lane, lru in enumerate((self._clean, self._dirty)):
-            for slot in lru.values():
-                if slot.tenant is not None:
-                    lanes.setdefault(slot.tenant, [[], []])[lane].append(slot.slot)
+        lanes = self._evictable.tenant_lanes()
         for slot in self.slots:
             assert slot.tenant is None or slot.cached, f"cpu slot {slot.slot}: a private tenant"
         self.shares.check(held, lanes)

@@ -5,7 +5,7 @@ answers lookups and keeps its structures consistent as the policy moves blocks. 
 
   CpuTier   (kvcache/tier_cpu.py) a fixed array of slots whose ids mean the same place on every
             TP rank, like block ids, each FREE, FILLING or READY; cached (hit by hash) or owned
-            by one swapped-out request.
+            by one swapped-out request. Its eviction order is kvcache/tier_cpu_eviction.py's.
   SsdTier   (kvcache/tier_ssd_record.py) the blocks this engine knows to be in the shared SSD
             folder, by block hash (no ids: the folder's entries are content-addressed files).
   in flight (here) the asynchronous copies (SSD -> CPU loads, CPU -> SSD spills), per kind in
