@@ -9,29 +9,37 @@
   swap      a preempted request's blocks -> CPU slots it owns, and back when it resumes,
             where the preemption mode and the measured costs say swapping beats recomputing
 
-The Scheduler asks; the policy answers from the index (kvcache/tier_index.py), keeps the
-per-request admission state (requests waiting for loads, slots held for them, swapped-out
-requests), and hands each step's copies over as CopyBatches, one per kind, in the order the
-workers execute them. Synchronous copies (device <-> CPU) complete with the step that carries
-them; asynchronous ones (SSD) when the workers report their sequence numbers done.
+The Scheduler asks; the policy answers from the index (kvcache/tier_index.py) and hands each
+step's copies over as CopyBatches, one per kind, in the order the workers execute them.
+Synchronous copies (device <-> CPU) complete with the step that carries them; asynchronous ones
+(SSD) when the workers report their sequence numbers done.
+
+Its state, one owner each but the steps' copies and write-back: the requests waiting for SSD
+loads and the slots held for them (kvcache/tier_admission.py), the swapped-out requests
+(kvcache/tier_swap.py), the measured costs and the counters (kvcache/tier_metrics.py).
 
 A policy over an index of capacity 0 is "no tiers": every question has a constant answer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash
 from tierserve.kvcache.tenants import tenant_of
-from tierserve.kvcache.tier_index import (
-    ASYNC_KINDS, AsyncCopy, CopyKind, CpuSlot, SlotState, SsdEntry, TierIndex,
+from tierserve.kvcache.tier_admission import (
+    NO_ADMISSION, LoadWaits, TierAdmission, TieredRequest, TierHit,
 )
+from tierserve.kvcache.tier_index import TierIndex
+from tierserve.kvcache.tier_metrics import CostModel, TierStats
+from tierserve.kvcache.tier_records import (
+    ASYNC_KINDS, AsyncCopy, CopyKind, CpuSlot, SlotState, SsdEntry,
+)
+from tierserve.kvcache.tier_swap import PREEMPTION_MODES, SwappedRequests
 
 __all__ = ["PREEMPTION_MODES", "TierPolicy", "TierAdmission", "TierHit", "CopyBatch",
            "CostModel", "TierStats", "TieredRequest"]
 
-PREEMPTION_MODES = ("auto", "recompute", "swap")
 # Spills a step starts at most: this many, plus two per block the step copies into the CPU
 # tier, so that write-back keeps up with demotions while a step's host work grows with the
 # step's own copies, never with the tier (a backlog is written over the next steps, idle ones
@@ -39,61 +47,6 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 MIN_SPILLS_PER_STEP = 64
 # Spills failing in a row (a full or read-only folder) turn write-back off for this engine.
 MAX_SPILL_FAILURES = 8
-
-
-class TieredRequest(Protocol):
-    """What the policy reads from a request (scheduler.Request satisfies it)."""
-
-    request_id: str
-    block_hashes: list[BlockHash]
-    block_keys: list[bytes] | None
-    cache_salt: str | None  # its tenant's share of each tier (kvcache/tenants.py)
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-@dataclass(slots=True)
-class CostModel:
-    """Measured rates behind swap-vs-recompute (the seeds' table): a block's bytes over the
-    copy bandwidth, out and back, against prefilling its tokens again. Zero: not measured."""
-
-    block_bytes: int = 0
-    copy_bytes_per_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-
-    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
-        if not (self.block_bytes and self.copy_bytes_per_s and self.prefill_tokens_per_s):
-            return True  # a memcpy is cheaper than a forward on every device we know
-        swap_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
-        return swap_s < num_tokens / self.prefill_tokens_per_s
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step's throughput, averaged over steps."""
-        rate = num_tokens / seconds
-        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
-            0.8 * self.prefill_tokens_per_s + 0.2 * rate)
-
-
-@dataclass(slots=True)
-class TierHit:
-    """One block of a prefix found below the device pool."""
-
-    tier: str  # "cpu" or "ssd"
-    slot: CpuSlot | SsdEntry
-    key: bytes | None  # the request's hashed key of the block
-
-
-@dataclass(slots=True)
-class TierAdmission:
-    """What the tiers add to a waiting request's admission."""
-
-    cpu_hits: list[CpuSlot] = field(default_factory=list)  # pinned until promoted or refused
-    wait: bool = False  # the request waits for SSD loads; admit others meanwhile
-    defer: bool = False  # its SSD hits cannot load yet (no CPU slot free): try next step
-
-
-_NO_ADMISSION = TierAdmission()
 
 
 @dataclass(slots=True)
@@ -112,24 +65,6 @@ class CopyBatch:
 
 
 @dataclass(slots=True)
-class TierStats:
-    cpu_hit_blocks: int = 0
-    ssd_hit_blocks: int = 0
-    promotions: int = 0  # CPU -> device blocks
-    demotions: int = 0  # device -> CPU blocks
-    demotions_dropped: int = 0  # evicted device blocks the CPU tier had no room for
-    loads: int = 0  # SSD -> CPU blocks (completed)
-    spills: int = 0  # CPU -> SSD blocks (completed)
-    cpu_dropped: int = 0  # cached CPU blocks dropped without an SSD copy
-    ssd_dropped: int = 0  # SSD blocks the record forgot for room
-    checksum_failures: int = 0  # SSD entries that failed their checks (or vanished) on load
-    spill_failures: int = 0  # SSD writes that failed
-    swap_outs: int = 0  # preempted requests swapped to the CPU tier
-    swap_ins: int = 0
-    bytes_copied: int = 0
-
-
-@dataclass(slots=True)
 class _StepCopies:
     """What the step being scheduled asks of the workers."""
 
@@ -143,12 +78,6 @@ class _StepCopies:
 
     def __bool__(self) -> bool:
         return bool(self.fills or self.reads or self.started)
-
-
-@dataclass(slots=True)
-class _Swapped:
-    slots: list[CpuSlot]
-    num_tokens: int
 
 
 class TierPolicy:
@@ -170,12 +99,8 @@ class TierPolicy:
         self.headroom = max(1, int(writeback_headroom * self.index.cpu.num_slots))
         self._step = _StepCopies()
         self._pending: dict[int, _StepCopies] = {}  # steps sent, by id, until they complete
-        self._loading: dict[str, TieredRequest] = {}  # requests waiting for SSD loads
-        self._loads_of: dict[str, dict[int, AsyncCopy]] = {}  # request -> its loads, by seq
-        # CPU slots pinned for a request waiting on loads (its CPU hits and load targets), so
-        # that what it waits for is still there when it is admitted.
-        self._held: dict[str, list[CpuSlot]] = {}
-        self._swapped: dict[str, _Swapped] = {}
+        self._waits = LoadWaits(self.index.cpu)
+        self._swapped = SwappedRequests(self.index.cpu)
         self._spill_failures = 0  # in a row
 
     @property
@@ -248,7 +173,7 @@ class TierPolicy:
         promotion this step; SSD ones start loading and the request waits, with its CPU hits
         and load targets held for it."""
         if not self.index.cpu.slots:
-            return _NO_ADMISSION
+            return NO_ADMISSION
         hits = self.find(req, num_device_hits)
         if any(h.tier == "ssd" for h in hits):
             if self._start_loads(req, hits):
@@ -275,7 +200,7 @@ class TierPolicy:
             self.index.cpu.touch(slot)
         self.counters.promotions += len(hits)
         self.counters.cpu_hit_blocks += len(hits)
-        self._release_held(request_id)
+        self._waits.release_held(request_id)
 
     def refused(self, admission: TierAdmission) -> None:
         """No room this step: the CPU hits are unpinned (slots held for a request that waited
@@ -293,15 +218,13 @@ class TierPolicy:
                 if copy is None:
                     break  # no CPU room: the rest of the prefix is recomputed
                 self.counters.ssd_hit_blocks += 1
-                copy.waiters.add(rid)
-                self._loads_of.setdefault(rid, {})[copy.seq] = copy
+                self._waits.join(rid, copy)
                 slot = copy.slot
                 started = True
             self.index.cpu.pin(slot)
             held.append(slot)
         if started:
-            self._held.setdefault(rid, []).extend(held)
-            self._loading[rid] = req
+            self._waits.wait(req, held)
         else:  # nothing to wait for: these pins go (slots held in an earlier round stay)
             for slot in held:
                 self.index.cpu.unpin(slot)
@@ -323,19 +246,15 @@ class TierPolicy:
         self._step.started.append(copy)
         return copy
 
-    def _release_held(self, request_id: str) -> None:
-        for slot in self._held.pop(request_id, ()):
-            self.index.cpu.unpin(slot)
-
     @property
     def num_loading(self) -> int:
-        return len(self._loading)
+        return len(self._waits)
 
     def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loading
+        return request_id in self._waits
 
     def loading_ids(self) -> set[str]:
-        return set(self._loading)
+        return self._waits.ids()
 
     # ---------------------------------------------------------------- swap preemption
 
@@ -358,21 +277,20 @@ class TierPolicy:
             self._step.d2c_blocks.append(block_id)
             self._step.d2c_slots.append(slot.slot)
             self._step.fills.append(slot)
-        self._swapped[request_id] = _Swapped(slots, num_computed_tokens)
+        self._swapped.add(request_id, slots, num_computed_tokens)
         self.counters.swap_outs += 1
         return True
 
     def swapped_tokens(self, request_id: str) -> int:
         """How many of a preempted request's tokens wait in the CPU tier (0: none)."""
-        swapped = self._swapped.get(request_id)
-        return swapped.num_tokens if swapped is not None else 0
+        return self._swapped.tokens(request_id)
 
     def swap_in(self, request_id: str, new_block_ids: Sequence[int]) -> None:
         """The swapped-out request resumes: its slots -> its first new blocks; the slots are
         released when the copies complete."""
-        swapped = self._swapped.pop(request_id)
+        slots = self._swapped.take(request_id)
         cpu, step = self.index.cpu, self._step
-        for slot, block_id in zip(swapped.slots, new_block_ids):
+        for slot, block_id in zip(slots, new_block_ids):
             step.c2d_slots.append(slot.slot)
             step.c2d_blocks.append(block_id)
             step.reads.append(slot)
@@ -385,14 +303,8 @@ class TierPolicy:
     def forget(self, request_id: str) -> None:
         """A request finished or was aborted: its loads go on, for the cache; slots held or
         owned for it are released (once any copy of them completes)."""
-        if self._loading.pop(request_id, None) is not None:
-            self._release_held(request_id)
-            for copy in self._loads_of.pop(request_id, {}).values():
-                copy.waiters.discard(request_id)
-        swapped = self._swapped.pop(request_id, None)
-        if swapped is not None:
-            for slot in swapped.slots:
-                self.index.cpu.release(slot)
+        self._waits.forget(request_id)
+        self._swapped.release(request_id)
 
     # ---------------------------------------------------------------- write-back
 
@@ -494,9 +406,7 @@ class TierPolicy:
         for slot in step.fills:
             cpu.void(slot)
         for owner in owners:
-            swapped = self._swapped.pop(owner, None)
-            for slot in swapped.slots if swapped is not None else ():
-                cpu.release(slot)
+            self._swapped.release(owner)
 
     def _complete_load(self, copy: AsyncCopy, ok: bool) -> list[TieredRequest]:
         cpu, ssd = self.index.cpu, self.index.ssd
@@ -509,15 +419,7 @@ class TierPolicy:
             self.counters.checksum_failures += 1
             cpu.void(copy.slot)
             ssd.void(copy.entry)  # never served again by this engine
-        ready = []
-        for rid in copy.waiters:
-            mine = self._loads_of.get(rid)
-            if mine is not None:
-                mine.pop(copy.seq, None)
-                if not mine:
-                    del self._loads_of[rid]
-                    ready.append(self._loading.pop(rid))
-        return ready
+        return self._waits.loaded(copy)
 
     def _complete_spill(self, copy: AsyncCopy, ok: bool) -> None:
         cpu, ssd = self.index.cpu, self.index.ssd
@@ -572,10 +474,7 @@ class TierPolicy:
         kept. Returns the requests that waited for loads: they are waiting requests again.
         Swapped-out requests recompute (swapped_tokens is 0 for every request after this)."""
         self.index.drop_worker_memory()
-        waiting = list(self._loading.values())
-        self._loading.clear()
-        self._loads_of.clear()
-        self._held.clear()
+        waiting = self._waits.clear()
         self._swapped.clear()
         self._pending.clear()
         self._step = _StepCopies()
@@ -586,21 +485,7 @@ class TierPolicy:
     def stats(self) -> dict:
         if not self.enabled:
             return {}
-        s, cpu, ssd = self.counters, self.index.cpu, self.index.ssd
-        out = {"cpu_tier_usage": cpu.usage(), "cpu_tier_slots": cpu.num_slots}
-        if ssd.capacity:
-            out.update(ssd_tier_usage=ssd.usage(), ssd_tier_blocks=ssd.capacity,
-                       tier_ssd_found_blocks=ssd.num_found)
-        out.update(
-            tier_cpu_hit_blocks=s.cpu_hit_blocks, tier_ssd_hit_blocks=s.ssd_hit_blocks,
-            tier_promotions=s.promotions, tier_demotions=s.demotions,
-            tier_demotions_dropped=s.demotions_dropped, tier_loads=s.loads,
-            tier_spills=s.spills, tier_cpu_dropped=s.cpu_dropped, tier_ssd_dropped=s.ssd_dropped,
-            tier_checksum_failures=s.checksum_failures, tier_spill_failures=s.spill_failures,
-            tier_swap_outs=s.swap_outs,
-            tier_swap_ins=s.swap_ins, tier_bytes_copied=s.bytes_copied,
-            num_loading=len(self._loading))
-        return out
+        return self.counters.report(self.index, len(self._waits))
 
     def check_integrity(self) -> None:
         """The index's invariants, and that every pin has an owner: in-flight spills, held
@@ -610,17 +495,13 @@ class TierPolicy:
         readers = {}
         pins = [c.slot for c in index.in_flight(CopyKind.CPU_TO_SSD)]
         pins += [s for step in (*self._pending.values(), self._step) for s in step.reads]
-        pins += [s for held in self._held.values() for s in held]
+        pins += self._waits.held_slots()
         for slot in pins:
             readers[slot.slot] = readers.get(slot.slot, 0) + 1
         for slot in index.cpu.slots:
             assert slot.readers >= readers.get(slot.slot, 0), f"cpu slot {slot.slot}: lost a pin"
-        assert set(self._loads_of) == set(self._loading), "requests waiting on no load"
-        seqs = {c.seq for c in index.in_flight(CopyKind.SSD_TO_CPU)}
-        for rid, mine in self._loads_of.items():
-            assert mine and set(mine) <= seqs, f"{rid}: stale loads"
-        for rid, swapped in self._swapped.items():
-            assert all(s.owner == rid for s in swapped.slots), f"{rid}: a swapped slot changed"
+        self._waits.check({c.seq for c in index.in_flight(CopyKind.SSD_TO_CPU)})
+        self._swapped.check()
 
 
 def _async_batch(kind: CopyKind, copies: list[AsyncCopy]) -> CopyBatch:
