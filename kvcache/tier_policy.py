@@ -14,15 +14,15 @@ step's copies over as CopyBatches, one per kind, in the order the workers execut
 Synchronous copies (device <-> CPU) complete with the step that carries them; asynchronous ones
 (SSD) when the workers report their sequence numbers done.
 
-Its state, one owner each but the steps' copies and write-back: the requests waiting for SSD
-loads and the slots held for them (kvcache/tier_admission.py), the swapped-out requests
-(kvcache/tier_swap.py), the measured costs and the counters (kvcache/tier_metrics.py).
+Its state, one owner each: the steps' copies (kvcache/tier_steps.py), the requests waiting for
+SSD loads and the slots held for them (kvcache/tier_admission.py), the swapped-out requests
+(kvcache/tier_swap.py), write-back (kvcache/tier_writeback.py), the measured costs and the
+counters (kvcache/tier_metrics.py).
 
 A policy over an index of capacity 0 is "no tiers": every question has a constant answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash
@@ -32,52 +32,14 @@ from tierserve.kvcache.tier_admission import (
 )
 from tierserve.kvcache.tier_index import TierIndex
 from tierserve.kvcache.tier_metrics import CostModel, TierStats
-from tierserve.kvcache.tier_records import (
-    ASYNC_KINDS, AsyncCopy, CopyKind, CpuSlot, SlotState, SsdEntry,
-)
+from tierserve.kvcache.tier_records import ASYNC_KINDS, AsyncCopy, CopyKind, SsdEntry
+from tierserve.kvcache.tier_steps import CopyBatch, CopySteps
 from tierserve.kvcache.tier_swap import PREEMPTION_MODES, SwappedRequests
+# The spill bounds are tier_writeback's; importable from here too.
+from tierserve.kvcache.tier_writeback import MAX_SPILL_FAILURES, MIN_SPILLS_PER_STEP, WriteBack
 
 __all__ = ["PREEMPTION_MODES", "TierPolicy", "TierAdmission", "TierHit", "CopyBatch",
            "CostModel", "TierStats", "TieredRequest"]
-
-# Spills a step starts at most: this many, plus two per block the step copies into the CPU
-# tier, so that write-back keeps up with demotions while a step's host work grows with the
-# step's own copies, never with the tier (a backlog is written over the next steps, idle ones
-# included).
-MIN_SPILLS_PER_STEP = 64
-# Spills failing in a row (a full or read-only folder) turn write-back off for this engine.
-MAX_SPILL_FAILURES = 8
-
-
-@dataclass(slots=True)
-class CopyBatch:
-    """One kind of copy of one step, as the wire carries it (scheduler/messages.py
-    TierCopyBatch). src and dst are device block ids or CPU slot ids by kind; an SSD side is
-    named by hashes (content-addressed) and has no ids. Asynchronous kinds number their
-    copies first_seq, first_seq + 1, ..."""
-
-    kind: CopyKind
-    src: list[int] = field(default_factory=list)
-    dst: list[int] = field(default_factory=list)
-    first_seq: int = 0
-    hashes: list[bytes] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _StepCopies:
-    """What the step being scheduled asks of the workers."""
-
-    d2c_blocks: list[int] = field(default_factory=list)
-    d2c_slots: list[int] = field(default_factory=list)
-    c2d_slots: list[int] = field(default_factory=list)
-    c2d_blocks: list[int] = field(default_factory=list)
-    fills: list[CpuSlot] = field(default_factory=list)  # committed when the step completes
-    reads: list[CpuSlot] = field(default_factory=list)  # unpinned when the step completes
-    started: list[AsyncCopy] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.fills or self.reads or self.started)
 
 
 class TierPolicy:
@@ -94,14 +56,10 @@ class TierPolicy:
         self.preemption_mode = preemption_mode
         self.costs = CostModel(block_bytes)
         self.counters = TierStats()
-        # Cold CPU slots are written back to SSD until this many are free or clean (by default
-        # all of them: write-through, in the background).
-        self.headroom = max(1, int(writeback_headroom * self.index.cpu.num_slots))
-        self._step = _StepCopies()
-        self._pending: dict[int, _StepCopies] = {}  # steps sent, by id, until they complete
+        self._steps = CopySteps()
         self._waits = LoadWaits(self.index.cpu)
         self._swapped = SwappedRequests(self.index.cpu)
-        self._spill_failures = 0  # in a row
+        self._writeback = WriteBack(self.index, self.counters, self.costs, writeback_headroom)
 
     @property
     def enabled(self) -> bool:
@@ -114,6 +72,15 @@ class TierPolicy:
     @property
     def ssd(self):
         return self.index.ssd
+
+    @property
+    def headroom(self) -> int:
+        """CPU slots write-back keeps free or clean."""
+        return self._writeback.headroom
+
+    @headroom.setter
+    def headroom(self, value: int) -> None:
+        self._writeback.headroom = value
 
     # ---------------------------------------------------------------- device -> CPU
 
@@ -130,10 +97,7 @@ class TierPolicy:
             self.counters.demotions_dropped += 1
             return
         self._dropped(evicted)
-        step = self._step
-        step.d2c_blocks.append(block_id)
-        step.d2c_slots.append(slot.slot)
-        step.fills.append(slot)
+        self._steps.current.to_cpu(block_id, slot)
         self.counters.demotions += 1
 
     def _dropped(self, evicted: tuple[BlockHash, bool] | None) -> None:
@@ -178,7 +142,8 @@ class TierPolicy:
         if any(h.tier == "ssd" for h in hits):
             if self._start_loads(req, hits):
                 return TierAdmission(wait=True)
-            if self.index.has_in_flight() or self._step.fills or self._pending:
+            steps = self._steps
+            if self.index.has_in_flight() or steps.current.fills or steps.num_sent:
                 return TierAdmission(defer=True)  # copies in flight will free CPU slots
         cpu_hits = []
         for h in hits:
@@ -192,11 +157,9 @@ class TierPolicy:
                  new_block_ids: Sequence[int]) -> None:
         """The admission fit: the first new blocks take the CPU hits (promoted this step), and
         the slots held for the request while it waited for loads are let go."""
-        hits, step = admission.cpu_hits, self._step
+        hits, step = admission.cpu_hits, self._steps.current
         for slot, block_id in zip(hits, new_block_ids):
-            step.c2d_slots.append(slot.slot)
-            step.c2d_blocks.append(block_id)
-            step.reads.append(slot)
+            step.to_device(slot, block_id)
             self.index.cpu.touch(slot)
         self.counters.promotions += len(hits)
         self.counters.cpu_hit_blocks += len(hits)
@@ -243,7 +206,7 @@ class TierPolicy:
         index.ssd.pin(entry)
         index.ssd.touch(entry)
         copy = index.start(CopyKind.SSD_TO_CPU, slot, entry, key)
-        self._step.started.append(copy)
+        self._steps.current.started.append(copy)
         return copy
 
     @property
@@ -274,9 +237,7 @@ class TierPolicy:
             slot, evicted = cpu.allocate(None, None, owner=request_id)
             self._dropped(evicted)
             slots.append(slot)
-            self._step.d2c_blocks.append(block_id)
-            self._step.d2c_slots.append(slot.slot)
-            self._step.fills.append(slot)
+            self._steps.current.to_cpu(block_id, slot)
         self._swapped.add(request_id, slots, num_computed_tokens)
         self.counters.swap_outs += 1
         return True
@@ -289,11 +250,9 @@ class TierPolicy:
         """The swapped-out request resumes: its slots -> its first new blocks; the slots are
         released when the copies complete."""
         slots = self._swapped.take(request_id)
-        cpu, step = self.index.cpu, self._step
+        cpu, step = self.index.cpu, self._steps.current
         for slot, block_id in zip(slots, new_block_ids):
-            step.c2d_slots.append(slot.slot)
-            step.c2d_blocks.append(block_id)
-            step.reads.append(slot)
+            step.to_device(slot, block_id)
             cpu.pin(slot)
             cpu.release(slot)  # pending until the copy completes
         self.counters.swap_ins += 1
@@ -306,40 +265,6 @@ class TierPolicy:
         self._waits.forget(request_id)
         self._swapped.release(request_id)
 
-    # ---------------------------------------------------------------- write-back
-
-    def _write_back_need(self) -> int:
-        """How many dirty CPU slots to spill for `headroom` free or clean ones (0: none can
-        be, or write-back is off)."""
-        index = self.index
-        cpu = index.cpu
-        if not index.ssd.capacity or self._spill_failures >= MAX_SPILL_FAILURES \
-                or not cpu.num_evictable_dirty:
-            return 0
-        room = cpu.num_free + cpu.num_clean + index.num_in_flight(CopyKind.CPU_TO_SSD)
-        return max(self.headroom - room, 0)
-
-    def _write_back(self) -> None:
-        """Spills the coldest dirty CPU slots until `headroom` slots are free or clean."""
-        need = min(self._write_back_need(), MIN_SPILLS_PER_STEP + 2 * len(self._step.fills))
-        if need <= 0:
-            return
-        index = self.index
-        cpu, ssd = index.cpu, index.ssd
-        for slot in cpu.coldest_dirty(need):
-            if ssd.find(slot.block_hash) is not None:
-                cpu.mark_clean(slot)  # already in the folder (this engine's or another's)
-                continue
-            entry, forgotten = ssd.start_write(slot.block_hash, slot.hash_key, slot.tenant)
-            if entry is None:
-                return
-            for block_hash in forgotten:
-                self.counters.ssd_dropped += 1
-                cpu.mark_dirty(block_hash)
-            cpu.pin(slot)
-            self._step.started.append(
-                index.start(CopyKind.CPU_TO_SSD, slot, entry, slot.hash_key))
-
     # ---------------------------------------------------------------- steps
 
     def end_step(self, step_id: int) -> list[CopyBatch]:
@@ -348,22 +273,8 @@ class TierPolicy:
         copies the step starts."""
         if not self.index.cpu.slots:
             return []
-        self._write_back()
-        step, self._step = self._step, _StepCopies()
-        if not step:
-            return []
-        if step.fills or step.reads:
-            self._pending[step_id] = step
-        batches = []
-        if step.d2c_blocks:
-            batches.append(CopyBatch(CopyKind.DEVICE_TO_CPU, step.d2c_blocks, step.d2c_slots))
-        if step.c2d_slots:
-            batches.append(CopyBatch(CopyKind.CPU_TO_DEVICE, step.c2d_slots, step.c2d_blocks))
-        for kind in ASYNC_KINDS:
-            copies = [c for c in step.started if c.kind == kind]
-            if copies:
-                batches.append(_async_batch(kind, copies))
-        return batches
+        self._writeback.start(self._steps.current)
+        return self._steps.close(step_id).batches()
 
     def complete(self, step_id: int, done: Sequence[int] = (),
                  failed: Sequence[int] = ()) -> list[TieredRequest]:
@@ -371,7 +282,7 @@ class TierPolicy:
         completed the asynchronous copies of kind ASYNC_KINDS[i] with seq < done[i] (-1: no
         news); `failed` holds (kind, seq) pairs, flat, of those that failed. Returns the
         waiting requests whose loads all completed, to be scheduled again."""
-        step = self._pending.pop(step_id, None)
+        step = self._steps.finish(step_id)
         if step is not None:
             cpu = self.index.cpu
             for slot in step.fills:
@@ -390,13 +301,13 @@ class TierPolicy:
                 if kind == CopyKind.SSD_TO_CPU:
                     ready += self._complete_load(copy, ok)
                 else:
-                    self._complete_spill(copy, ok)
+                    self._writeback.completed(copy, ok)
         return ready
 
     def step_failed(self, step_id: int) -> None:
         """The workers failed the step: its synchronous copies are void. A swapped-out
         request whose swap-out was one of them will recompute instead."""
-        step = self._pending.pop(step_id, None)
+        step = self._steps.finish(step_id)
         if step is None:
             return
         cpu = self.index.cpu
@@ -421,27 +332,12 @@ class TierPolicy:
             ssd.void(copy.entry)  # never served again by this engine
         return self._waits.loaded(copy)
 
-    def _complete_spill(self, copy: AsyncCopy, ok: bool) -> None:
-        cpu, ssd = self.index.cpu, self.index.ssd
-        cpu.unpin(copy.slot)
-        if ok:
-            ssd.commit(copy.entry)
-            slot = copy.slot
-            if slot.state == SlotState.READY and slot.block_hash == copy.entry.block_hash:
-                cpu.mark_clean(slot)
-            self.counters.spills += 1
-            self.counters.bytes_copied += self.costs.block_bytes
-            self._spill_failures = 0
-        else:
-            ssd.void(copy.entry)
-            self.counters.spill_failures += 1
-            self._spill_failures += 1
-
     def has_work(self) -> bool:
         """Copies in flight whose completion only a step can report, copies to send, or
         dirty CPU slots to write back (an idle engine finishes writing its blocks through to
         the shared folder, where other engines find them)."""
-        return self.index.has_in_flight() or bool(self._step) or self._write_back_need() > 0
+        return self.index.has_in_flight() or bool(self._steps.current) \
+            or self._writeback.need() > 0
 
     # ---------------------------------------------------------------- shutdown, reset, loss
 
@@ -456,10 +352,10 @@ class TierPolicy:
         cpu = CopyBatch(CopyKind.CPU_TO_SSD)
         for block_id, block_hash, key in device_blocks:
             if not ssd.contains(block_hash):
-                _add_write(device, block_id, block_hash, key)
+                device.add_write(block_id, block_hash, key)
         for slot in self.index.cpu.cached_slots():
             if not slot.clean and not ssd.contains(slot.block_hash):
-                _add_write(cpu, slot.slot, slot.block_hash, slot.hash_key)
+                cpu.add_write(slot.slot, slot.block_hash, slot.hash_key)
         return [b for b in (device, cpu) if b.src]
 
     def clear(self) -> None:
@@ -476,8 +372,7 @@ class TierPolicy:
         self.index.drop_worker_memory()
         waiting = self._waits.clear()
         self._swapped.clear()
-        self._pending.clear()
-        self._step = _StepCopies()
+        self._steps.clear()
         return waiting
 
     # ---------------------------------------------------------------- views
@@ -494,7 +389,7 @@ class TierPolicy:
         index.check_integrity()
         readers = {}
         pins = [c.slot for c in index.in_flight(CopyKind.CPU_TO_SSD)]
-        pins += [s for step in (*self._pending.values(), self._step) for s in step.reads]
+        pins += self._steps.reads()
         pins += self._waits.held_slots()
         for slot in pins:
             readers[slot.slot] = readers.get(slot.slot, 0) + 1
@@ -502,22 +397,3 @@ class TierPolicy:
             assert slot.readers >= readers.get(slot.slot, 0), f"cpu slot {slot.slot}: lost a pin"
         self._waits.check({c.seq for c in index.in_flight(CopyKind.SSD_TO_CPU)})
         self._swapped.check()
-
-
-def _async_batch(kind: CopyKind, copies: list[AsyncCopy]) -> CopyBatch:
-    first = copies[0].seq
-    assert [c.seq for c in copies] == list(range(first, first + len(copies)))
-    slots = [c.slot.slot for c in copies]
-    batch = CopyBatch(kind, first_seq=first, hashes=[c.entry.block_hash for c in copies],
-                      keys=[c.key or b"" for c in copies])
-    if kind == CopyKind.SSD_TO_CPU:
-        batch.dst = slots
-    else:
-        batch.src = slots
-    return batch
-
-
-def _add_write(batch: CopyBatch, source: int, block_hash: BlockHash, key: bytes | None) -> None:
-    batch.src.append(source)
-    batch.hashes.append(block_hash)
-    batch.keys.append(key or b"")
