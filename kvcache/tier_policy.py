@@ -9,146 +9,37 @@
   swap      a preempted request's blocks -> CPU slots it owns, and back when it resumes,
             where the preemption mode and the measured costs say swapping beats recomputing
 
-The Scheduler asks; the policy answers from the index (kvcache/tier_index.py), keeps the
-per-request admission state (requests waiting for loads, slots held for them, swapped-out
-requests), and hands each step's copies over as CopyBatches, one per kind, in the order the
-workers execute them. Synchronous copies (device <-> CPU) complete with the step that carries
-them; asynchronous ones (SSD) when the workers report their sequence numbers done.
+The Scheduler asks; the policy answers from the index (kvcache/tier_index.py) and hands each
+step's copies over as CopyBatches, one per kind, in the order the workers execute them.
+Synchronous copies (device <-> CPU) complete with the step that carries them; asynchronous ones
+(SSD) when the workers report their sequence numbers done.
+
+Its state, one owner each: the steps' copies (kvcache/tier_steps.py), the requests waiting for
+SSD loads and the slots held for them (kvcache/tier_admission.py), the swapped-out requests
+(kvcache/tier_swap.py), write-back (kvcache/tier_writeback.py), the measured costs and the
+counters (kvcache/tier_metrics.py).
 
 A policy over an index of capacity 0 is "no tiers": every question has a constant answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
 
 from tierserve.kvcache.block import BlockHash
 from tierserve.kvcache.tenants import tenant_of
-from tierserve.kvcache.tier_index import (
-    ASYNC_KINDS, AsyncCopy, CopyKind, CpuSlot, SlotState, SsdEntry, TierIndex,
+from tierserve.kvcache.tier_admission import (
+    NO_ADMISSION, LoadWaits, TierAdmission, TieredRequest, TierHit,
 )
+from tierserve.kvcache.tier_index import TierIndex
+from tierserve.kvcache.tier_metrics import CostModel, TierStats
+from tierserve.kvcache.tier_records import ASYNC_KINDS, AsyncCopy, CopyKind, SsdEntry
+from tierserve.kvcache.tier_steps import CopyBatch, CopySteps
+from tierserve.kvcache.tier_swap import PREEMPTION_MODES, SwappedRequests
+# The spill bounds are tier_writeback's; importable from here too.
+from tierserve.kvcache.tier_writeback import MAX_SPILL_FAILURES, MIN_SPILLS_PER_STEP, WriteBack
 
 __all__ = ["PREEMPTION_MODES", "TierPolicy", "TierAdmission", "TierHit", "CopyBatch",
            "CostModel", "TierStats", "TieredRequest"]
-
-PREEMPTION_MODES = ("auto", "recompute", "swap")
-# Spills a step starts at most: this many, plus two per block the step copies into the CPU
-# tier, so that write-back keeps up with demotions while a step's host work grows with the
-# step's own copies, never with the tier (a backlog is written over the next steps, idle ones
-# included).
-MIN_SPILLS_PER_STEP = 64
-# Spills failing in a row (a full or read-only folder) turn write-back off for this engine.
-MAX_SPILL_FAILURES = 8
-
-
-class TieredRequest(Protocol):
-    """What the policy reads from a request (scheduler.Request satisfies it)."""
-
-    request_id: str
-    block_hashes: list[BlockHash]
-    block_keys: list[bytes] | None
-    cache_salt: str | None  # its tenant's share of each tier (kvcache/tenants.py)
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-@dataclass(slots=True)
-class CostModel:
-    """Measured rates behind swap-vs-recompute (the seeds' table): a block's bytes over the
-    copy bandwidth, out and back, against prefilling its tokens again. Zero: not measured."""
-
-    block_bytes: int = 0
-    copy_bytes_per_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-
-    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
-        if not (self.block_bytes and self.copy_bytes_per_s and self.prefill_tokens_per_s):
-            return True  # a memcpy is cheaper than a forward on every device we know
-        swap_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
-        return swap_s < num_tokens / self.prefill_tokens_per_s
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step's throughput, averaged over steps."""
-        rate = num_tokens / seconds
-        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
-            0.8 * self.prefill_tokens_per_s + 0.2 * rate)
-
-
-@dataclass(slots=True)
-class TierHit:
-    """One block of a prefix found below the device pool."""
-
-    tier: str  # "cpu" or "ssd"
-    slot: CpuSlot | SsdEntry
-    key: bytes | None  # the request's hashed key of the block
-
-
-@dataclass(slots=True)
-class TierAdmission:
-    """What the tiers add to a waiting request's admission."""
-
-    cpu_hits: list[CpuSlot] = field(default_factory=list)  # pinned until promoted or refused
-    wait: bool = False  # the request waits for SSD loads; admit others meanwhile
-    defer: bool = False  # its SSD hits cannot load yet (no CPU slot free): try next step
-
-
-_NO_ADMISSION = TierAdmission()
-
-
-@dataclass(slots=True)
-class CopyBatch:
-    """One kind of copy of one step, as the wire carries it (scheduler/messages.py
-    TierCopyBatch). src and dst are device block ids or CPU slot ids by kind; an SSD side is
-    named by hashes (content-addressed) and has no ids. Asynchronous kinds number their
-    copies first_seq, first_seq + 1, ..."""
-
-    kind: CopyKind
-    src: list[int] = field(default_factory=list)
-    dst: list[int] = field(default_factory=list)
-    first_seq: int = 0
-    hashes: list[bytes] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TierStats:
-    cpu_hit_blocks: int = 0
-    ssd_hit_blocks: int = 0
-    promotions: int = 0  # CPU -> device blocks
-    demotions: int = 0  # device -> CPU blocks
-    demotions_dropped: int = 0  # evicted device blocks the CPU tier had no room for
-    loads: int = 0  # SSD -> CPU blocks (completed)
-    spills: int = 0  # CPU -> SSD blocks (completed)
-    cpu_dropped: int = 0  # cached CPU blocks dropped without an SSD copy
-    ssd_dropped: int = 0  # SSD blocks the record forgot for room
-    checksum_failures: int = 0  # SSD entries that failed their checks (or vanished) on load
-    spill_failures: int = 0  # SSD writes that failed
-    swap_outs: int = 0  # preempted requests swapped to the CPU tier
-    swap_ins: int = 0
-    bytes_copied: int = 0
-
-
-@dataclass(slots=True)
-class _StepCopies:
-    """What the step being scheduled asks of the workers."""
-
-    d2c_blocks: list[int] = field(default_factory=list)
-    d2c_slots: list[int] = field(default_factory=list)
-    c2d_slots: list[int] = field(default_factory=list)
-    c2d_blocks: list[int] = field(default_factory=list)
-    fills: list[CpuSlot] = field(default_factory=list)  # committed when the step completes
-    reads: list[CpuSlot] = field(default_factory=list)  # unpinned when the step completes
-    started: list[AsyncCopy] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.fills or self.reads or self.started)
-
-
-@dataclass(slots=True)
-class _Swapped:
-    slots: list[CpuSlot]
-    num_tokens: int
 
 
 class TierPolicy:
@@ -165,18 +56,10 @@ class TierPolicy:
         self.preemption_mode = preemption_mode
         self.costs = CostModel(block_bytes)
         self.counters = TierStats()
-        # Cold CPU slots are written back to SSD until this many are free or clean (by default
-        # all of them: write-through, in the background).
-        self.headroom = max(1, int(writeback_headroom * self.index.cpu.num_slots))
-        self._step = _StepCopies()
-        self._pending: dict[int, _StepCopies] = {}  # steps sent, by id, until they complete
-        self._loading: dict[str, TieredRequest] = {}  # requests waiting for SSD loads
-        self._loads_of: dict[str, dict[int, AsyncCopy]] = {}  # request -> its loads, by seq
-        # CPU slots pinned for a request waiting on loads (its CPU hits and load targets), so
-        # that what it waits for is still there when it is admitted.
-        self._held: dict[str, list[CpuSlot]] = {}
-        self._swapped: dict[str, _Swapped] = {}
-        self._spill_failures = 0  # in a row
+        self._steps = CopySteps()
+        self._waits = LoadWaits(self.index.cpu)
+        self._swapped = SwappedRequests(self.index.cpu)
+        self._writeback = WriteBack(self.index, self.counters, self.costs, writeback_headroom)
 
     @property
     def enabled(self) -> bool:
@@ -189,6 +72,15 @@ class TierPolicy:
     @property
     def ssd(self):
         return self.index.ssd
+
+    @property
+    def headroom(self) -> int:
+        """CPU slots write-back keeps free or clean."""
+        return self._writeback.headroom
+
+    @headroom.setter
+    def headroom(self, value: int) -> None:
+        self._writeback.headroom = value
 
     # ---------------------------------------------------------------- device -> CPU
 
@@ -205,10 +97,7 @@ class TierPolicy:
             self.counters.demotions_dropped += 1
             return
         self._dropped(evicted)
-        step = self._step
-        step.d2c_blocks.append(block_id)
-        step.d2c_slots.append(slot.slot)
-        step.fills.append(slot)
+        self._steps.current.to_cpu(block_id, slot)
         self.counters.demotions += 1
 
     def _dropped(self, evicted: tuple[BlockHash, bool] | None) -> None:
@@ -248,12 +137,13 @@ class TierPolicy:
         promotion this step; SSD ones start loading and the request waits, with its CPU hits
         and load targets held for it."""
         if not self.index.cpu.slots:
-            return _NO_ADMISSION
+            return NO_ADMISSION
         hits = self.find(req, num_device_hits)
         if any(h.tier == "ssd" for h in hits):
             if self._start_loads(req, hits):
                 return TierAdmission(wait=True)
-            if self.index.has_in_flight() or self._step.fills or self._pending:
+            steps = self._steps
+            if self.index.has_in_flight() or steps.current.fills or steps.num_sent:
                 return TierAdmission(defer=True)  # copies in flight will free CPU slots
         cpu_hits = []
         for h in hits:
@@ -267,15 +157,13 @@ class TierPolicy:
                  new_block_ids: Sequence[int]) -> None:
         """The admission fit: the first new blocks take the CPU hits (promoted this step), and
         the slots held for the request while it waited for loads are let go."""
-        hits, step = admission.cpu_hits, self._step
+        hits, step = admission.cpu_hits, self._steps.current
         for slot, block_id in zip(hits, new_block_ids):
-            step.c2d_slots.append(slot.slot)
-            step.c2d_blocks.append(block_id)
-            step.reads.append(slot)
+            step.to_device(slot, block_id)
             self.index.cpu.touch(slot)
         self.counters.promotions += len(hits)
         self.counters.cpu_hit_blocks += len(hits)
-        self._release_held(request_id)
+        self._waits.release_held(request_id)
 
     def refused(self, admission: TierAdmission) -> None:
         """No room this step: the CPU hits are unpinned (slots held for a request that waited
@@ -293,15 +181,13 @@ class TierPolicy:
                 if copy is None:
                     break  # no CPU room: the rest of the prefix is recomputed
                 self.counters.ssd_hit_blocks += 1
-                copy.waiters.add(rid)
-                self._loads_of.setdefault(rid, {})[copy.seq] = copy
+                self._waits.join(rid, copy)
                 slot = copy.slot
                 started = True
             self.index.cpu.pin(slot)
             held.append(slot)
         if started:
-            self._held.setdefault(rid, []).extend(held)
-            self._loading[rid] = req
+            self._waits.wait(req, held)
         else:  # nothing to wait for: these pins go (slots held in an earlier round stay)
             for slot in held:
                 self.index.cpu.unpin(slot)
@@ -320,22 +206,18 @@ class TierPolicy:
         index.ssd.pin(entry)
         index.ssd.touch(entry)
         copy = index.start(CopyKind.SSD_TO_CPU, slot, entry, key)
-        self._step.started.append(copy)
+        self._steps.current.started.append(copy)
         return copy
-
-    def _release_held(self, request_id: str) -> None:
-        for slot in self._held.pop(request_id, ()):
-            self.index.cpu.unpin(slot)
 
     @property
     def num_loading(self) -> int:
-        return len(self._loading)
+        return len(self._waits)
 
     def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loading
+        return request_id in self._waits
 
     def loading_ids(self) -> set[str]:
-        return set(self._loading)
+        return self._waits.ids()
 
     # ---------------------------------------------------------------- swap preemption
 
@@ -355,27 +237,22 @@ class TierPolicy:
             slot, evicted = cpu.allocate(None, None, owner=request_id)
             self._dropped(evicted)
             slots.append(slot)
-            self._step.d2c_blocks.append(block_id)
-            self._step.d2c_slots.append(slot.slot)
-            self._step.fills.append(slot)
-        self._swapped[request_id] = _Swapped(slots, num_computed_tokens)
+            self._steps.current.to_cpu(block_id, slot)
+        self._swapped.add(request_id, slots, num_computed_tokens)
         self.counters.swap_outs += 1
         return True
 
     def swapped_tokens(self, request_id: str) -> int:
         """How many of a preempted request's tokens wait in the CPU tier (0: none)."""
-        swapped = self._swapped.get(request_id)
-        return swapped.num_tokens if swapped is not None else 0
+        return self._swapped.tokens(request_id)
 
     def swap_in(self, request_id: str, new_block_ids: Sequence[int]) -> None:
         """The swapped-out request resumes: its slots -> its first new blocks; the slots are
         released when the copies complete."""
-        swapped = self._swapped.pop(request_id)
-        cpu, step = self.index.cpu, self._step
-        for slot, block_id in zip(swapped.slots, new_block_ids):
-            step.c2d_slots.append(slot.slot)
-            step.c2d_blocks.append(block_id)
-            step.reads.append(slot)
+        slots = self._swapped.take(request_id)
+        cpu, step = self.index.cpu, self._steps.current
+        for slot, block_id in zip(slots, new_block_ids):
+            step.to_device(slot, block_id)
             cpu.pin(slot)
             cpu.release(slot)  # pending until the copy completes
         self.counters.swap_ins += 1
@@ -385,48 +262,8 @@ class TierPolicy:
     def forget(self, request_id: str) -> None:
         """A request finished or was aborted: its loads go on, for the cache; slots held or
         owned for it are released (once any copy of them completes)."""
-        if self._loading.pop(request_id, None) is not None:
-            self._release_held(request_id)
-            for copy in self._loads_of.pop(request_id, {}).values():
-                copy.waiters.discard(request_id)
-        swapped = self._swapped.pop(request_id, None)
-        if swapped is not None:
-            for slot in swapped.slots:
-                self.index.cpu.release(slot)
-
-    # ---------------------------------------------------------------- write-back
-
-    def _write_back_need(self) -> int:
-        """How many dirty CPU slots to spill for `headroom` free or clean ones (0: none can
-        be, or write-back is off)."""
-        index = self.index
-        cpu = index.cpu
-        if not index.ssd.capacity or self._spill_failures >= MAX_SPILL_FAILURES \
-                or not cpu.num_evictable_dirty:
-            return 0
-        room = cpu.num_free + cpu.num_clean + index.num_in_flight(CopyKind.CPU_TO_SSD)
-        return max(self.headroom - room, 0)
-
-    def _write_back(self) -> None:
-        """Spills the coldest dirty CPU slots until `headroom` slots are free or clean."""
-        need = min(self._write_back_need(), MIN_SPILLS_PER_STEP + 2 * len(self._step.fills))
-        if need <= 0:
-            return
-        index = self.index
-        cpu, ssd = index.cpu, index.ssd
-        for slot in cpu.coldest_dirty(need):
-            if ssd.find(slot.block_hash) is not None:
-                cpu.mark_clean(slot)  # already in the folder (this engine's or another's)
-                continue
-            entry, forgotten = ssd.start_write(slot.block_hash, slot.hash_key, slot.tenant)
-            if entry is None:
-                return
-            for block_hash in forgotten:
-                self.counters.ssd_dropped += 1
-                cpu.mark_dirty(block_hash)
-            cpu.pin(slot)
-            self._step.started.append(
-                index.start(CopyKind.CPU_TO_SSD, slot, entry, slot.hash_key))
+        self._waits.forget(request_id)
+        self._swapped.release(request_id)
 
     # ---------------------------------------------------------------- steps
 
@@ -436,22 +273,8 @@ class TierPolicy:
         copies the step starts."""
         if not self.index.cpu.slots:
             return []
-        self._write_back()
-        step, self._step = self._step, _StepCopies()
-        if not step:
-            return []
-        if step.fills or step.reads:
-            self._pending[step_id] = step
-        batches = []
-        if step.d2c_blocks:
-            batches.append(CopyBatch(CopyKind.DEVICE_TO_CPU, step.d2c_blocks, step.d2c_slots))
-        if step.c2d_slots:
-            batches.append(CopyBatch(CopyKind.CPU_TO_DEVICE, step.c2d_slots, step.c2d_blocks))
-        for kind in ASYNC_KINDS:
-            copies = [c for c in step.started if c.kind == kind]
-            if copies:
-                batches.append(_async_batch(kind, copies))
-        return batches
+        self._writeback.start(self._steps.current)
+        return self._steps.close(step_id).batches()
 
     def complete(self, step_id: int, done: Sequence[int] = (),
                  failed: Sequence[int] = ()) -> list[TieredRequest]:
@@ -459,7 +282,7 @@ class TierPolicy:
         completed the asynchronous copies of kind ASYNC_KINDS[i] with seq < done[i] (-1: no
         news); `failed` holds (kind, seq) pairs, flat, of those that failed. Returns the
         waiting requests whose loads all completed, to be scheduled again."""
-        step = self._pending.pop(step_id, None)
+        step = self._steps.finish(step_id)
         if step is not None:
             cpu = self.index.cpu
             for slot in step.fills:
@@ -478,13 +301,13 @@ class TierPolicy:
                 if kind == CopyKind.SSD_TO_CPU:
                     ready += self._complete_load(copy, ok)
                 else:
-                    self._complete_spill(copy, ok)
+                    self._writeback.completed(copy, ok)
         return ready
 
     def step_failed(self, step_id: int) -> None:
         """The workers failed the step: its synchronous copies are void. A swapped-out
         request whose swap-out was one of them will recompute instead."""
-        step = self._pending.pop(step_id, None)
+        step = self._steps.finish(step_id)
         if step is None:
             return
         cpu = self.index.cpu
@@ -494,9 +317,7 @@ class TierPolicy:
         for slot in step.fills:
             cpu.void(slot)
         for owner in owners:
-            swapped = self._swapped.pop(owner, None)
-            for slot in swapped.slots if swapped is not None else ():
-                cpu.release(slot)
+            self._swapped.release(owner)
 
     def _complete_load(self, copy: AsyncCopy, ok: bool) -> list[TieredRequest]:
         cpu, ssd = self.index.cpu, self.index.ssd
@@ -509,37 +330,14 @@ class TierPolicy:
             self.counters.checksum_failures += 1
             cpu.void(copy.slot)
             ssd.void(copy.entry)  # never served again by this engine
-        ready = []
-        for rid in copy.waiters:
-            mine = self._loads_of.get(rid)
-            if mine is not None:
-                mine.pop(copy.seq, None)
-                if not mine:
-                    del self._loads_of[rid]
-                    ready.append(self._loading.pop(rid))
-        return ready
-
-    def _complete_spill(self, copy: AsyncCopy, ok: bool) -> None:
-        cpu, ssd = self.index.cpu, self.index.ssd
-        cpu.unpin(copy.slot)
-        if ok:
-            ssd.commit(copy.entry)
-            slot = copy.slot
-            if slot.state == SlotState.READY and slot.block_hash == copy.entry.block_hash:
-                cpu.mark_clean(slot)
-            self.counters.spills += 1
-            self.counters.bytes_copied += self.costs.block_bytes
-            self._spill_failures = 0
-        else:
-            ssd.void(copy.entry)
-            self.counters.spill_failures += 1
-            self._spill_failures += 1
+        return self._waits.loaded(copy)
 
     def has_work(self) -> bool:
         """Copies in flight whose completion only a step can report, copies to send, or
         dirty CPU slots to write back (an idle engine finishes writing its blocks through to
         the shared folder, where other engines find them)."""
-        return self.index.has_in_flight() or bool(self._step) or self._write_back_need() > 0
+        return self.index.has_in_flight() or bool(self._steps.current) \
+            or self._writeback.need() > 0
 
     # ---------------------------------------------------------------- shutdown, reset, loss
 
@@ -554,10 +352,10 @@ class TierPolicy:
         cpu = CopyBatch(CopyKind.CPU_TO_SSD)
         for block_id, block_hash, key in device_blocks:
             if not ssd.contains(block_hash):
-                _add_write(device, block_id, block_hash, key)
+                device.add_write(block_id, block_hash, key)
         for slot in self.index.cpu.cached_slots():
             if not slot.clean and not ssd.contains(slot.block_hash):
-                _add_write(cpu, slot.slot, slot.block_hash, slot.hash_key)
+                cpu.add_write(slot.slot, slot.block_hash, slot.hash_key)
         return [b for b in (device, cpu) if b.src]
 
     def clear(self) -> None:
@@ -572,13 +370,9 @@ class TierPolicy:
         kept. Returns the requests that waited for loads: they are waiting requests again.
         Swapped-out requests recompute (swapped_tokens is 0 for every request after this)."""
         self.index.drop_worker_memory()
-        waiting = list(self._loading.values())
-        self._loading.clear()
-        self._loads_of.clear()
-        self._held.clear()
+        waiting = self._waits.clear()
         self._swapped.clear()
-        self._pending.clear()
-        self._step = _StepCopies()
+        self._steps.clear()
         return waiting
 
     # ---------------------------------------------------------------- views
@@ -586,21 +380,7 @@ class TierPolicy:
     def stats(self) -> dict:
         if not self.enabled:
             return {}
-        s, cpu, ssd = self.counters, self.index.cpu, self.index.ssd
-        out = {"cpu_tier_usage": cpu.usage(), "cpu_tier_slots": cpu.num_slots}
-        if ssd.capacity:
-            out.update(ssd_tier_usage=ssd.usage(), ssd_tier_blocks=ssd.capacity,
-                       tier_ssd_found_blocks=ssd.num_found)
-        out.update(
-            tier_cpu_hit_blocks=s.cpu_hit_blocks, tier_ssd_hit_blocks=s.ssd_hit_blocks,
-            tier_promotions=s.promotions, tier_demotions=s.demotions,
-            tier_demotions_dropped=s.demotions_dropped, tier_loads=s.loads,
-            tier_spills=s.spills, tier_cpu_dropped=s.cpu_dropped, tier_ssd_dropped=s.ssd_dropped,
-            tier_checksum_failures=s.checksum_failures, tier_spill_failures=s.spill_failures,
-            tier_swap_outs=s.swap_outs,
-            tier_swap_ins=s.swap_ins, tier_bytes_copied=s.bytes_copied,
-            num_loading=len(self._loading))
-        return out
+        return self.counters.report(self.index, len(self._waits))
 
     def check_integrity(self) -> None:
         """The index's invariants, and that every pin has an owner: in-flight spills, held
@@ -609,34 +389,11 @@ class TierPolicy:
         index.check_integrity()
         readers = {}
         pins = [c.slot for c in index.in_flight(CopyKind.CPU_TO_SSD)]
-        pins += [s for step in (*self._pending.values(), self._step) for s in step.reads]
-        pins += [s for held in self._held.values() for s in held]
+        pins += self._steps.reads()
+        pins += self._waits.held_slots()
         for slot in pins:
             readers[slot.slot] = readers.get(slot.slot, 0) + 1
         for slot in index.cpu.slots:
             assert slot.readers >= readers.get(slot.slot, 0), f"cpu slot {slot.slot}: lost a pin"
-        assert set(self._loads_of) == set(self._loading), "requests waiting on no load"
-        seqs = {c.seq for c in index.in_flight(CopyKind.SSD_TO_CPU)}
-        for rid, mine in self._loads_of.items():
-            assert mine and set(mine) <= seqs, f"{rid}: stale loads"
-        for rid, swapped in self._swapped.items():
-            assert all(s.owner == rid for s in swapped.slots), f"{rid}: a swapped slot changed"
-
-
-def _async_batch(kind: CopyKind, copies: list[AsyncCopy]) -> CopyBatch:
-    first = copies[0].seq
-    assert [c.seq for c in copies] == list(range(first, first + len(copies)))
-    slots = [c.slot.slot for c in copies]
-    batch = CopyBatch(kind, first_seq=first, hashes=[c.entry.block_hash for c in copies],
-                      keys=[c.key or b"" for c in copies])
-    if kind == CopyKind.SSD_TO_CPU:
-        batch.dst = slots
-    else:
-        batch.src = slots
-    return batch
-
-
-def _add_write(batch: CopyBatch, source: int, block_hash: BlockHash, key: bytes | None) -> None:
-    batch.src.append(source)
-    batch.hashes.append(block_hash)
-    batch.keys.append(key or b"")
+        self._waits.check({c.seq for c in index.in_flight(CopyKind.SSD_TO_CPU)})
+        self._swapped.check()

@@ -98,7 +98,7 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
 
 
 class TierCopyBatch(msgspec.Struct, **_WIRE):
-    """One kind of KV tier copy of one step (kvcache/tier_policy.py CopyBatch), executed by every
+    """One kind of KV tier copy of one step (kvcache/tier_steps.py CopyBatch), executed by every
     rank on its own head shard. A step's batches run in list order, before the forward:
     device -> CPU first (before a block id is reused), then the forked samples' block copies,
     then CPU -> device (before a block is read), then the asynchronous copies are queued.
