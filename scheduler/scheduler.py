@@ -21,17 +21,14 @@ from __future__ import annotations
 import array
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
 
-from tierserve.kvcache import (
-    BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager, TierAdmission,
-)
+from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager, TierAdmission
 from tierserve.scheduler.messages import (
-    CachedRequestData, EngineCoreOutput, FlushTiers, ModelRunnerOutput, NewRequestData,
-    SchedulerOutput, TierCopyBatch,
+    EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
 )
 from tierserve.scheduler.params import (
     QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
@@ -40,60 +37,9 @@ from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 from tierserve.scheduler.step_budget import StepTimeBudget
+from tierserve.scheduler.step_output import StepPlan, WorkerUpdates, build_output, wire
 
 __all__ = ["Scheduler"]
-
-
-def _wire(batch: CopyBatch) -> TierCopyBatch:
-    return TierCopyBatch(batch.kind, batch.src, batch.dst, batch.first_seq, batch.hashes,
-                         batch.keys)
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    budget: int
-    # Prefill tokens the step-time bound leaves this step (None: no bound).
-    prefill_left: int | None = None
-    new_reqs: list[Request] = field(default_factory=list)
-    cached_reqs: list[Request] = field(default_factory=list)
-    resumed_reqs: list[Request] = field(default_factory=list)
-    num_tokens: dict[str, int] = field(default_factory=dict)
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    prefill: dict[str, int] = field(default_factory=dict)
-
-    def cap_prefill(self, n: int) -> int:
-        """A prefill chunk (n > 1) cut to what the step-time bound leaves; 0: none fits. Never
-        1: a one-token step reads as a decode (drafts, no prefill accounting)."""
-        if n <= 1 or self.prefill_left is None:
-            return n
-        capped = min(n, self.prefill_left)
-        return capped if capped > 1 else 0
-
-    def add(self, group: list[Request], req: Request, n: int, blocks: list[int],
-            prefill: bool = False) -> None:
-        group.append(req)
-        self.num_tokens[req.request_id] = n
-        self.block_ids[req.request_id] = blocks
-        self.budget -= n
-        if prefill and self.prefill_left is not None:
-            self.prefill_left -= n
-            self.prefill[req.request_id] = n
-
-    def drop(self, req: Request) -> None:
-        """Undoes a request scheduled earlier this step (it was just preempted)."""
-        n = self.num_tokens.pop(req.request_id, None)
-        if n is None:
-            return
-        self.budget += n
-        if req.request_id in self.prefill:
-            self.prefill_left += self.prefill.pop(req.request_id)
-        del self.block_ids[req.request_id]
-        self.drafts.pop(req.request_id, None)
-        (self.cached_reqs if req in self.cached_reqs else self.new_reqs).remove(req)
 
 
 @dataclass(slots=True)
@@ -147,12 +93,10 @@ class Scheduler:
         # Keyed by sequence id: a request's sample i > 0 is a sequence of its own.
         self.requests: dict[str, Request] = {}
         self.families: dict[str, _Family] = {}
-        # Copy-on-write block copies of this step's forks, sent with the next SchedulerOutput.
-        self._copies: list[tuple[int, int]] = []
+        # What the next SchedulerOutput tells the workers besides the step.
+        self._updates = WorkerUpdates()
         self.waiting = make_waiting_queue(policy)
         self.running: list[Request] = []
-        self._finished_ids: list[str] = []
-        self._step_ids = itertools.count()
         self.num_preemptions = 0
         # Called with each sequence that finishes, however it finished (the request log).
         self.on_finish: Callable[[Request], None] | None = None
@@ -259,7 +203,7 @@ class Scheduler:
             self.on_finish(req)
         del self.requests[req.request_id]
         if req.num_sent_tokens:
-            self._finished_ids.append(req.request_id)
+            self._updates.finished_ids.append(req.request_id)
         done = [(req.family_id, req.index)]
         family = self.families.get(req.family_id)
         if family is not None:
@@ -276,18 +220,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if not self.async_scheduling:
             self._in_flight.clear()  # a step whose reply never came was dropped by the caller
-        plan = _StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit())
+        plan = StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit(),
+                        long_prefill_token_threshold=self.long_prefill_token_threshold)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        out = self._build_output(plan)
-        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
-        for req in scheduled:
-            req.num_computed_tokens += plan.num_tokens[req.request_id]
-            req.spec_token_ids = plan.drafts.get(req.request_id, [])
-            if self.async_scheduling and req.num_computed_tokens - len(req.spec_token_ids) \
-                    == req.num_tokens + req.num_output_placeholders:
-                req.num_output_placeholders += 1  # this step samples its next token
+        out = build_output(plan, self._updates, self.tiers)
+        scheduled = plan.commit(self.async_scheduling)
         if scheduled:
             self._in_flight[out.step_id] = scheduled
         return out
@@ -302,13 +241,7 @@ class Scheduler:
             return None
         return limit
 
-    def _chunk(self, num_new_tokens: int, budget: int) -> int:
-        threshold = self.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        return num_new_tokens if num_new_tokens <= budget else budget
-
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
@@ -316,8 +249,8 @@ class Scheduler:
                                                 or self._awaits_drafts(req)):
                 i += 1  # its step in flight samples its last token, or drafts
                 continue
-            n = plan.cap_prefill(self._chunk(req.num_tokens + req.num_output_placeholders
-                                             - req.num_computed_tokens, plan.budget))
+            n = plan.chunk(req.num_tokens + req.num_output_placeholders
+                           - req.num_computed_tokens)
             if n == 0:
                 i += 1  # the step-time bound leaves no prefill this step
                 continue
@@ -361,7 +294,7 @@ class Scheduler:
                 or req.num_tokens + pending >= self.max_model_len)
 
     def _preempt_until_fits(self, req: Request, n: int,
-                            plan: _StepPlan) -> list[KVCacheBlock] | None:
+                            plan: StepPlan) -> list[KVCacheBlock] | None:
         while True:
             victim = self._pick_victim()
             self._preempt(victim, plan)
@@ -376,7 +309,7 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request, plan: _StepPlan) -> None:
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Free every block and go back to the front of the waiting queue: to be recomputed
         (its full blocks stay cached, so resuming is mostly prefix hits), or, with swap
         preemption, with its KV copied to the CPU tier and back on resume."""
@@ -393,7 +326,7 @@ class Scheduler:
         self.waiting.prepend(req)
         plan.preempted.append(req)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
         loading = self.tiers.num_loading
         while self.waiting and plan.budget > 0 \
@@ -412,7 +345,7 @@ class Scheduler:
         return req.request_id in self.suspects and any(
             r.request_id in self.suspects for r in self.running)
 
-    def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
+    def _admit(self, req: Request, plan: StepPlan) -> bool | None:
         """True: running from this step. False: it left the queue to wait for SSD loads
         (the next may go). None: no room (nobody behind it goes either)."""
         assert not req.num_output_placeholders, "admitted before its step in flight returned"
@@ -433,7 +366,7 @@ class Scheduler:
         if admission.defer:
             return None
         num_hit += len(admission.cpu_hits) * self.kv.block_size
-        n = plan.cap_prefill(self._chunk(req.num_tokens - num_hit, plan.budget))
+        n = plan.chunk(req.num_tokens - num_hit)
         assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
         blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
         if blocks is None:
@@ -456,8 +389,8 @@ class Scheduler:
         ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
         return device, below - ssd, ssd
 
-    def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
-        n = plan.cap_prefill(self._chunk(req.num_tokens - num_swapped, plan.budget))
+    def _resume_swapped(self, req: Request, num_swapped: int, plan: StepPlan) -> bool | None:
+        n = plan.chunk(req.num_tokens - num_swapped)
         assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
         blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
         if blocks is None:
@@ -466,7 +399,7 @@ class Scheduler:
         self._start_running(req, num_swapped, n, plan)
         return True
 
-    def _start_running(self, req: Request, num_computed: int, n: int, plan: _StepPlan) -> None:
+    def _start_running(self, req: Request, num_computed: int, n: int, plan: StepPlan) -> None:
         """The waiting head runs from this step, its first num_computed tokens in the pool."""
         self.waiting.pop()
         req.num_computed_tokens = num_computed
@@ -476,42 +409,6 @@ class Scheduler:
         self.running.append(req)
         group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
         plan.add(group, req, n, self.kv.get_block_ids(req.request_id), prefill=n > 1)
-
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_data = []
-        for req in plan.new_reqs:
-            new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
-                                           req.sampling_params, plan.block_ids[req.request_id],
-                                           req.num_computed_tokens, req.num_output_tokens))
-            req.num_sent_tokens = req.num_tokens
-        cached = CachedRequestData()
-        for req in plan.cached_reqs:
-            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
-                       plan.block_ids[req.request_id])
-            req.num_sent_tokens = req.num_tokens
-        for req in plan.resumed_reqs:
-            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
-                       plan.block_ids[req.request_id], req.num_computed_tokens)
-            req.num_sent_tokens = req.num_tokens
-        num_tokens = plan.num_tokens
-        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
-        spec_ids, num_spec = [], []
-        if plan.drafts:
-            num_spec = [len(plan.drafts.get(r.request_id, ())) for r in scheduled]
-            for r in scheduled:
-                spec_ids.extend(plan.drafts.get(r.request_id, ()))
-        finished, self._finished_ids = self._finished_ids, []
-        copies, self._copies = self._copies, []
-        step_id = next(self._step_ids)
-        tier_copies = [_wire(b) for b in self.tiers.end_step(step_id)]
-        return SchedulerOutput(
-            step_id=step_id, scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
-            finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
-            tier_copies=tier_copies, copy_src=[c[0] for c in copies],
-            copy_dst=[c[1] for c in copies], spec_token_ids=spec_ids, num_spec_tokens=num_spec)
 
     # ---------------------------------------------------------------- after the forward
 
@@ -599,7 +496,7 @@ class Scheduler:
                 self.waiting.prepend(child)
                 continue
             if copy is not True:
-                self._copies.append(copy)
+                self._updates.copies.append(copy)
             child.num_computed_tokens = num_shared
             child.status = RequestStatus.RUNNING
             self.running.append(child)
@@ -621,7 +518,7 @@ class Scheduler:
             (b.block_id, b.block_hash, b.hash_key) for b in self.kv.pool.iter_cached_blocks())
         if not batches:
             return None
-        return FlushTiers(next(self._step_ids), [_wire(b) for b in batches], deadline_s)
+        return FlushTiers(self._updates.next_step_id(), [wire(b) for b in batches], deadline_s)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's measured time: its prefill throughput feeds swap-vs-recompute, its time per
@@ -652,7 +549,7 @@ class Scheduler:
         if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
             self.suspects = set(in_flight) - set(poisoned)
         self._in_flight.clear()
-        self._copies, self._finished_ids = [], []
+        self._updates.clear()
         running, self.running = self.running, []
         for req in running:
             self.kv.free(req)
@@ -690,7 +587,7 @@ class Scheduler:
     def has_pending_worker_updates(self) -> bool:
         """Something only a step (even without tokens) tells the workers or learns from them:
         finished requests to drop, tier copies to start or in flight."""
-        return bool(self._finished_ids or self._copies) or self.tiers.has_work()
+        return self._updates.pending() or self.tiers.has_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
