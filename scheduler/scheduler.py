@@ -21,10 +21,7 @@ from __future__ import annotations
 import array
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable
-
-import msgspec
 
 from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager, TierAdmission
 from tierserve.scheduler.messages import (
@@ -34,21 +31,13 @@ from tierserve.scheduler.params import (
     QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
 )
 from tierserve.scheduler.queues import make_waiting_queue
-from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
+from tierserve.scheduler.request import SAMPLE_SEP, Request
+from tierserve.scheduler.sequences import Family, Sequences
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 from tierserve.scheduler.step_budget import StepTimeBudget
 from tierserve.scheduler.step_output import StepPlan, WorkerUpdates, build_output, wire
 
 __all__ = ["Scheduler"]
-
-
-@dataclass(slots=True)
-class _Family:
-    """The n samples of one request. Sample 0 runs first; the others fork from it once its
-    prompt is computed (`unforked` until then), sharing its blocks."""
-
-    unforked: list[int]
-    live: set[str]
 
 
 class Scheduler:
@@ -90,9 +79,7 @@ class Scheduler:
         # The Request objects each step in flight scheduled, in its order (ids may be reused
         # once a request finishes, so its reply is matched to objects, not ids).
         self._in_flight: dict[int, list[Request]] = {}
-        # Keyed by sequence id: a request's sample i > 0 is a sequence of its own.
-        self.requests: dict[str, Request] = {}
-        self.families: dict[str, _Family] = {}
+        self._seqs = Sequences()
         # What the next SchedulerOutput tells the workers besides the step.
         self._updates = WorkerUpdates()
         self.waiting = make_waiting_queue(policy)
@@ -109,6 +96,17 @@ class Scheduler:
         self.tiers = kv_cache_manager.tiers
         self.speculator = Speculator(speculative_config) if speculative_config else None
 
+    # ---------------------------------------------------------------- state, by its owner
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished sequence by sequence id."""
+        return self._seqs.requests
+
+    @property
+    def families(self) -> dict[str, Family]:
+        return self._seqs.families
+
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -117,7 +115,7 @@ class Scheduler:
                     lora_id: int | None = None, arrival_time: float | None = None) -> Request:
         """Validates and queues a request; bad input raises ValueError and changes nothing.
         With sampling_params.n > 1 its other samples fork from it once the prompt is computed."""
-        if request_id in self.requests or request_id in self.families:
+        if self._seqs.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if SAMPLE_SEP in request_id:
             raise ValueError(f"request id {request_id!r} contains {SAMPLE_SEP!r}, which is "
@@ -137,9 +135,7 @@ class Scheduler:
         room = self.max_model_len - req.num_prompt_tokens
         limit = sampling_params.max_tokens
         req.max_output_tokens = max(room, 1) if limit is None else limit
-        self.requests[request_id] = req
-        if sampling_params.n > 1:
-            self.families[request_id] = _Family(list(range(1, sampling_params.n)), {request_id})
+        self._seqs.add(req)
         self.waiting.add(req)
         return req
 
@@ -167,11 +163,7 @@ class Scheduler:
     def finish_requests(self, request_ids, status: RequestStatus) -> list[tuple[str, int]]:
         """Finishes requests, every sample of each, from outside a step (abort, failure);
         returns the (request id, sample index) of each sequence finished."""
-        seqs = []
-        for rid in request_ids:
-            family = self.families.get(rid)
-            seqs.extend(family.live if family is not None else (rid,))
-        return self.finish_seqs(seqs, status)
+        return self.finish_seqs(self._seqs.seq_ids(request_ids), status)
 
     def abort_requests(self, request_ids) -> list[tuple[str, int]]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -201,19 +193,9 @@ class Scheduler:
             self.speculator.forget(req.request_id)
         if self.on_finish is not None:
             self.on_finish(req)
-        del self.requests[req.request_id]
         if req.num_sent_tokens:
             self._updates.finished_ids.append(req.request_id)
-        done = [(req.family_id, req.index)]
-        family = self.families.get(req.family_id)
-        if family is not None:
-            family.live.discard(req.request_id)
-            if req.index == 0:  # nothing left to fork from
-                done += [(req.family_id, i) for i in family.unforked]
-                family.unforked = []
-            if not family.live:
-                del self.families[req.family_id]
-        return done
+        return self._seqs.remove(req)
 
     # ---------------------------------------------------------------- one step
 
@@ -421,14 +403,15 @@ class Scheduler:
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
         accepted = runner_output.num_accepted or itertools.repeat(0)
+        seqs = self._seqs
         scheduled = self._in_flight.pop(scheduler_output.step_id, ())
         for req, token, lp, num_accepted in zip(scheduled, runner_output.sampled_token_ids,
                                                 logprobs, accepted):
             drafts, req.spec_token_ids = req.spec_token_ids, []
             if token < 0 or not self._takes_token(req):
                 continue  # a partial prefill chunk, or finished while the step ran
-            if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
-                self._fork(req, self.families[req.family_id])
+            if seqs.families and seqs.forks_now(req):  # most steps have no family to test
+                self._fork(req)
             tokens = self._accept(req, drafts, num_accepted, token)
             num_sampled = len(tokens)
             status = None
@@ -476,18 +459,12 @@ class Scheduler:
         return req.status == RequestStatus.RUNNING or (
             req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0)
 
-    def _fork(self, parent: Request, family: _Family) -> None:
+    def _fork(self, parent: Request) -> None:
         """Sample 0 has computed the prompt: every other sample shares its KV of all but the
         last prompt token and computes that token itself, for logits of its own to sample
         from. A sample that finds no room queues as a plain request (prefix hits, if cached)."""
         num_shared = parent.num_prompt_tokens - 1
-        seed = parent.sampling_params.seed
-        for index in family.unforked:
-            params = msgspec.structs.replace(parent.sampling_params, n=1, seed=None if seed is None
-                                             else (seed + index) % 2**64)
-            child = parent.fork(index, params)
-            self.requests[child.request_id] = child
-            family.live.add(child.request_id)
+        for child in self._seqs.fork(parent):
             # A parent preempted while its first sample was in flight holds no blocks.
             copy = (self.kv.fork(parent, child, num_shared)
                     if parent.status == RequestStatus.RUNNING
@@ -500,7 +477,6 @@ class Scheduler:
             child.num_computed_tokens = num_shared
             child.status = RequestStatus.RUNNING
             self.running.append(child)
-        family.unforked = []
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -556,11 +532,7 @@ class Scheduler:
         lost = running + self.kv.drop_worker_memory()  # and those waiting for SSD loads
         for req in reversed(lost):
             self.waiting.prepend(req)
-        for req in self.requests.values():
-            if req.num_sent_tokens or req.status == RequestStatus.RUNNING:
-                req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = req.num_output_placeholders = req.num_sent_tokens = 0
-            req.spec_token_ids = []
+        self._seqs.restart_all()
         return poisoned
 
     def _requeue(self, ready: list[Request]) -> None:
