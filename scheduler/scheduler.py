@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager, TierAdmission
+from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
     EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
 )
@@ -76,9 +77,7 @@ class Scheduler:
         self.policy = policy
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
-        # The Request objects each step in flight scheduled, in its order (ids may be reused
-        # once a request finishes, so its reply is matched to objects, not ids).
-        self._in_flight: dict[int, list[Request]] = {}
+        self._in_flight = InFlight()
         self._seqs = Sequences()
         # What the next SchedulerOutput tells the workers besides the step.
         self._updates = WorkerUpdates()
@@ -87,10 +86,6 @@ class Scheduler:
         self.num_preemptions = 0
         # Called with each sequence that finishes, however it finished (the request log).
         self.on_finish: Callable[[Request], None] | None = None
-        # Sequences in a step in flight when the workers were last lost, not yet through a
-        # step of the new workers: one found in flight at the next loss fails (a poison
-        # pill), so they are re-admitted one at a time (_quarantined).
-        self.suspects: set[str] = set()
         # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
@@ -106,6 +101,12 @@ class Scheduler:
     @property
     def families(self) -> dict[str, Family]:
         return self._seqs.families
+
+    @property
+    def suspects(self) -> set[str]:
+        """Sequences in a step in flight when the workers were last lost, not yet through a
+        step of the new workers (in_flight.py)."""
+        return self._in_flight.suspects
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -186,7 +187,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
         req.status = status
-        self.suspects.discard(req.request_id)
+        self._in_flight.forget(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
         if self.speculator is not None:
@@ -210,7 +211,7 @@ class Scheduler:
         out = build_output(plan, self._updates, self.tiers)
         scheduled = plan.commit(self.async_scheduling)
         if scheduled:
-            self._in_flight[out.step_id] = scheduled
+            self._in_flight.add(out.step_id, scheduled)
         return out
 
     def _prefill_limit(self) -> int | None:
@@ -311,21 +312,16 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
         loading = self.tiers.num_loading
+        in_flight = self._in_flight
         while self.waiting and plan.budget > 0 \
                 and (plan.prefill_left is None or plan.prefill_left > 1) \
                 and len(self.running) + loading < self.max_num_seqs:
-            if self.suspects and self._quarantined(self.waiting.peek()):
+            if in_flight.suspects and in_flight.quarantined(self.waiting.peek(), self.running):
                 break
             admitted = self._admit(self.waiting.peek(), plan)
             if admitted is None:
                 break  # head-of-line: later requests wait their turn
             loading += not admitted
-
-    def _quarantined(self, req: Request) -> bool:
-        """A suspect waits while another runs, so that a step holds at most one: the next loss
-        of the workers then blames one sequence, never a batch."""
-        return req.request_id in self.suspects and any(
-            r.request_id in self.suspects for r in self.running)
 
     def _admit(self, req: Request, plan: StepPlan) -> bool | None:
         """True: running from this step. False: it left the queue to wait for SSD loads
@@ -403,8 +399,8 @@ class Scheduler:
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
         accepted = runner_output.num_accepted or itertools.repeat(0)
-        seqs = self._seqs
-        scheduled = self._in_flight.pop(scheduler_output.step_id, ())
+        seqs, in_flight = self._seqs, self._in_flight
+        scheduled = in_flight.pop(scheduler_output.step_id)
         for req, token, lp, num_accepted in zip(scheduled, runner_output.sampled_token_ids,
                                                 logprobs, accepted):
             drafts, req.spec_token_ids = req.spec_token_ids, []
@@ -421,8 +417,8 @@ class Scheduler:
                 if status is not None:
                     del tokens[n:]
                     break
-            if self.suspects:
-                self.suspects.discard(req.request_id)  # the new workers computed it
+            if in_flight.suspects:
+                in_flight.computed(req)  # by the current workers
             if self.async_scheduling:  # the workers appended them themselves
                 req.num_output_placeholders -= 1
                 req.num_sent_tokens += num_sampled
@@ -507,7 +503,7 @@ class Scheduler:
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
-        for req in self._in_flight.pop(scheduler_output.step_id, ()):
+        for req in self._in_flight.pop(scheduler_output.step_id):
             req.spec_token_ids = []
         self.tiers.step_failed(scheduler_output.step_id)
 
@@ -519,12 +515,7 @@ class Scheduler:
         the running ones first, in their order. Returns the suspects of the last loss found
         in a step in flight again (poison pills), for the caller to fail; the sequences in
         flight now become the suspects."""
-        in_flight = [r.request_id for reqs in self._in_flight.values() for r in reqs
-                     if self.requests.get(r.request_id) is r]
-        poisoned = [sid for sid in dict.fromkeys(in_flight) if sid in self.suspects]
-        if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
-            self.suspects = set(in_flight) - set(poisoned)
-        self._in_flight.clear()
+        poisoned = self._in_flight.workers_lost(self.requests)
         self._updates.clear()
         running, self.running = self.running, []
         for req in running:
@@ -596,7 +587,8 @@ class Scheduler:
         bs = self.kv.block_size
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            assert len(self.kv.req_to_blocks.get(req.request_id, ())) * bs >= req.num_computed_tokens
+            held = len(self.kv.req_to_blocks.get(req.request_id, ()))
+            assert held * bs >= req.num_computed_tokens
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
