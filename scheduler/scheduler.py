@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager, TierAdmission
+from tierserve.scheduler.drafts import Drafter
 from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
     EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
@@ -90,6 +91,7 @@ class Scheduler:
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
         self.speculator = Speculator(speculative_config) if speculative_config else None
+        self._drafter = Drafter(self.speculator, max_model_len)
 
     # ---------------------------------------------------------------- state, by its owner
 
@@ -190,8 +192,7 @@ class Scheduler:
         self._in_flight.forget(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(req.request_id)
+        self._drafter.forget(req.request_id)
         if self.on_finish is not None:
             self.on_finish(req)
         if req.num_sent_tokens:
@@ -229,7 +230,7 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and (req.spec_token_ids or self._will_stop(req)
-                                                or self._awaits_drafts(req)):
+                                                or self._drafter.awaited(req)):
                 i += 1  # its step in flight samples its last token, or drafts
                 continue
             n = plan.chunk(req.num_tokens + req.num_output_placeholders
@@ -238,7 +239,7 @@ class Scheduler:
                 i += 1  # the step-time bound leaves no prefill this step
                 continue
             prefill = n > 1
-            drafts = self._drafts(req, plan.budget) if n == 1 else []
+            drafts = self._drafter.drafts(req, plan.budget) if n == 1 else []
             n += len(drafts)
             blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
@@ -253,22 +254,6 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             # A priority preemption may have removed a request ahead of this one.
             i = self.running.index(req) + 1 if plan.preempted else i + 1
-
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Drafts for a request about to decode its last token, within the step's budget and
-        its length limits (the step yields up to one token more than it has drafts)."""
-        if self.speculator is None or req.num_output_placeholders:
-            return []
-        limit = min(budget - 1, req.max_output_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
-        return self.speculator.drafts(req.request_id, req.sampling_params, req.all_token_ids,
-                                      limit)
-
-    def _awaits_drafts(self, req: Request) -> bool:
-        """With async scheduling, a request whose known tokens already find drafts waits for
-        its step in flight rather than run ahead of it: drafts need its every token."""
-        return self.speculator is not None and bool(self.speculator.drafts(
-            req.request_id, req.sampling_params, req.all_token_ids, 1))
 
     def _will_stop(self, req: Request) -> bool:
         """The tokens in flight reach the request's length limits."""
@@ -408,7 +393,7 @@ class Scheduler:
                 continue  # a partial prefill chunk, or finished while the step ran
             if seqs.families and seqs.forks_now(req):  # most steps have no family to test
                 self._fork(req)
-            tokens = self._accept(req, drafts, num_accepted, token)
+            tokens = self._drafter.accept(req, drafts, num_accepted, token)
             num_sampled = len(tokens)
             status = None
             for n, token in enumerate(tokens, 1):
@@ -436,18 +421,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
-
-    def _accept(self, req: Request, drafts: list[int], num_accepted: int,
-                token: int) -> list[int]:
-        """The tokens a step gave a request: its accepted drafts, then its sample. The KV of
-        the rejected drafts is in the pool but not computed: the count falls back past them."""
-        if not drafts:
-            return [token]
-        num_accepted = min(max(num_accepted, 0), len(drafts))
-        if req.status == RequestStatus.RUNNING:
-            req.num_computed_tokens -= len(drafts) - num_accepted
-        self.speculator.record(req.request_id, len(drafts), num_accepted)
-        return drafts[:num_accepted] + [token]
 
     def _takes_token(self, req: Request) -> bool:
         """A running request takes its sampled token; with async scheduling so does one
@@ -570,8 +543,7 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        } | self.tiers.stats() \
-          | (self.speculator.stats() if self.speculator is not None else {})
+        } | self.tiers.stats() | self._drafter.stats()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
