@@ -23,7 +23,7 @@ import itertools
 import time
 from typing import Callable
 
-from tierserve.kvcache import BlockHasher, KVCacheBlock, KVCacheManager, TierAdmission
+from tierserve.kvcache import BlockHasher, KVCacheManager, TierAdmission
 from tierserve.scheduler.drafts import Drafter
 from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
@@ -34,6 +34,7 @@ from tierserve.scheduler.params import (
 )
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request
+from tierserve.scheduler.running import RunningQueue
 from tierserve.scheduler.sequences import Family, Sequences
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 from tierserve.scheduler.step_budget import StepTimeBudget
@@ -78,20 +79,24 @@ class Scheduler:
         self.policy = policy
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
-        self._in_flight = InFlight()
-        self._seqs = Sequences()
-        # What the next SchedulerOutput tells the workers besides the step.
-        self._updates = WorkerUpdates()
-        self.waiting = make_waiting_queue(policy)
-        self.running: list[Request] = []
-        self.num_preemptions = 0
         # Called with each sequence that finishes, however it finished (the request log).
         self.on_finish: Callable[[Request], None] | None = None
         # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
         self.speculator = Speculator(speculative_config) if speculative_config else None
-        self._drafter = Drafter(self.speculator, max_model_len)
+        self._make_collaborators()
+
+    def _make_collaborators(self) -> None:
+        # They share the KV manager, the tier policy and the waiting queue, and own the rest.
+        self.waiting = make_waiting_queue(self.policy)
+        self._seqs = Sequences()
+        self._in_flight = InFlight()
+        self._updates = WorkerUpdates()
+        self._drafter = Drafter(self.speculator, self.max_model_len)
+        self._running = RunningQueue(self.kv, self.tiers, self.waiting, self._drafter,
+                                     policy=self.policy, max_num_seqs=self.max_num_seqs,
+                                     max_model_len=self.max_model_len)
 
     # ---------------------------------------------------------------- state, by its owner
 
@@ -103,6 +108,15 @@ class Scheduler:
     @property
     def families(self) -> dict[str, Family]:
         return self._seqs.families
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in admission order."""
+        return self._running.requests
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._running.num_preemptions
 
     @property
     def suspects(self) -> set[str]:
@@ -181,7 +195,7 @@ class Scheduler:
             if req is None:
                 continue
             if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
+                self._running.remove(req)
             elif not self.tiers.is_loading(req.request_id):
                 self.waiting.remove(req)
             done.extend(self._finish(req, status))
@@ -206,7 +220,7 @@ class Scheduler:
             self._in_flight.clear()  # a step whose reply never came was dropped by the caller
         plan = StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit(),
                         long_prefill_token_threshold=self.long_prefill_token_threshold)
-        self._schedule_running(plan)
+        self._running.schedule(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         out = build_output(plan, self._updates, self.tiers)
@@ -218,81 +232,10 @@ class Scheduler:
     def _prefill_limit(self) -> int | None:
         if self.step_budget is None:
             return None
-        decoding = sum(1 for r in self.running
-                       if r.num_tokens + r.num_output_placeholders - r.num_computed_tokens <= 1)
-        limit = self.step_budget.prefill_limit(decoding)
+        limit = self.step_budget.prefill_limit(self._running.num_decoding())
         if limit is not None and limit >= self.max_num_batched_tokens:
             return None
         return limit
-
-    def _schedule_running(self, plan: StepPlan) -> None:
-        i = 0
-        while i < len(self.running) and plan.budget > 0:
-            req = self.running[i]
-            if req.num_output_placeholders and (req.spec_token_ids or self._will_stop(req)
-                                                or self._drafter.awaited(req)):
-                i += 1  # its step in flight samples its last token, or drafts
-                continue
-            n = plan.chunk(req.num_tokens + req.num_output_placeholders
-                           - req.num_computed_tokens)
-            if n == 0:
-                i += 1  # the step-time bound leaves no prefill this step
-                continue
-            prefill = n > 1
-            drafts = self._drafter.drafts(req, plan.budget) if n == 1 else []
-            n += len(drafts)
-            blocks = self.kv.allocate_slots(req, n)
-            if blocks is None:
-                blocks = self._preempt_until_fits(req, n, plan)
-                if blocks is None:
-                    break  # it preempted itself: nothing behind it can fit either
-            if req.num_sent_tokens:
-                plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks], prefill)
-            else:  # a forked sample the workers have not seen: its whole table travels
-                plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id), prefill)
-            if drafts:
-                plan.drafts[req.request_id] = drafts
-            # A priority preemption may have removed a request ahead of this one.
-            i = self.running.index(req) + 1 if plan.preempted else i + 1
-
-    def _will_stop(self, req: Request) -> bool:
-        """The tokens in flight reach the request's length limits."""
-        pending = req.num_output_placeholders
-        return (req.num_output_tokens + pending >= req.max_output_tokens
-                or req.num_tokens + pending >= self.max_model_len)
-
-    def _preempt_until_fits(self, req: Request, n: int,
-                            plan: StepPlan) -> list[KVCacheBlock] | None:
-        while True:
-            victim = self._pick_victim()
-            self._preempt(victim, plan)
-            if victim is req:
-                return None
-            blocks = self.kv.allocate_slots(req, n)
-            if blocks is not None:
-                return blocks
-
-    def _pick_victim(self) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Free every block and go back to the front of the waiting queue: to be recomputed
-        (its full blocks stay cached, so resuming is mostly prefix hits), or, with swap
-        preemption, with its KV copied to the CPU tier and back on resume."""
-        self.running.remove(req)
-        plan.drop(req)
-        # Drafts in flight are not computed tokens until verified: their KV stays behind.
-        self.tiers.try_swap_out(req.request_id, self.kv.get_block_ids(req.request_id),
-                                req.num_computed_tokens - len(req.spec_token_ids))
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(req)
-        plan.preempted.append(req)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         # A request waiting for SSD loads holds a sequence slot.
@@ -368,8 +311,7 @@ class Scheduler:
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_computed
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._running.start(req)
         group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
         plan.add(group, req, n, self.kv.get_block_ids(req.request_id), prefill=n > 1)
 
@@ -392,7 +334,7 @@ class Scheduler:
             if token < 0 or not self._takes_token(req):
                 continue  # a partial prefill chunk, or finished while the step ran
             if seqs.families and seqs.forks_now(req):  # most steps have no family to test
-                self._fork(req)
+                self._updates.copies += self._running.start_forks(req, seqs.fork(req))
             tokens = self._drafter.accept(req, drafts, num_accepted, token)
             num_sampled = len(tokens)
             status = None
@@ -419,7 +361,7 @@ class Scheduler:
                                             num_tier_cached_tokens=req.num_tier_cached_tokens,
                                             index=req.index))
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self._running.drop_finished()
         return outputs
 
     def _takes_token(self, req: Request) -> bool:
@@ -427,25 +369,6 @@ class Scheduler:
         preempted after the step was sent (the workers ran the step before the preemption)."""
         return req.status == RequestStatus.RUNNING or (
             req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0)
-
-    def _fork(self, parent: Request) -> None:
-        """Sample 0 has computed the prompt: every other sample shares its KV of all but the
-        last prompt token and computes that token itself, for logits of its own to sample
-        from. A sample that finds no room queues as a plain request (prefix hits, if cached)."""
-        num_shared = parent.num_prompt_tokens - 1
-        for child in self._seqs.fork(parent):
-            # A parent preempted while its first sample was in flight holds no blocks.
-            copy = (self.kv.fork(parent, child, num_shared)
-                    if parent.status == RequestStatus.RUNNING
-                    and len(self.running) < self.max_num_seqs else None)
-            if copy is None:
-                self.waiting.prepend(child)
-                continue
-            if copy is not True:
-                self._updates.copies.append(copy)
-            child.num_computed_tokens = num_shared
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -490,10 +413,8 @@ class Scheduler:
         flight now become the suspects."""
         poisoned = self._in_flight.workers_lost(self.requests)
         self._updates.clear()
-        running, self.running = self.running, []
-        for req in running:
-            self.kv.free(req)
-        lost = running + self.kv.drop_worker_memory()  # and those waiting for SSD loads
+        # The running ones, then those waiting for SSD loads.
+        lost = self._running.release_all() + self.kv.drop_worker_memory()
         for req in reversed(lost):
             self.waiting.prepend(req)
         self._seqs.restart_all()
