@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import array
 import itertools
-import time
 from typing import Callable
 
-from tierserve.kvcache import BlockHasher, KVCacheManager, TierAdmission
+from tierserve.kvcache import BlockHasher, KVCacheManager
+from tierserve.scheduler.admission import Admission
 from tierserve.scheduler.drafts import Drafter
 from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
@@ -97,6 +97,8 @@ class Scheduler:
         self._running = RunningQueue(self.kv, self.tiers, self.waiting, self._drafter,
                                      policy=self.policy, max_num_seqs=self.max_num_seqs,
                                      max_model_len=self.max_model_len)
+        self._admission = Admission(self.kv, self.tiers, self.waiting, self._running,
+                                    self._in_flight, max_num_seqs=self.max_num_seqs)
 
     # ---------------------------------------------------------------- state, by its owner
 
@@ -222,7 +224,7 @@ class Scheduler:
                         long_prefill_token_threshold=self.long_prefill_token_threshold)
         self._running.schedule(plan)
         if not plan.preempted:
-            self._schedule_waiting(plan)
+            self._admission.schedule(plan)
         out = build_output(plan, self._updates, self.tiers)
         scheduled = plan.commit(self.async_scheduling)
         if scheduled:
@@ -236,84 +238,6 @@ class Scheduler:
         if limit is not None and limit >= self.max_num_batched_tokens:
             return None
         return limit
-
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        # A request waiting for SSD loads holds a sequence slot.
-        loading = self.tiers.num_loading
-        in_flight = self._in_flight
-        while self.waiting and plan.budget > 0 \
-                and (plan.prefill_left is None or plan.prefill_left > 1) \
-                and len(self.running) + loading < self.max_num_seqs:
-            if in_flight.suspects and in_flight.quarantined(self.waiting.peek(), self.running):
-                break
-            admitted = self._admit(self.waiting.peek(), plan)
-            if admitted is None:
-                break  # head-of-line: later requests wait their turn
-            loading += not admitted
-
-    def _admit(self, req: Request, plan: StepPlan) -> bool | None:
-        """True: running from this step. False: it left the queue to wait for SSD loads
-        (the next may go). None: no room (nobody behind it goes either)."""
-        assert not req.num_output_placeholders, "admitted before its step in flight returned"
-        swapped = self.tiers.swapped_tokens(req.request_id)
-        if swapped:
-            return self._resume_swapped(req, swapped, plan)
-        # Prompt logprobs want every prompt position's logits: no hit in any tier.
-        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
-            hits, num_hit, admission = [], 0, TierAdmission()
-        else:
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            loaded = self.tiers.counters.ssd_hit_blocks
-            admission = self.tiers.admit(req, len(hits))
-            req.ssd_loaded_blocks += self.tiers.counters.ssd_hit_blocks - loaded
-        if admission.wait:
-            self.waiting.pop()
-            return False
-        if admission.defer:
-            return None
-        num_hit += len(admission.cpu_hits) * self.kv.block_size
-        n = plan.chunk(req.num_tokens - num_hit)
-        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
-        blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
-        if blocks is None:
-            self.tiers.refused(admission)
-            return None
-        if req.num_cached_tokens < 0:  # its first admission: the hits it reports
-            req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
-            req.num_tier_cached_tokens = sum(req.cached_by_tier[1:])
-            req.admitted_at = time.monotonic()
-        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
-        self._start_running(req, num_hit, n, plan)
-        return True
-
-    def _cached_by_tier(self, req: Request, num_device_blocks: int,
-                        num_hit: int) -> tuple[int, int, int]:
-        """(device, CPU, SSD) tokens of a first admission's hits; blocks loaded from SSD for
-        the request are CPU hits by now."""
-        device = num_device_blocks * self.kv.block_size
-        below = num_hit - device
-        ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
-        return device, below - ssd, ssd
-
-    def _resume_swapped(self, req: Request, num_swapped: int, plan: StepPlan) -> bool | None:
-        n = plan.chunk(req.num_tokens - num_swapped)
-        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
-        blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
-        if blocks is None:
-            return None
-        self.tiers.swap_in(req.request_id, [b.block_id for b in blocks])
-        self._start_running(req, num_swapped, n, plan)
-        return True
-
-    def _start_running(self, req: Request, num_computed: int, n: int, plan: StepPlan) -> None:
-        """The waiting head runs from this step, its first num_computed tokens in the pool."""
-        self.waiting.pop()
-        req.num_computed_tokens = num_computed
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_computed
-        self._running.start(req)
-        group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
-        plan.add(group, req, n, self.kv.get_block_ids(req.request_id), prefill=n > 1)
 
     # ---------------------------------------------------------------- after the forward
 
