@@ -29,9 +29,8 @@ from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
     EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
 )
-from tierserve.scheduler.params import (
-    QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
-)
+from tierserve.scheduler.outputs import append_tokens, engine_output, takes_token
+from tierserve.scheduler.params import QueueFullError, RequestStatus, SamplingParams
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import SAMPLE_SEP, Request
 from tierserve.scheduler.running import RunningQueue
@@ -255,19 +254,13 @@ class Scheduler:
         for req, token, lp, num_accepted in zip(scheduled, runner_output.sampled_token_ids,
                                                 logprobs, accepted):
             drafts, req.spec_token_ids = req.spec_token_ids, []
-            if token < 0 or not self._takes_token(req):
+            if token < 0 or not takes_token(req):
                 continue  # a partial prefill chunk, or finished while the step ran
             if seqs.families and seqs.forks_now(req):  # most steps have no family to test
                 self._updates.copies += self._running.start_forks(req, seqs.fork(req))
             tokens = self._drafter.accept(req, drafts, num_accepted, token)
             num_sampled = len(tokens)
-            status = None
-            for n, token in enumerate(tokens, 1):
-                req.append_output_token(token)
-                status = self._stop_status(req, token)
-                if status is not None:
-                    del tokens[n:]
-                    break
+            status = append_tokens(req, tokens, self.max_model_len)
             if in_flight.suspects:
                 in_flight.computed(req)  # by the current workers
             if self.async_scheduling:  # the workers appended them themselves
@@ -278,30 +271,10 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req, status)
                 any_finished = True
-            reason = finish_reason_of(status) if status is not None else None
-            outputs.append(EngineCoreOutput(req.family_id, tokens, finish_reason=reason,
-                                            logprobs=[lp] if lp else [],
-                                            num_cached_tokens=req.num_cached_tokens,
-                                            num_tier_cached_tokens=req.num_tier_cached_tokens,
-                                            index=req.index))
+            outputs.append(engine_output(req, tokens, status, lp))
         if any_finished:
             self._running.drop_finished()
         return outputs
-
-    def _takes_token(self, req: Request) -> bool:
-        """A running request takes its sampled token; with async scheduling so does one
-        preempted after the step was sent (the workers ran the step before the preemption)."""
-        return req.status == RequestStatus.RUNNING or (
-            req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0)
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if (token == req.eos_token_id and not params.ignore_eos) or (
-                params.stop_token_ids and token in params.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_output_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def flush_message(self, deadline_s: float) -> FlushTiers | None:
         """A clean shutdown's write of every cached block the SSD folder lacks (no step in
