@@ -18,7 +18,6 @@ whose known tokens find drafts waits for its step in flight too, so as to draft 
 """
 from __future__ import annotations
 
-import array
 import itertools
 from typing import Callable
 
@@ -32,12 +31,13 @@ from tierserve.scheduler.messages import (
 from tierserve.scheduler.outputs import append_tokens, engine_output, takes_token
 from tierserve.scheduler.params import QueueFullError, RequestStatus, SamplingParams
 from tierserve.scheduler.queues import make_waiting_queue
-from tierserve.scheduler.request import SAMPLE_SEP, Request
+from tierserve.scheduler.request import Request
 from tierserve.scheduler.running import RunningQueue
 from tierserve.scheduler.sequences import Family, Sequences
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 from tierserve.scheduler.step_budget import StepTimeBudget
 from tierserve.scheduler.step_output import StepPlan, WorkerUpdates, build_output, wire
+from tierserve.scheduler.validation import check_limits, check_request
 
 __all__ = ["Scheduler"]
 
@@ -50,19 +50,8 @@ class Scheduler:
                  async_scheduling: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
                  step_time_target_s: float = 0.0) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
-        # A prompt must fit beside the admission watermark, or it could never be admitted.
-        pool_tokens = (kv_cache_manager.pool.num_usable_blocks
-                       - kv_cache_manager.watermark_blocks) * kv_cache_manager.block_size
-        if max_model_len > pool_tokens:
-            raise ValueError(f"max_model_len {max_model_len} does not fit the KV pool "
-                             f"({pool_tokens} tokens); lower it or give the cache more memory")
+        check_limits(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                     long_prefill_token_threshold, step_time_target_s)
         self.kv = kv_cache_manager
         self.hasher = hasher if kv_cache_manager.enable_caching else None
         self.max_num_seqs = max_num_seqs
@@ -70,8 +59,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        if step_time_target_s < 0:
-            raise ValueError("step_time_target_s must be >= 0 (0 disables it)")
         # While requests decode, a step's prefill fits the measured cost into this time.
         self.step_budget = StepTimeBudget(step_time_target_s, kv_cache_manager.block_size) \
             if step_time_target_s else None
@@ -135,14 +122,8 @@ class Scheduler:
         With sampling_params.n > 1 its other samples fork from it once the prompt is computed."""
         if self._seqs.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if SAMPLE_SEP in request_id:
-            raise ValueError(f"request id {request_id!r} contains {SAMPLE_SEP!r}, which is "
-                             f"reserved for sample ids")
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        self._validate_prompt(prompt_token_ids)
-        self._validate_token_ids(sampling_params.token_ids_named())
+        check_request(request_id, prompt_token_ids, sampling_params, self.max_model_len,
+                      self.vocab_size)
         if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
             raise QueueFullError(f"the engine's queue is full ({self.max_queued_requests} "
                                  f"requests waiting); try again later")
@@ -156,27 +137,6 @@ class Scheduler:
         self._seqs.add(req)
         self.waiting.add(req)
         return req
-
-    def _validate_token_ids(self, ids: list[int]) -> None:
-        """Token ids the sampling parameters name, against the vocabulary."""
-        if ids and self.vocab_size is not None and max(ids) >= self.vocab_size:
-            raise ValueError(f"token id {max(ids)} in the sampling parameters is out of range "
-                             f"[0, {self.vocab_size})")
-
-    def _validate_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        try:
-            array.array("q", prompt)
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"prompt token ids must be ints: {e}") from None
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[tuple[str, int]]:
         """Finishes requests, every sample of each, from outside a step (abort, failure);
@@ -203,6 +163,7 @@ class Scheduler:
         return done
 
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
+        """Releases what a sequence holds; its caller has taken it out of its queue."""
         req.status = status
         self._in_flight.forget(req.request_id)
         self.kv.free(req)
