@@ -15,6 +15,14 @@ after its last token; the reply says how many were accepted, and the computed co
 back by the rejected ones. A request whose drafts are in flight is not scheduled again before
 the reply: how many tokens it will have is not known until then; with async scheduling, one
 whose known tokens find drafts waits for its step in flight too, so as to draft next.
+
+This module owns the Scheduler: the API the EngineCore drives, its limits, and how a request
+enters and finishes. Every other piece of state has one owner among its collaborators: the
+live sequences and sample families (sequences.py), the running requests with their decodes,
+preemption and forks (running.py), admission from the waiting queue (admission.py,
+queues.py), the step's plan and message (step_output.py), the steps in flight and the
+suspects of a worker loss (in_flight.py) and the speculative tokens (drafts.py). outputs.py
+applies a reply to one request; validation.py checks a request before it is queued.
 """
 from __future__ import annotations
 
