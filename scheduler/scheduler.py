@@ -15,94 +15,39 @@ after its last token; the reply says how many were accepted, and the computed co
 back by the rejected ones. A request whose drafts are in flight is not scheduled again before
 the reply: how many tokens it will have is not known until then; with async scheduling, one
 whose known tokens find drafts waits for its step in flight too, so as to draft next.
+
+This module owns the Scheduler: the API the EngineCore drives, its limits, and how a request
+enters and finishes. Every other piece of state has one owner among its collaborators: the
+live sequences and sample families (sequences.py), the running requests with their decodes,
+preemption and forks (running.py), admission from the waiting queue (admission.py,
+queues.py), the step's plan and message (step_output.py), the steps in flight and the
+suspects of a worker loss (in_flight.py) and the speculative tokens (drafts.py). outputs.py
+applies a reply to one request; validation.py checks a request before it is queued.
 """
 from __future__ import annotations
 
-import array
 import itertools
-import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-import msgspec
-
-from tierserve.kvcache import (
-    BlockHasher, CopyBatch, KVCacheBlock, KVCacheManager, TierAdmission,
-)
+from tierserve.kvcache import BlockHasher, KVCacheManager
+from tierserve.scheduler.admission import Admission
+from tierserve.scheduler.drafts import Drafter
+from tierserve.scheduler.in_flight import InFlight
 from tierserve.scheduler.messages import (
-    CachedRequestData, EngineCoreOutput, FlushTiers, ModelRunnerOutput, NewRequestData,
-    SchedulerOutput, TierCopyBatch,
+    EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
 )
-from tierserve.scheduler.params import (
-    QueueFullError, RequestStatus, SamplingParams, finish_reason_of,
-)
+from tierserve.scheduler.outputs import append_tokens, engine_output, takes_token
+from tierserve.scheduler.params import QueueFullError, RequestStatus, SamplingParams
 from tierserve.scheduler.queues import make_waiting_queue
-from tierserve.scheduler.request import SAMPLE_SEP, Request, seq_id
+from tierserve.scheduler.request import Request
+from tierserve.scheduler.running import RunningQueue
+from tierserve.scheduler.sequences import Family, Sequences
 from tierserve.scheduler.spec import SpeculativeConfig, Speculator
 from tierserve.scheduler.step_budget import StepTimeBudget
+from tierserve.scheduler.step_output import StepPlan, WorkerUpdates, build_output, wire
+from tierserve.scheduler.validation import check_limits, check_request
 
 __all__ = ["Scheduler"]
-
-
-def _wire(batch: CopyBatch) -> TierCopyBatch:
-    return TierCopyBatch(batch.kind, batch.src, batch.dst, batch.first_seq, batch.hashes,
-                         batch.keys)
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    budget: int
-    # Prefill tokens the step-time bound leaves this step (None: no bound).
-    prefill_left: int | None = None
-    new_reqs: list[Request] = field(default_factory=list)
-    cached_reqs: list[Request] = field(default_factory=list)
-    resumed_reqs: list[Request] = field(default_factory=list)
-    num_tokens: dict[str, int] = field(default_factory=dict)
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    prefill: dict[str, int] = field(default_factory=dict)
-
-    def cap_prefill(self, n: int) -> int:
-        """A prefill chunk (n > 1) cut to what the step-time bound leaves; 0: none fits. Never
-        1: a one-token step reads as a decode (drafts, no prefill accounting)."""
-        if n <= 1 or self.prefill_left is None:
-            return n
-        capped = min(n, self.prefill_left)
-        return capped if capped > 1 else 0
-
-    def add(self, group: list[Request], req: Request, n: int, blocks: list[int],
-            prefill: bool = False) -> None:
-        group.append(req)
-        self.num_tokens[req.request_id] = n
-        self.block_ids[req.request_id] = blocks
-        self.budget -= n
-        if prefill and self.prefill_left is not None:
-            self.prefill_left -= n
-            self.prefill[req.request_id] = n
-
-    def drop(self, req: Request) -> None:
-        """Undoes a request scheduled earlier this step (it was just preempted)."""
-        n = self.num_tokens.pop(req.request_id, None)
-        if n is None:
-            return
-        self.budget += n
-        if req.request_id in self.prefill:
-            self.prefill_left += self.prefill.pop(req.request_id)
-        del self.block_ids[req.request_id]
-        self.drafts.pop(req.request_id, None)
-        (self.cached_reqs if req in self.cached_reqs else self.new_reqs).remove(req)
-
-
-@dataclass(slots=True)
-class _Family:
-    """The n samples of one request. Sample 0 runs first; the others fork from it once its
-    prompt is computed (`unforked` until then), sharing its blocks."""
-
-    unforked: list[int]
-    live: set[str]
 
 
 class Scheduler:
@@ -113,19 +58,8 @@ class Scheduler:
                  async_scheduling: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
                  step_time_target_s: float = 0.0) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
-        # A prompt must fit beside the admission watermark, or it could never be admitted.
-        pool_tokens = (kv_cache_manager.pool.num_usable_blocks
-                       - kv_cache_manager.watermark_blocks) * kv_cache_manager.block_size
-        if max_model_len > pool_tokens:
-            raise ValueError(f"max_model_len {max_model_len} does not fit the KV pool "
-                             f"({pool_tokens} tokens); lower it or give the cache more memory")
+        check_limits(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                     long_prefill_token_threshold, step_time_target_s)
         self.kv = kv_cache_manager
         self.hasher = hasher if kv_cache_manager.enable_caching else None
         self.max_num_seqs = max_num_seqs
@@ -133,37 +67,58 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        if step_time_target_s < 0:
-            raise ValueError("step_time_target_s must be >= 0 (0 disables it)")
         # While requests decode, a step's prefill fits the measured cost into this time.
         self.step_budget = StepTimeBudget(step_time_target_s, kv_cache_manager.block_size) \
             if step_time_target_s else None
         self.policy = policy
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
-        # The Request objects each step in flight scheduled, in its order (ids may be reused
-        # once a request finishes, so its reply is matched to objects, not ids).
-        self._in_flight: dict[int, list[Request]] = {}
-        # Keyed by sequence id: a request's sample i > 0 is a sequence of its own.
-        self.requests: dict[str, Request] = {}
-        self.families: dict[str, _Family] = {}
-        # Copy-on-write block copies of this step's forks, sent with the next SchedulerOutput.
-        self._copies: list[tuple[int, int]] = []
-        self.waiting = make_waiting_queue(policy)
-        self.running: list[Request] = []
-        self._finished_ids: list[str] = []
-        self._step_ids = itertools.count()
-        self.num_preemptions = 0
         # Called with each sequence that finishes, however it finished (the request log).
         self.on_finish: Callable[[Request], None] | None = None
-        # Sequences in a step in flight when the workers were last lost, not yet through a
-        # step of the new workers: one found in flight at the next loss fails (a poison
-        # pill), so they are re-admitted one at a time (_quarantined).
-        self.suspects: set[str] = set()
         # The KV tiers' policy (kvcache/tier_policy.py): asked at admission, preemption and
         # the end of each step; capacity 0 where the engine has no tiers.
         self.tiers = kv_cache_manager.tiers
         self.speculator = Speculator(speculative_config) if speculative_config else None
+        self._make_collaborators()
+
+    def _make_collaborators(self) -> None:
+        # They share the KV manager, the tier policy and the waiting queue, and own the rest.
+        self.waiting = make_waiting_queue(self.policy)
+        self._seqs = Sequences()
+        self._in_flight = InFlight()
+        self._updates = WorkerUpdates()
+        self._drafter = Drafter(self.speculator, self.max_model_len)
+        self._running = RunningQueue(self.kv, self.tiers, self.waiting, self._drafter,
+                                     policy=self.policy, max_num_seqs=self.max_num_seqs,
+                                     max_model_len=self.max_model_len)
+        self._admission = Admission(self.kv, self.tiers, self.waiting, self._running,
+                                    self._in_flight, max_num_seqs=self.max_num_seqs)
+
+    # ---------------------------------------------------------------- state, by its owner
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished sequence by sequence id."""
+        return self._seqs.requests
+
+    @property
+    def families(self) -> dict[str, Family]:
+        return self._seqs.families
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in admission order."""
+        return self._running.requests
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._running.num_preemptions
+
+    @property
+    def suspects(self) -> set[str]:
+        """Sequences in a step in flight when the workers were last lost, not yet through a
+        step of the new workers (in_flight.py)."""
+        return self._in_flight.suspects
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -173,16 +128,10 @@ class Scheduler:
                     lora_id: int | None = None, arrival_time: float | None = None) -> Request:
         """Validates and queues a request; bad input raises ValueError and changes nothing.
         With sampling_params.n > 1 its other samples fork from it once the prompt is computed."""
-        if request_id in self.requests or request_id in self.families:
+        if self._seqs.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if SAMPLE_SEP in request_id:
-            raise ValueError(f"request id {request_id!r} contains {SAMPLE_SEP!r}, which is "
-                             f"reserved for sample ids")
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        self._validate_prompt(prompt_token_ids)
-        self._validate_token_ids(sampling_params.token_ids_named())
+        check_request(request_id, prompt_token_ids, sampling_params, self.max_model_len,
+                      self.vocab_size)
         if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
             raise QueueFullError(f"the engine's queue is full ({self.max_queued_requests} "
                                  f"requests waiting); try again later")
@@ -193,41 +142,14 @@ class Scheduler:
         room = self.max_model_len - req.num_prompt_tokens
         limit = sampling_params.max_tokens
         req.max_output_tokens = max(room, 1) if limit is None else limit
-        self.requests[request_id] = req
-        if sampling_params.n > 1:
-            self.families[request_id] = _Family(list(range(1, sampling_params.n)), {request_id})
+        self._seqs.add(req)
         self.waiting.add(req)
         return req
-
-    def _validate_token_ids(self, ids: list[int]) -> None:
-        """Token ids the sampling parameters name, against the vocabulary."""
-        if ids and self.vocab_size is not None and max(ids) >= self.vocab_size:
-            raise ValueError(f"token id {max(ids)} in the sampling parameters is out of range "
-                             f"[0, {self.vocab_size})")
-
-    def _validate_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        try:
-            array.array("q", prompt)
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"prompt token ids must be ints: {e}") from None
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[tuple[str, int]]:
         """Finishes requests, every sample of each, from outside a step (abort, failure);
         returns the (request id, sample index) of each sequence finished."""
-        seqs = []
-        for rid in request_ids:
-            family = self.families.get(rid)
-            seqs.extend(family.live if family is not None else (rid,))
-        return self.finish_seqs(seqs, status)
+        return self.finish_seqs(self._seqs.seq_ids(request_ids), status)
 
     def abort_requests(self, request_ids) -> list[tuple[str, int]]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -242,276 +164,48 @@ class Scheduler:
             if req is None:
                 continue
             if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
+                self._running.remove(req)
             elif not self.tiers.is_loading(req.request_id):
                 self.waiting.remove(req)
             done.extend(self._finish(req, status))
         return done
 
     def _finish(self, req: Request, status: RequestStatus) -> list[tuple[str, int]]:
+        """Releases what a sequence holds; its caller has taken it out of its queue."""
         req.status = status
-        self.suspects.discard(req.request_id)
+        self._in_flight.forget(req.request_id)
         self.kv.free(req)
         self.tiers.forget(req.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(req.request_id)
+        self._drafter.forget(req.request_id)
         if self.on_finish is not None:
             self.on_finish(req)
-        del self.requests[req.request_id]
         if req.num_sent_tokens:
-            self._finished_ids.append(req.request_id)
-        done = [(req.family_id, req.index)]
-        family = self.families.get(req.family_id)
-        if family is not None:
-            family.live.discard(req.request_id)
-            if req.index == 0:  # nothing left to fork from
-                done += [(req.family_id, i) for i in family.unforked]
-                family.unforked = []
-            if not family.live:
-                del self.families[req.family_id]
-        return done
+            self._updates.finished_ids.append(req.request_id)
+        return self._seqs.remove(req)
 
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
         if not self.async_scheduling:
             self._in_flight.clear()  # a step whose reply never came was dropped by the caller
-        plan = _StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit())
-        self._schedule_running(plan)
+        plan = StepPlan(budget=self.max_num_batched_tokens, prefill_left=self._prefill_limit(),
+                        long_prefill_token_threshold=self.long_prefill_token_threshold)
+        self._running.schedule(plan)
         if not plan.preempted:
-            self._schedule_waiting(plan)
-        out = self._build_output(plan)
-        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
-        for req in scheduled:
-            req.num_computed_tokens += plan.num_tokens[req.request_id]
-            req.spec_token_ids = plan.drafts.get(req.request_id, [])
-            if self.async_scheduling and req.num_computed_tokens - len(req.spec_token_ids) \
-                    == req.num_tokens + req.num_output_placeholders:
-                req.num_output_placeholders += 1  # this step samples its next token
+            self._admission.schedule(plan)
+        out = build_output(plan, self._updates, self.tiers)
+        scheduled = plan.commit(self.async_scheduling)
         if scheduled:
-            self._in_flight[out.step_id] = scheduled
+            self._in_flight.add(out.step_id, scheduled)
         return out
 
     def _prefill_limit(self) -> int | None:
         if self.step_budget is None:
             return None
-        decoding = sum(1 for r in self.running
-                       if r.num_tokens + r.num_output_placeholders - r.num_computed_tokens <= 1)
-        limit = self.step_budget.prefill_limit(decoding)
+        limit = self.step_budget.prefill_limit(self._running.num_decoding())
         if limit is not None and limit >= self.max_num_batched_tokens:
             return None
         return limit
-
-    def _chunk(self, num_new_tokens: int, budget: int) -> int:
-        threshold = self.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        return num_new_tokens if num_new_tokens <= budget else budget
-
-    def _schedule_running(self, plan: _StepPlan) -> None:
-        i = 0
-        while i < len(self.running) and plan.budget > 0:
-            req = self.running[i]
-            if req.num_output_placeholders and (req.spec_token_ids or self._will_stop(req)
-                                                or self._awaits_drafts(req)):
-                i += 1  # its step in flight samples its last token, or drafts
-                continue
-            n = plan.cap_prefill(self._chunk(req.num_tokens + req.num_output_placeholders
-                                             - req.num_computed_tokens, plan.budget))
-            if n == 0:
-                i += 1  # the step-time bound leaves no prefill this step
-                continue
-            prefill = n > 1
-            drafts = self._drafts(req, plan.budget) if n == 1 else []
-            n += len(drafts)
-            blocks = self.kv.allocate_slots(req, n)
-            if blocks is None:
-                blocks = self._preempt_until_fits(req, n, plan)
-                if blocks is None:
-                    break  # it preempted itself: nothing behind it can fit either
-            if req.num_sent_tokens:
-                plan.add(plan.cached_reqs, req, n, [b.block_id for b in blocks], prefill)
-            else:  # a forked sample the workers have not seen: its whole table travels
-                plan.add(plan.new_reqs, req, n, self.kv.get_block_ids(req.request_id), prefill)
-            if drafts:
-                plan.drafts[req.request_id] = drafts
-            # A priority preemption may have removed a request ahead of this one.
-            i = self.running.index(req) + 1 if plan.preempted else i + 1
-
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Drafts for a request about to decode its last token, within the step's budget and
-        its length limits (the step yields up to one token more than it has drafts)."""
-        if self.speculator is None or req.num_output_placeholders:
-            return []
-        limit = min(budget - 1, req.max_output_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
-        return self.speculator.drafts(req.request_id, req.sampling_params, req.all_token_ids,
-                                      limit)
-
-    def _awaits_drafts(self, req: Request) -> bool:
-        """With async scheduling, a request whose known tokens already find drafts waits for
-        its step in flight rather than run ahead of it: drafts need its every token."""
-        return self.speculator is not None and bool(self.speculator.drafts(
-            req.request_id, req.sampling_params, req.all_token_ids, 1))
-
-    def _will_stop(self, req: Request) -> bool:
-        """The tokens in flight reach the request's length limits."""
-        pending = req.num_output_placeholders
-        return (req.num_output_tokens + pending >= req.max_output_tokens
-                or req.num_tokens + pending >= self.max_model_len)
-
-    def _preempt_until_fits(self, req: Request, n: int,
-                            plan: _StepPlan) -> list[KVCacheBlock] | None:
-        while True:
-            victim = self._pick_victim()
-            self._preempt(victim, plan)
-            if victim is req:
-                return None
-            blocks = self.kv.allocate_slots(req, n)
-            if blocks is not None:
-                return blocks
-
-    def _pick_victim(self) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def _preempt(self, req: Request, plan: _StepPlan) -> None:
-        """Free every block and go back to the front of the waiting queue: to be recomputed
-        (its full blocks stay cached, so resuming is mostly prefix hits), or, with swap
-        preemption, with its KV copied to the CPU tier and back on resume."""
-        self.running.remove(req)
-        plan.drop(req)
-        # Drafts in flight are not computed tokens until verified: their KV stays behind.
-        self.tiers.try_swap_out(req.request_id, self.kv.get_block_ids(req.request_id),
-                                req.num_computed_tokens - len(req.spec_token_ids))
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(req)
-        plan.preempted.append(req)
-
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
-        # A request waiting for SSD loads holds a sequence slot.
-        loading = self.tiers.num_loading
-        while self.waiting and plan.budget > 0 \
-                and (plan.prefill_left is None or plan.prefill_left > 1) \
-                and len(self.running) + loading < self.max_num_seqs:
-            if self.suspects and self._quarantined(self.waiting.peek()):
-                break
-            admitted = self._admit(self.waiting.peek(), plan)
-            if admitted is None:
-                break  # head-of-line: later requests wait their turn
-            loading += not admitted
-
-    def _quarantined(self, req: Request) -> bool:
-        """A suspect waits while another runs, so that a step holds at most one: the next loss
-        of the workers then blames one sequence, never a batch."""
-        return req.request_id in self.suspects and any(
-            r.request_id in self.suspects for r in self.running)
-
-    def _admit(self, req: Request, plan: _StepPlan) -> bool | None:
-        """True: running from this step. False: it left the queue to wait for SSD loads
-        (the next may go). None: no room (nobody behind it goes either)."""
-        assert not req.num_output_placeholders, "admitted before its step in flight returned"
-        swapped = self.tiers.swapped_tokens(req.request_id)
-        if swapped:
-            return self._resume_swapped(req, swapped, plan)
-        # Prompt logprobs want every prompt position's logits: no hit in any tier.
-        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
-            hits, num_hit, admission = [], 0, TierAdmission()
-        else:
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            loaded = self.tiers.counters.ssd_hit_blocks
-            admission = self.tiers.admit(req, len(hits))
-            req.ssd_loaded_blocks += self.tiers.counters.ssd_hit_blocks - loaded
-        if admission.wait:
-            self.waiting.pop()
-            return False
-        if admission.defer:
-            return None
-        num_hit += len(admission.cpu_hits) * self.kv.block_size
-        n = plan.cap_prefill(self._chunk(req.num_tokens - num_hit, plan.budget))
-        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
-        blocks = self.kv.allocate_slots(req, n, hits, num_hit, apply_watermark=True)
-        if blocks is None:
-            self.tiers.refused(admission)
-            return None
-        if req.num_cached_tokens < 0:  # its first admission: the hits it reports
-            req.cached_by_tier = self._cached_by_tier(req, len(hits), num_hit)
-            req.num_tier_cached_tokens = sum(req.cached_by_tier[1:])
-            req.admitted_at = time.monotonic()
-        self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
-        self._start_running(req, num_hit, n, plan)
-        return True
-
-    def _cached_by_tier(self, req: Request, num_device_blocks: int,
-                        num_hit: int) -> tuple[int, int, int]:
-        """(device, CPU, SSD) tokens of a first admission's hits; blocks loaded from SSD for
-        the request are CPU hits by now."""
-        device = num_device_blocks * self.kv.block_size
-        below = num_hit - device
-        ssd = min(req.ssd_loaded_blocks * self.kv.block_size, below)
-        return device, below - ssd, ssd
-
-    def _resume_swapped(self, req: Request, num_swapped: int, plan: _StepPlan) -> bool | None:
-        n = plan.cap_prefill(self._chunk(req.num_tokens - num_swapped, plan.budget))
-        assert n > 0, "admission goes on only while a chunk of 2 tokens fits"
-        blocks = self.kv.allocate_slots(req, n, (), num_swapped, apply_watermark=True)
-        if blocks is None:
-            return None
-        self.tiers.swap_in(req.request_id, [b.block_id for b in blocks])
-        self._start_running(req, num_swapped, n, plan)
-        return True
-
-    def _start_running(self, req: Request, num_computed: int, n: int, plan: _StepPlan) -> None:
-        """The waiting head runs from this step, its first num_computed tokens in the pool."""
-        self.waiting.pop()
-        req.num_computed_tokens = num_computed
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_computed
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        group = plan.resumed_reqs if req.num_sent_tokens else plan.new_reqs
-        plan.add(group, req, n, self.kv.get_block_ids(req.request_id), prefill=n > 1)
-
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_data = []
-        for req in plan.new_reqs:
-            new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
-                                           req.sampling_params, plan.block_ids[req.request_id],
-                                           req.num_computed_tokens, req.num_output_tokens))
-            req.num_sent_tokens = req.num_tokens
-        cached = CachedRequestData()
-        for req in plan.cached_reqs:
-            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
-                       plan.block_ids[req.request_id])
-            req.num_sent_tokens = req.num_tokens
-        for req in plan.resumed_reqs:
-            cached.add(req.request_id, req.all_token_ids[req.num_sent_tokens:],
-                       plan.block_ids[req.request_id], req.num_computed_tokens)
-            req.num_sent_tokens = req.num_tokens
-        num_tokens = plan.num_tokens
-        scheduled = list(itertools.chain(plan.new_reqs, plan.cached_reqs, plan.resumed_reqs))
-        spec_ids, num_spec = [], []
-        if plan.drafts:
-            num_spec = [len(plan.drafts.get(r.request_id, ())) for r in scheduled]
-            for r in scheduled:
-                spec_ids.extend(plan.drafts.get(r.request_id, ()))
-        finished, self._finished_ids = self._finished_ids, []
-        copies, self._copies = self._copies, []
-        step_id = next(self._step_ids)
-        tier_copies = [_wire(b) for b in self.tiers.end_step(step_id)]
-        return SchedulerOutput(
-            step_id=step_id, scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=[num_tokens[r.request_id] for r in scheduled],
-            finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in plan.preempted if r.num_sent_tokens],
-            tier_copies=tier_copies, copy_src=[c[0] for c in copies],
-            copy_dst=[c[1] for c in copies], spec_token_ids=spec_ids, num_spec_tokens=num_spec)
 
     # ---------------------------------------------------------------- after the forward
 
@@ -524,25 +218,20 @@ class Scheduler:
         any_finished = False
         logprobs = runner_output.logprobs or itertools.repeat(None)
         accepted = runner_output.num_accepted or itertools.repeat(0)
-        scheduled = self._in_flight.pop(scheduler_output.step_id, ())
+        seqs, in_flight = self._seqs, self._in_flight
+        scheduled = in_flight.pop(scheduler_output.step_id)
         for req, token, lp, num_accepted in zip(scheduled, runner_output.sampled_token_ids,
                                                 logprobs, accepted):
             drafts, req.spec_token_ids = req.spec_token_ids, []
-            if token < 0 or not self._takes_token(req):
+            if token < 0 or not takes_token(req):
                 continue  # a partial prefill chunk, or finished while the step ran
-            if req.index == 0 and not req.output_token_ids and req.family_id in self.families:
-                self._fork(req, self.families[req.family_id])
-            tokens = self._accept(req, drafts, num_accepted, token)
+            if seqs.families and seqs.forks_now(req):  # most steps have no family to test
+                self._updates.copies += self._running.start_forks(req, seqs.fork(req))
+            tokens = self._drafter.accept(req, drafts, num_accepted, token)
             num_sampled = len(tokens)
-            status = None
-            for n, token in enumerate(tokens, 1):
-                req.append_output_token(token)
-                status = self._stop_status(req, token)
-                if status is not None:
-                    del tokens[n:]
-                    break
-            if self.suspects:
-                self.suspects.discard(req.request_id)  # the new workers computed it
+            status = append_tokens(req, tokens, self.max_model_len)
+            if in_flight.suspects:
+                in_flight.computed(req)  # by the current workers
             if self.async_scheduling:  # the workers appended them themselves
                 req.num_output_placeholders -= 1
                 req.num_sent_tokens += num_sampled
@@ -551,68 +240,10 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req, status)
                 any_finished = True
-            reason = finish_reason_of(status) if status is not None else None
-            outputs.append(EngineCoreOutput(req.family_id, tokens, finish_reason=reason,
-                                            logprobs=[lp] if lp else [],
-                                            num_cached_tokens=req.num_cached_tokens,
-                                            num_tier_cached_tokens=req.num_tier_cached_tokens,
-                                            index=req.index))
+            outputs.append(engine_output(req, tokens, status, lp))
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self._running.drop_finished()
         return outputs
-
-    def _accept(self, req: Request, drafts: list[int], num_accepted: int,
-                token: int) -> list[int]:
-        """The tokens a step gave a request: its accepted drafts, then its sample. The KV of
-        the rejected drafts is in the pool but not computed: the count falls back past them."""
-        if not drafts:
-            return [token]
-        num_accepted = min(max(num_accepted, 0), len(drafts))
-        if req.status == RequestStatus.RUNNING:
-            req.num_computed_tokens -= len(drafts) - num_accepted
-        self.speculator.record(req.request_id, len(drafts), num_accepted)
-        return drafts[:num_accepted] + [token]
-
-    def _takes_token(self, req: Request) -> bool:
-        """A running request takes its sampled token; with async scheduling so does one
-        preempted after the step was sent (the workers ran the step before the preemption)."""
-        return req.status == RequestStatus.RUNNING or (
-            req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0)
-
-    def _fork(self, parent: Request, family: _Family) -> None:
-        """Sample 0 has computed the prompt: every other sample shares its KV of all but the
-        last prompt token and computes that token itself, for logits of its own to sample
-        from. A sample that finds no room queues as a plain request (prefix hits, if cached)."""
-        num_shared = parent.num_prompt_tokens - 1
-        seed = parent.sampling_params.seed
-        for index in family.unforked:
-            params = msgspec.structs.replace(parent.sampling_params, n=1, seed=None if seed is None
-                                             else (seed + index) % 2**64)
-            child = parent.fork(index, params)
-            self.requests[child.request_id] = child
-            family.live.add(child.request_id)
-            # A parent preempted while its first sample was in flight holds no blocks.
-            copy = (self.kv.fork(parent, child, num_shared)
-                    if parent.status == RequestStatus.RUNNING
-                    and len(self.running) < self.max_num_seqs else None)
-            if copy is None:
-                self.waiting.prepend(child)
-                continue
-            if copy is not True:
-                self._copies.append(copy)
-            child.num_computed_tokens = num_shared
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-        family.unforked = []
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if (token == req.eos_token_id and not params.ignore_eos) or (
-                params.stop_token_ids and token in params.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_output_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def flush_message(self, deadline_s: float) -> FlushTiers | None:
         """A clean shutdown's write of every cached block the SSD folder lacks (no step in
@@ -621,7 +252,7 @@ class Scheduler:
             (b.block_id, b.block_hash, b.hash_key) for b in self.kv.pool.iter_cached_blocks())
         if not batches:
             return None
-        return FlushTiers(next(self._step_ids), [_wire(b) for b in batches], deadline_s)
+        return FlushTiers(self._updates.next_step_id(), [wire(b) for b in batches], deadline_s)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's measured time: its prefill throughput feeds swap-vs-recompute, its time per
@@ -634,7 +265,7 @@ class Scheduler:
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """The workers failed the step: its tier copies did not happen."""
-        for req in self._in_flight.pop(scheduler_output.step_id, ()):
+        for req in self._in_flight.pop(scheduler_output.step_id):
             req.spec_token_ids = []
         self.tiers.step_failed(scheduler_output.step_id)
 
@@ -646,24 +277,13 @@ class Scheduler:
         the running ones first, in their order. Returns the suspects of the last loss found
         in a step in flight again (poison pills), for the caller to fail; the sequences in
         flight now become the suspects."""
-        in_flight = [r.request_id for reqs in self._in_flight.values() for r in reqs
-                     if self.requests.get(r.request_id) is r]
-        poisoned = [sid for sid in dict.fromkeys(in_flight) if sid in self.suspects]
-        if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
-            self.suspects = set(in_flight) - set(poisoned)
-        self._in_flight.clear()
-        self._copies, self._finished_ids = [], []
-        running, self.running = self.running, []
-        for req in running:
-            self.kv.free(req)
-        lost = running + self.kv.drop_worker_memory()  # and those waiting for SSD loads
+        poisoned = self._in_flight.workers_lost(self.requests)
+        self._updates.clear()
+        # The running ones, then those waiting for SSD loads.
+        lost = self._running.release_all() + self.kv.drop_worker_memory()
         for req in reversed(lost):
             self.waiting.prepend(req)
-        for req in self.requests.values():
-            if req.num_sent_tokens or req.status == RequestStatus.RUNNING:
-                req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = req.num_output_placeholders = req.num_sent_tokens = 0
-            req.spec_token_ids = []
+        self._seqs.restart_all()
         return poisoned
 
     def _requeue(self, ready: list[Request]) -> None:
@@ -690,7 +310,7 @@ class Scheduler:
     def has_pending_worker_updates(self) -> bool:
         """Something only a step (even without tokens) tells the workers or learns from them:
         finished requests to drop, tier copies to start or in flight."""
-        return bool(self._finished_ids or self._copies) or self.tiers.has_work()
+        return self._updates.pending() or self.tiers.has_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -710,8 +330,7 @@ class Scheduler:
             "prefix_cache_evictions": pool.num_evictions,
             "prefix_cache_collisions": pool.num_collisions,
             "num_preemptions": self.num_preemptions,
-        } | self.tiers.stats() \
-          | (self.speculator.stats() if self.speculator is not None else {})
+        } | self.tiers.stats() | self._drafter.stats()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -727,7 +346,8 @@ class Scheduler:
         bs = self.kv.block_size
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            assert len(self.kv.req_to_blocks.get(req.request_id, ())) * bs >= req.num_computed_tokens
+            held = len(self.kv.req_to_blocks.get(req.request_id, ()))
+            assert held * bs >= req.num_computed_tokens
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
