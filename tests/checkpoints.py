@@ -161,8 +161,9 @@ class PagedRunner:
         """dst starts with src's first blocks, as a prefix-cache hit would give it."""
         self.tables[dst] = list(self.tables[src][:num_blocks])
 
-    def step(self, works: list[Work]) -> list[torch.Tensor]:
-        """One forward over all works (decodes must come first) -> float32 logits per work."""
+    def step(self, works: list[Work], keep: list[int] | None = None) -> list[torch.Tensor]:
+        """One forward over all works (decodes must come first) -> float32 logits per work;
+        with keep (sorted row indices of the step's tokens), of those rows alone, one each."""
         num_decodes = 0
         while num_decodes < len(works) and len(works[num_decodes].tokens) == 1:
             num_decodes += 1
@@ -180,10 +181,14 @@ class PagedRunner:
             seq_lens=[w.start + len(w.tokens) for w in works], block_tables=tables,
             num_decodes=num_decodes, block_size=self.block_size,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_caches)
+        rows = None if keep is None else torch.tensor(keep, dtype=torch.int64)
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_caches,
+                            rows)
         logits = self.model.compute_logits(hidden)
         if logits is None:  # a tensor-parallel rank other than 0, which gets no logits
             return [None] * len(works)
+        if keep is not None:
+            return list(logits)
         return list(logits.split([len(w.tokens) for w in works]))
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -416,10 +416,11 @@ def test_engine_greedy_tokens_unchanged_with_kernel(kernels, tmp_path, monkeypat
         assert llm.stats()["cpu_backend"] == kernels.name
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
-    # The prompts' tokens through every layer's kernel, then 9 decode steps over the whole
-    # batch of 5 through the layer stack (the same kernels in one call).
-    assert {args[0].name for args in spied} == {kernels.name}
-    assert max(args[1].shape[0] for args in spied) > len(prompts)
+    # The prompts' tokens through the kernels (each layer's, or the layer stack's: the same
+    # kernels in one call), then 9 decode steps over the whole batch of 5 through the stack.
+    assert {args[0].name for args in spied} <= {kernels.name}
+    assert any(args[1].shape[0] > len(prompts) for args in spied) \
+        or any(rows > len(prompts) and took for rows, took in stacked)
     assert stacked.count((len(prompts), True)) >= 9
 
 

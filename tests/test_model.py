@@ -376,8 +376,9 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
 def test_layer_stack_is_bitwise_the_layer_by_layer_path(tiny_ckpts, kernels, name, dtype, quant,
                                                         monkeypatch):
     """A kernel backend runs a step's layers in one call (backends/stack.py) where every piece
-    takes a kernel: prefills, single decodes and batches give the very logits and pools of the
-    model's layer-by-layer path (biases, sliding windows, quantized linears included)."""
+    takes a kernel: prefills, single decodes, batches and mixed steps projecting some rows give
+    the very logits and pools of the model's layer-by-layer path (biases, sliding windows,
+    quantized linears included)."""
     from tierserve.workers.backends.stack import KernelLayerStack
     taken = []
     run = KernelLayerStack.run
@@ -403,7 +404,17 @@ def test_layer_stack_is_bitwise_the_layer_by_layer_path(tiny_ckpts, kernels, nam
             s.append(rng.randrange(3, model.config.vocab_size))
         both([Work(f"s{i}", s[-1:], len(s) - 1) for i, s in enumerate(live)])
     # oneDNN's packed half-precision weights take the panel kernel for single rows alone.
-    assert len(taken) == 7 and all(taken[1::2])
+    # A mixed step (decodes, then a new prompt) whose last layer projects the kept rows alone.
+    seqs.append(_tokens(rng, 9, model.config.vocab_size))
+    for s in seqs[:3]:
+        s.append(rng.randrange(3, model.config.vocab_size))
+    works = [Work(f"s{i}", s[-1:], len(s) - 1) for i, s in enumerate(seqs[:3])]
+    model.model.use_layer_stack = True
+    a = stacked.step(works + [Work("s3", seqs[3], 0)], keep=[0, 1, 2, 11])
+    model.model.use_layer_stack = False
+    b = plain.step(works + [Work("s3", seqs[3], 0)], keep=[0, 1, 2, 11])
+    assert len(a) == 4 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(taken) == 8 and all(taken[1:6:2])
     assert all(taken) or (dtype != torch.float32 and kernels.half_linear_for(dtype) == "onednn")
     for (k1, v1), (k2, v2) in zip(stacked.kv_caches, plain.kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)

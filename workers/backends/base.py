@@ -72,10 +72,10 @@ class Backend(abc.ABC):
 
     def layer_stack(self, layers: list, heads: int, head_dim: int, scale: float, eps: float,
                     dtype: torch.dtype):
-        """An object whose `run(hidden, cos, sin, kv_caches, attn)` gives a step's (last MLP
-        output, residual stream) through all `layers` (backends/stack.py: StackLayer) in one
-        call, bitwise the layer-by-layer result, or None for a step it does not take; None
-        where the backend has no such route."""
+        """An object whose `run(hidden, cos, sin, kv_caches, attn, keep)` gives a step's (last
+        MLP output, residual stream), of the rows in keep where given, through all `layers`
+        (backends/stack.py: StackLayer) in one call, bitwise the layer-by-layer result, or None
+        for a step it does not take; None where the backend has no such route."""
         return None
 
     # ------------------------------------------------------------ elementwise

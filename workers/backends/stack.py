@@ -99,9 +99,11 @@ class KernelLayerStack:
         return plan
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list, attn) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(last layer's MLP output, residual stream) for the step, or None where a piece of
-        it takes no kernel (the caller then runs its layers one by one)."""
+            kv_caches: list, attn, keep: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's MLP output, residual stream) for the step, of the rows in keep
+        (int64) where given, or None where a piece of it takes no kernel (the caller then runs
+        its layers one by one)."""
         rows = hidden.shape[0]
         plan = self._plans[min(rows, 2)]
         if plan is None or rows > self.max_rows or hidden.dtype != self.dtype \
@@ -109,6 +111,6 @@ class KernelLayerStack:
             return None
         tables, lens, token_rows = attn.token_tables()
         return self.ops.layer_stack(
-            hidden, None, cos, sin, attn.slot_mapping, tables, lens, token_rows, self._norms,
+            hidden, None, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
             plan.weights, plan.biases, plan.kinds, plan.widths, [t for pair in kv_caches for t in pair],
             self._windows, self.heads, self.scale, self.eps)

@@ -176,8 +176,8 @@ class LlamaModel(nn.Module):
                 keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, D / 2] each
-        stack = self.layer_stack() if keep is None else None
-        out = None if stack is None else stack.run(hidden, cos, sin, kv_caches, attn)
+        stack = self.layer_stack()
+        out = None if stack is None else stack.run(hidden, cos, sin, kv_caches, attn, keep)
         if out is not None:
             return self.norm(*out)[0]
         residual = None

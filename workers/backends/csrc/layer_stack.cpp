@@ -4,7 +4,8 @@
 //
 // Per layer l: norm(hidden [+ residual]) -> qkv -> rotary + K/V into the pool -> paged
 // attention -> o_proj -> norm(+ residual) -> gate_up -> SiLU-and-mul -> down. Returns the last
-// layer's (mlp output, residual stream); the caller applies the final norm.
+// layer's (mlp output, residual stream); the caller applies the final norm. With `keep` (int64
+// row indices), the last layer projects those rows alone, as the model's path does.
 //
 // Linears are described by slot s = 4 l + j (j: qkv, o, gate_up, down): kinds[s] (LinearKind),
 // widths[s] (output features), weights[3 s .. 3 s + 2] (the kind's tensors, unused ones None),
@@ -40,7 +41,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& hidden_in, const std::optional<at::Tensor>& residual_in,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-    at::TensorList norms, const c10::List<std::optional<at::Tensor>>& weights,
+    const std::optional<at::Tensor>& keep, at::TensorList norms,
+    const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
     at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows, int64_t heads,
     double scale, double eps) {
@@ -61,8 +63,13 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     auto [q, k] = rotary_write_kv(qkv, cos, sin, kv[2 * l], kv[2 * l + 1], slot_mapping, heads);
     at::Tensor att = paged_decode_attention(q, kv[2 * l], kv[2 * l + 1], block_tables, seq_lens,
                                             scale, windows[l], table_rows);
-    at::Tensor o = stack_linear(att.view({tokens, -1}), kinds[s + 1], widths[s + 1], weights,
-                                s + 1, biases.get(s + 1));
+    at::Tensor att_rows = att.view({tokens, -1});
+    if (keep.has_value() && l == layers - 1) {
+      att_rows = att_rows.index_select(0, *keep);
+      r = r.index_select(0, *keep);
+    }
+    at::Tensor o = stack_linear(att_rows, kinds[s + 1], widths[s + 1], weights, s + 1,
+                                biases.get(s + 1));
     auto [h2, r2] = rms_norm(o, r, norms[2 * l + 1], eps);
     at::Tensor gate_up = stack_linear(h2, kinds[s + 2], widths[s + 2], weights, s + 2,
                                       biases.get(s + 2));
@@ -78,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("layer_stack(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor[] norms, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor? keep, "
+        "Tensor[] norms, "
         "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor(a!)[] kv, "
         "int[] windows, int heads, float scale, float eps) -> (Tensor, Tensor)");
 }
