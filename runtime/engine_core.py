@@ -7,7 +7,6 @@ in deployment (deploy/); the EngineCore code is the same.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -15,17 +14,16 @@ from collections import deque
 from typing import Callable, Iterator
 
 from tierserve.kvcache import KVEventRecorder
-from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_setup import (
-    Background, check_model, make_request_log, make_scheduler, make_worker_spec,
+    check_model, make_request_log, make_scheduler, make_worker_spec, start_tokenizer,
 )
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.request_log import RequestLog
 from tierserve.runtime.requests import check_request, rejection
-from tierserve.runtime.tokenizer import load_model_tokenizer, tokenizer_json_file
+from tierserve.runtime.tokenizer import load_model_tokenizer
 from tierserve.scheduler import (
     EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
     RequestStatus, SchedulerOutput, WorkerError,
@@ -59,16 +57,7 @@ class EngineCore:
         spec = make_worker_spec(config)
         self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
-        # The workers read the tokenizer.json a structured-output grammar compiles from. Where
-        # it exists (a folder's, or a GGUF's cached conversion), the tokenizer (and
-        # transformers, which it imports) loads while the workers load their weights: Python
-        # work beside work that runs in torch, mostly without the GIL.
-        tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
-        tokenizer = Background(load_model_tokenizer, self.tokenizer_path)
-        if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
-            tokenizer.wait()
-            tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
-        spec = dataclasses.replace(spec, tokenizer_file=tokenizer_file)
+        spec, tokenizer = start_tokenizer(spec, self.tokenizer_path)
         self.executor = executor_factory(spec)
         # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
         self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
