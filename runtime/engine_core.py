@@ -4,40 +4,40 @@ It takes token ids and emits token ids: tokenizing, chat templates, detokenizing
 strings are the client's (runtime/processor.py), so nothing a client sends makes a step wait
 on text work. The transport to the workers is injected: in-process for one device, Ray + ZMQ
 in deployment (deploy/); the EngineCore code is the same.
+
+This module owns the step loop (the steps in flight) and the engine's life: its start, where
+each failure goes, its death and shutdown. One concern per collaborator: engine_setup.py builds
+the engine from its config, engine_requests.py takes requests in and ends them,
+engine_heal.py replaces lost workers, engine_report.py reports KV events and load.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 from collections import deque
 from typing import Callable, Iterator
 
 from tierserve.kvcache import KVEventRecorder
-from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.engine_heal import RESTART_WINDOW_S, WorkerHealer
+from tierserve.runtime.engine_report import LoadReporter, engine_info, engine_stats
+from tierserve.runtime.engine_requests import RequestBook, stream_batch
 from tierserve.runtime.engine_setup import (
-    Background, check_model, make_request_log, make_scheduler, make_worker_spec,
+    check_model, make_request_log, make_scheduler, make_worker_spec, start_tokenizer,
 )
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
-from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.request_log import RequestLog
-from tierserve.runtime.requests import check_request, rejection
-from tierserve.runtime.tokenizer import load_model_tokenizer, tokenizer_json_file
+from tierserve.runtime.requests import rejection
+from tierserve.runtime.tokenizer import load_model_tokenizer
 from tierserve.scheduler import (
-    EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
-    RequestStatus, SchedulerOutput, WorkerError,
+    EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, WorkerError,
 )
-from tierserve.scheduler.kv_events import (
-    KV_EVENTS_VERSION, KVEventBatch, KVSnapshot, ReplicaLoad,
-)
-from tierserve.scheduler.params import ErrorKind
-from tierserve.scheduler.request import seq_id
+from tierserve.scheduler.kv_events import KVEventBatch, KVSnapshot, ReplicaLoad
 from tierserve.workers.worker import WorkerSpec
 
-__all__ = ["EngineCore", "load_model_tokenizer", "EngineDeadError", "rejection"]
+__all__ = ["EngineCore", "load_model_tokenizer", "EngineDeadError", "rejection",
+           "RESTART_WINDOW_S", "FLUSH_DEADLINE_S"]
 
 log = logging.getLogger("tierserve.engine")
 progress = logging.getLogger("tierserve.progress")  # a start's steps, on the CLI's terminal
@@ -47,8 +47,6 @@ progress = logging.getLogger("tierserve.progress")  # a start's steps, on the CL
 _POLL_S = 0.002
 # How long a clean shutdown may spend writing the KV cache to SSD.
 FLUSH_DEADLINE_S = 30.0
-# Worker failures within this window count against max_restarts.
-RESTART_WINDOW_S = 600.0
 
 
 class EngineCore:
@@ -59,22 +57,10 @@ class EngineCore:
         spec = make_worker_spec(config)
         self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
-        # The workers read the tokenizer.json a structured-output grammar compiles from. Where
-        # it exists (a folder's, or a GGUF's cached conversion), the tokenizer (and
-        # transformers, which it imports) loads while the workers load their weights: Python
-        # work beside work that runs in torch, mostly without the GIL.
-        tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
-        tokenizer = Background(load_model_tokenizer, self.tokenizer_path)
-        if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
-            tokenizer.wait()
-            tokenizer_file = tokenizer_json_file(self.tokenizer_path, envs.cache_dir())
-        spec = dataclasses.replace(spec, tokenizer_file=tokenizer_file)
+        spec, tokenizer = start_tokenizer(spec, self.tokenizer_path)
         self.executor = executor_factory(spec)
         # KV events (scheduler/kv_events.py): the hashes entering and leaving each tier.
         self.kv_events = KVEventRecorder() if config.publishes_kv_events else None
-        self._event_epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        self._event_seq = -1
-        self._requests_added = 0
         t0 = time.perf_counter()
         try:
             info = self.executor.start()
@@ -91,35 +77,15 @@ class EngineCore:
         progress.info("engine ready in %.1f s", self.startup["total"])
         self.config = config
         self.request_log = self._make_request_log(config, spec, info)
-        self.max_model_len = self.scheduler.max_model_len
-        self.vocab_size = info.vocab_size
-        self.backends = info.backends
-        self.weight_bytes = info.weight_bytes
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.eos_token_id = eos if eos is not None else (
-            info.eos_token_ids[0] if info.eos_token_ids else None)
-        # The caller's label of each unfinished request that has one (list_requests shows it).
-        self._labels: dict[str, str] = {}
-        # Outputs of sequences finished between steps (stop_sequences), for the next step.
-        self._staged: list[EngineCoreOutput] = []
-        # Prompt logprobs of requests that asked for them and have no output yet, gathered
-        # chunk by chunk; the first output carries them.
-        self._prompt_logprobs: dict[str, list] = {}
+        self._describe(info)
+        self._reporter = LoadReporter(self.scheduler, self.kv_events)
+        self._requests = RequestBook(self.scheduler, self.eos_token_id)
+        self._healer = WorkerHealer(config, self.executor, self.scheduler)
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
         # at most one between steps, two while a step is being scheduled (async scheduling).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_collect = 0.0
-        # Self-healing: when each worker failure of the window was healed (monotonic), and
-        # what the restarts did.
-        self._failures: deque[float] = deque()
-        self.restarts = 0
-        # True while the workers are being rebuilt (read by other threads: a router routes
-        # nothing to a healing replica).
-        self.healing = False
-        self.restart_reason: str | None = None
-        self.restart_s = 0.0
-        self._shutting_down = False
 
     def _make_request_log(self, config: EngineConfig, spec: WorkerSpec,
                           info: WorkerInfo) -> RequestLog | None:
@@ -133,76 +99,45 @@ class EngineCore:
             self.scheduler.on_finish = request_log.add
         return request_log
 
+    def _describe(self, info: WorkerInfo) -> None:
+        """What the started workers say of the model and themselves."""
+        self.max_model_len = self.scheduler.max_model_len
+        self.vocab_size = info.vocab_size
+        self.backends = info.backends
+        self.weight_bytes = info.weight_bytes
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.eos_token_id = eos if eos is not None else (
+            info.eos_token_ids[0] if info.eos_token_ids else None)
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queues a request; bad input raises ValueError and leaves the engine unchanged."""
         self._check_alive()
-        self._requests_added += 1
-        prompt_ids = check_request(request)
-        params = request.sampling_params
-        self.scheduler.add_request(request.req_id, prompt_ids, params,
-                                   eos_token_id=self.eos_token_id, priority=request.priority,
-                                   cache_salt=request.cache_salt)
-        if request.label:
-            self._labels[request.req_id] = request.label
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs[request.req_id] = []
-        return prompt_ids
+        self._reporter.count_request()
+        return self._requests.add(request)
 
     def stream_batch(self, requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
         """Adds the requests and steps until all have finished, yielding each step's outputs.
         A request that fails validation yields one error output; closing the iterator early
         aborts what is left."""
-        added, failed = [], []
-        pending = Outstanding(())
-        try:
-            for request in requests:
-                try:
-                    self.add_request(request)
-                    added.append(request)
-                except EngineDeadError:
-                    raise
-                except Exception as e:  # this request alone fails
-                    failed.append(rejection(request, e))
-                pending = Outstanding(added)
-            if failed:
-                yield failed
-            while pending:
-                outputs = self.step()
-                pending.update(outputs)
-                yield outputs
-        finally:
-            if pending and self._dead is None:
-                self.abort_requests(list(pending))
-            if self._in_flight and self._dead is None:
-                self.drain()  # a finished request's step in flight
+        return stream_batch(self, requests)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
-        done = self.scheduler.abort_requests(request_ids)
-        self._forget(done)
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ABORT, index=index)
-                for rid, index in done]
+        return self._requests.abort(request_ids)
 
     def stop_sequences(self, seqs) -> None:
         """Finishes samples, given as (request id, sample index), that a client's stop string
         ended; their finishing outputs come out of the next step."""
-        done = self.scheduler.finish_seqs([seq_id(rid, index) for rid, index in seqs],
-                                          RequestStatus.FINISHED_STOPPED)
-        self._forget(done)
-        self._staged += [EngineCoreOutput(rid, finish_reason=FinishReason.STOP, index=index)
-                         for rid, index in done]
+        self._requests.stop(seqs)
 
     def request_ids(self, names) -> list[str]:
         """The unfinished requests named by engine id or label (an operator's view)."""
-        names = set(names)
-        return [rid for rid in dict.fromkeys(r.family_id for r in self.scheduler.requests.values())
-                if rid in names or self._labels.get(rid) in names]
+        return self._requests.named(names)
 
     def has_request(self, request_id: str) -> bool:
         """Whether some sample of the request has not finished."""
-        sched = self.scheduler
-        return request_id in sched.requests or request_id in sched.families
+        return self._requests.has_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -210,7 +145,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to serve, steps in flight to collect,
         or news for (or from) the workers."""
-        return bool(self._in_flight or self._staged) or \
+        return bool(self._in_flight or self._requests.staged) or \
             self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_worker_updates()
 
     # ------------------------------------------------------------------ one step
@@ -219,100 +154,11 @@ class EngineCore:
         """One step's outputs. An unexpected error anywhere in it kills the engine visibly:
         every request fails with the error, and every later call raises EngineDeadError."""
         self._check_alive()
-        staged, self._staged = self._staged, []
+        staged = self._requests.take_staged()
         try:
             return staged + self._step()
         except Exception as e:
             return staged + self._failed(e)
-
-    def _failed(self, error: Exception) -> list[EngineCoreOutput]:
-        if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
-            try:
-                return self._heal(str(error))
-            except Exception as e:
-                error = e
-        log.exception("engine step failed")
-        return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
-
-    def check_workers(self) -> list[EngineCoreOutput]:
-        """Between steps: a worker known to be gone (it died while the engine was idle) is
-        replaced now rather than when the next request finds it."""
-        self._check_alive()
-        try:
-            self.executor.check_workers()
-        except Exception as e:
-            return self._failed(e)
-        return []
-
-    # ------------------------------------------------------------------ self-healing
-
-    def _heal(self, reason: str) -> list[EngineCoreOutput]:
-        """The workers are lost (a rank died, or a step hung). While max_restarts failures in
-        RESTART_WINDOW_S are not spent, new workers replace them and every unfinished request
-        is re-admitted, preempted: its stream goes on where it stopped. A suspect of the last
-        loss found in flight again fails alone (a poison pill). Past the budget, or where the
-        transport cannot restart, the engine dies."""
-        self.healing = True
-        try:
-            return self._heal_loop(reason)
-        finally:
-            self.healing = False
-
-    def _heal_loop(self, reason: str) -> list[EngineCoreOutput]:
-        outputs = []
-        while True:
-            if not self._may_restart():
-                return outputs + self._die(self._death_message(reason))
-            self._failures.append(time.monotonic())
-            self._in_flight.clear()
-            # Prompt logprobs not yet delivered are computed again, from the first chunk.
-            for partial in self._prompt_logprobs.values():
-                partial.clear()
-            outputs += self._fail_poisoned(self.scheduler.workers_lost(), reason)
-            log.error("the workers are lost (%s); restarting them (%d of %d failures in %.0f "
-                      "minutes)", reason, len(self._failures), self.config.max_restarts,
-                      RESTART_WINDOW_S / 60)
-            t0 = time.perf_counter()
-            try:
-                info = self.executor.restart()
-            except Exception as e:  # another failure, from the budget
-                log.exception("restarting the workers failed")
-                reason = f"restarting the workers failed: {type(e).__name__}: {e}"
-                continue
-            assert info.num_blocks == self.scheduler.kv.pool.num_blocks
-            self.restarts += 1
-            self.restart_reason, self.restart_s = reason, time.perf_counter() - t0
-            log.warning("the workers were restarted in %.2f s; %d requests re-admitted",
-                        self.restart_s, len(self.scheduler.requests))
-            return outputs
-
-    def _may_restart(self) -> bool:
-        if not self.executor.restartable or self.config.max_restarts == 0 \
-                or self._shutting_down:
-            return False
-        now = time.monotonic()
-        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
-            self._failures.popleft()
-        return len(self._failures) < self.config.max_restarts
-
-    def _death_message(self, reason: str) -> str:
-        if not self.executor.restartable or self.config.max_restarts == 0:
-            return reason
-        return (f"{reason} (worker failure {len(self._failures) + 1} within "
-                f"{RESTART_WINDOW_S / 60:.0f} minutes; max_restarts={self.config.max_restarts})")
-
-    def _fail_poisoned(self, seqs: list[str], reason: str) -> list[EngineCoreOutput]:
-        done = self.scheduler.finish_seqs(seqs, RequestStatus.FINISHED_ERROR)
-        self._forget(done)
-        for rid, index in done:
-            log.error("request %r (sample %d) was in flight at two consecutive worker "
-                      "failures: failing it alone", rid, index)
-        return [EngineCoreOutput(
-                    rid, finish_reason=FinishReason.ERROR, index=index,
-                    error_kind=ErrorKind.INTERNAL,
-                    error=f"request {rid!r} was in flight at two consecutive worker failures, "
-                          f"so it is taken for their cause and fails alone (last: {reason})")
-                for rid, index in done]
 
     def _step(self) -> list[EngineCoreOutput]:
         """Schedules and submits a step, then collects the oldest one in flight. Without async
@@ -344,7 +190,7 @@ class EngineCore:
         self._in_flight.popleft()
         if isinstance(reply, WorkerError):  # the transport kept its worker (in-process)
             message = f"worker rank {reply.rank} failed step {out.step_id}: {reply.message}"
-            if self._may_restart():
+            if self._healer.may_restart():
                 return self._heal(message)
             return self._fail_step(out, message)
         assert isinstance(reply, ModelRunnerOutput) and reply.step_id == out.step_id
@@ -352,24 +198,13 @@ class EngineCore:
         # Queued behind the step before, it started running when that one was collected.
         self.scheduler.observe_step(out, now - max(submitted_at, self._last_collect))
         self._last_collect = now
+        book = self._requests
         if reply.prompt_logprobs:
-            for rid, lps in zip(out.scheduled_req_ids(), reply.prompt_logprobs):
-                if lps and rid in self._prompt_logprobs:  # not a recompute's, after the first
-                    self._prompt_logprobs[rid].extend(lps)
+            book.gather(out.scheduled_req_ids(), reply.prompt_logprobs)
         outputs = self.scheduler.update_from_output(out, reply)
-        if self._labels or self._prompt_logprobs:
-            self._after_outputs(outputs)
+        if book.labels or book.prompt_logprobs:
+            book.after_outputs(outputs)
         return outputs
-
-    def _after_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """A request's first output carries its prompt logprobs; a finished request's label
-        goes."""
-        for o in outputs:
-            lps = self._prompt_logprobs.pop(o.req_id, None)
-            if lps is not None:
-                o.prompt_logprobs = lps
-            if o.finish_reason is not None and not self.has_request(o.req_id):
-                self._labels.pop(o.req_id, None)
 
     def drain(self) -> list[EngineCoreOutput]:
         """Collects every step in flight, returning their outputs."""
@@ -382,39 +217,57 @@ class EngineCore:
             return outputs + self._failed(e)
         return outputs
 
+    # ------------------------------------------------------------------ failures
+
+    def _failed(self, error: Exception) -> list[EngineCoreOutput]:
+        if isinstance(error, EngineDeadError):  # the workers are lost: heal, or die
+            try:
+                return self._heal(str(error))
+            except Exception as e:
+                error = e
+        log.exception("engine step failed")
+        return self._die(f"the engine failed in a step: {type(error).__name__}: {error}")
+
+    def check_workers(self) -> list[EngineCoreOutput]:
+        """Between steps: a worker known to be gone (it died while the engine was idle) is
+        replaced now rather than when the next request finds it."""
+        self._check_alive()
+        try:
+            self.executor.check_workers()
+        except Exception as e:
+            return self._failed(e)
+        return []
+
+    def _heal(self, reason: str) -> list[EngineCoreOutput]:
+        """New workers replace the lost ones and every unfinished request is re-admitted,
+        preempted: its stream goes on where it stopped (engine_heal.py has the budget)."""
+        return self._healer.heal(reason, self._workers_lost, self._die)
+
+    def _workers_lost(self, reason: str) -> list[EngineCoreOutput]:
+        """Steps in flight are gone with the workers. A suspect of the last loss found in
+        flight again fails alone (a poison pill)."""
+        self._in_flight.clear()
+        self._requests.restart_prompt_logprobs()
+        outputs = self._requests.fail(
+            self.scheduler.workers_lost(),
+            lambda rid: f"request {rid!r} was in flight at two consecutive worker failures, "
+                        f"so it is taken for their cause and fails alone (last: {reason})")
+        for o in outputs:
+            log.error("request %r (sample %d) was in flight at two consecutive worker "
+                      "failures: failing it alone", o.req_id, o.index)
+        return outputs
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         """A worker raised: the step's requests fail, the rest keep going."""
         self.scheduler.step_failed(out)
-        done = self.scheduler.finish_seqs(out.scheduled_req_ids(), RequestStatus.FINISHED_ERROR)
-        log.error("step %d failed, failing %d sequences: %s", out.step_id, len(done), message)
-        self._forget(done)
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
-                                 index=index, error_kind=ErrorKind.INTERNAL)
-                for rid, index in done]
+        outputs = self._requests.fail(out.scheduled_req_ids(), lambda rid: message)
+        log.error("step %d failed, failing %d sequences: %s", out.step_id, len(outputs), message)
+        return outputs
 
     def _die(self, message: str) -> list[EngineCoreOutput]:
         self._dead = message
         self._in_flight.clear()
-        ids = sorted({r.family_id for r in self.scheduler.requests.values()})
-        try:
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        except Exception:  # the state that failed the step may be broken: fail them anyway
-            log.exception("could not release the requests of a dead engine")
-        self._forget((rid, 0) for rid in ids)
-        self._staged.clear()
-        # An error output finishes every sample of its request.
-        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=message,
-                                 error_kind=ErrorKind.ENGINE_DEAD) for rid in ids]
-
-    def _forget(self, seqs) -> None:
-        """Drops the state of requests whose last sequence finished (given as (request id,
-        sample index))."""
-        if self._labels or self._prompt_logprobs:
-            for rid, _ in seqs:
-                if not self.has_request(rid):
-                    self._labels.pop(rid, None)
-                    self._prompt_logprobs.pop(rid, None)
+        return self._requests.fail_all(message)
 
     @property
     def dead_reason(self) -> str | None:
@@ -424,88 +277,62 @@ class EngineCore:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    # ------------------------------------------------------------------ self-healing record
+
+    @property
+    def healing(self) -> bool:
+        """True while the workers are being rebuilt (read by other threads)."""
+        return self._healer.healing
+
+    @property
+    def restarts(self) -> int:
+        return self._healer.restarts
+
+    @property
+    def restart_reason(self) -> str | None:
+        return self._healer.restart_reason
+
+    @property
+    def restart_s(self) -> float:
+        return self._healer.restart_s
+
     # ------------------------------------------------------------------ KV events
 
     def take_kv_events(self) -> KVEventBatch | None:
         """The next KV event batch: the tiers' changes since the last one, and the load now
         (None when this engine publishes no events)."""
-        if self.kv_events is None:
-            return None
-        stored, removed = self.kv_events.take()
-        self._event_seq += 1
-        return KVEventBatch(KV_EVENTS_VERSION, self._event_epoch, self._event_seq, stored,
-                            removed, self.load())
+        return self._reporter.take()
 
     def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
         """The batch of changes not yet taken, then every tier's hashes as of that batch;
         publish the batch first."""
-        if self.kv_events is None:
-            raise RuntimeError("this engine publishes no KV events (kv_events is off)")
-        batch = self.take_kv_events()
-        cpu, ssd = self.scheduler.tiers.index.held_hashes()
-        tiers = [self.scheduler.kv.pool.cached_hashes(), cpu, ssd]
-        return batch, KVSnapshot(KV_EVENTS_VERSION, self._event_epoch, batch.seq, tiers,
-                                 batch.load)
+        return self._reporter.snapshot()
 
     def load(self) -> ReplicaLoad:
         """O(unfinished requests, and the waiting ones' prompt blocks)."""
-        sched = self.scheduler
-        queued = sched.queued_prefill_tokens()
-        costs = sched.tiers.costs
-        cpu_block_s = costs.block_bytes / costs.copy_bytes_per_s if costs.copy_bytes_per_s \
-            and sched.tiers.enabled else 0.0
-        pool = sched.kv.pool
-        return ReplicaLoad(len(sched.running), len(sched.waiting) + sched.tiers.num_loading,
-                           queued, pool.num_free_blocks, pool.num_usable_blocks,
-                           self._requests_added, costs.prefill_tokens_per_s, cpu_block_s)
+        return self._reporter.load()
 
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
-        stats = self.scheduler.stats()
-        stats["max_model_len"] = self.max_model_len
-        stats["block_size"] = self.config.block_size
-        stats["weight_bytes"] = self.weight_bytes
-        if self.backends:
-            stats["cpu_backend"] = self.backends[0]["name"]
-            stats["backend"] = dict(self.backends[0])
-        stats.update(restarts=self.restarts, restart_reason=self.restart_reason,
-                     restart_s=round(self.restart_s, 3),
-                     worker_start_s=round(self.worker_start_s, 3),
-                     worker_phases=dict(self.executor.phases))
-        stats.update(self.executor.stats())
-        return stats
+        return engine_stats(self)
 
     def describe_requests(self) -> list[dict]:
         """Each unfinished request: id, status, prompt and output tokens, age in seconds."""
-        now = time.monotonic()
-        return [{"request_id": self._labels.get(r.family_id, r.family_id),
-                 "engine_id": r.family_id, "index": r.index, "status": r.status.name.lower(),
-                 "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
-                 "age_s": round(now - r.arrival_time, 3)}
-                for r in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)]
+        return self._requests.describe()
 
     def info(self) -> dict:
-        return {"model": self.config.model, "max_model_len": self.max_model_len,
-                "max_queued_requests": self.config.max_queued_requests,
-                "vocab_size": self.vocab_size, "tokenizer_path": self.tokenizer_path,
-                "tensor_parallel_size": self.config.tensor_parallel_size,
-                "step_timeout_s": self.config.step_timeout_s,
-                "block_size": self.config.block_size,
-                "hash": {"algorithm": self.config.prefix_caching_hash_algo,
-                         "seed": self.config.hash_seed,
-                         "enabled": self.config.enable_prefix_caching},
-                "backends": [dict(b) for b in self.backends],
-                "generation_defaults": dict(self.generation_defaults),
-                "startup_s": {k: round(v, 3) for k, v in self.startup.items()}}
+        return engine_info(self)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ shutdown
+
     def shutdown(self) -> None:
         """A clean shutdown first writes every cached block not yet on SSD to it (within
         FLUSH_DEADLINE_S), so that an engine started on the same SSD folder serves them."""
-        self._shutting_down = True  # workers lost now are not replaced
+        self._healer.stop()  # workers lost now are not replaced
         try:
             if self._dead is None:
                 self.drain()

@@ -1,9 +1,11 @@
 """Building an engine from its config: the model check before anything starts, the workers'
-spec, and the scheduler, tier policy and request log over what the workers report.
+spec, the tokenizer loading beside them, and the scheduler, tier policy and request log over
+what the workers report.
 EngineCore (runtime/engine_core.py) runs what these build.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -18,6 +20,7 @@ from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.executor import WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
 from tierserve.runtime.request_log import LOG_VERSION, MAGIC, LogHeader, RequestLog
+from tierserve.runtime.tokenizer import load_model_tokenizer, tokenizer_json_file
 from tierserve.scheduler import Scheduler
 from tierserve.workers.kv_fingerprint import kv_fingerprint
 from tierserve.workers.model.config import ModelConfig
@@ -27,7 +30,7 @@ from tierserve.workers.tier_ssd import SsdFolder
 from tierserve.workers.worker import WorkerSpec, resolve_device
 
 __all__ = ["make_worker_spec", "check_model", "make_scheduler", "make_request_log",
-           "Background"]
+           "Background", "start_tokenizer"]
 
 log = logging.getLogger("tierserve.engine")
 
@@ -151,6 +154,20 @@ class Background:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def start_tokenizer(spec: WorkerSpec, path: str) -> tuple[WorkerSpec, Background]:
+    """The tokenizer at path, loading in the background, and the spec naming the tokenizer.json
+    the workers compile a structured-output grammar from."""
+    # Where that file exists (a folder's, or a GGUF's cached conversion), the tokenizer (and
+    # transformers, which it imports) loads while the workers load their weights: Python
+    # work beside work that runs in torch, mostly without the GIL.
+    tokenizer_file = tokenizer_json_file(path, envs.cache_dir())
+    tokenizer = Background(load_model_tokenizer, path)
+    if tokenizer_file is None:  # converted (and cached) first: a GGUF's first start
+        tokenizer.wait()
+        tokenizer_file = tokenizer_json_file(path, envs.cache_dir())
+    return dataclasses.replace(spec, tokenizer_file=tokenizer_file), tokenizer
 
 
 def make_tiers(config: EngineConfig, info: WorkerInfo, model: ModelConfig,

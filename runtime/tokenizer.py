@@ -173,7 +173,7 @@ def _load_gguf(gguf_path: str, cache_dir: str | os.PathLike | None) -> PreTraine
 
 def _transformers_version() -> str:
     # transformers is imported where a tokenizer is loaded, not with this module: an engine
-    # loads it on a thread of its own while its weights load (runtime/engine_core.py).
+    # loads it on a thread of its own while its weights load (runtime/engine_setup.py).
     from importlib.metadata import version
     return version("transformers")
 
