@@ -339,7 +339,7 @@ def model_name(model: str | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tierserve.deploy.cli_status import status_lines
+    from tierserve.deploy.cli_status import replica_lines, request_lines, status_lines
     from tierserve.deploy.ray_engine import connect
     try:
         llm = connect(args.name, args.namespace)
@@ -353,32 +353,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     print("\n".join(status_lines(args.name, stats, info)))
     if "replicas" in stats:
-        _print_replicas(stats)
+        print("\n".join(replica_lines(stats)))
     if args.requests:
-        requests = llm.list_requests()
-        print(f"  requests ({len(requests)}):")
-        for r in requests:
-            where = f"  replica {r['replica']}" if "replica" in r else ""
-            print(f"    {r['request_id']}  {r['status']:<9} prompt {r['prompt_tokens']:>6}  "
-                  f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s{where}")
+        print("\n".join(request_lines(llm.list_requests())))
     return 0
-
-
-def _print_replicas(stats: dict) -> None:
-    router = stats["router"]
-    print(f"  routing            {router['policy']}: {router['routed']} requests, "
-          f"{router['route_us_mean']:.0f} us mean ({router['route_us_p99']:.0f} us p99), "
-          f"{router['indexed_blocks']} blocks indexed")
-    print(f"  replicas ({len(stats['replicas'])}):")
-    for rid, r in sorted(stats["replicas"].items()):
-        line = f"    {rid}  {r['state']:<8} node {(r['node'] or '?')[:12]}  restarts " \
-               f"{r['replica_restarts']}"
-        if "num_running" in r:
-            line += (f"  running {r['num_running']:>3}  waiting {r['num_waiting']:>3}  KV "
-                     f"{r['kv_usage']:.0%}  prefix hits {r['prefix_cache_hit_rate']:.0%}")
-        if r.get("error") and r["state"] != "live":
-            line += f"  ({r['error']})"
-        print(line)
 
 
 def cmd_abort(args: argparse.Namespace) -> int:
