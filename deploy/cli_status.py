@@ -2,12 +2,13 @@
 
 Every part a user needs to judge a deployment: requests, the KV pool, the prefix cache, the KV
 tiers (usage, hits per tier, copies; or how to turn them on), preemption, the CPU backend, the
-data plane and how long the start took. A stats key an engine does not report is skipped, so
-the lines follow the engine rather than break on it.
+data plane and how long the start took; with replicas, the router and each replica; on request,
+the unfinished requests. A stats key an engine does not report is skipped, so the lines follow
+the engine rather than break on it.
 """
 from __future__ import annotations
 
-__all__ = ["status_lines"]
+__all__ = ["status_lines", "replica_lines", "request_lines"]
 
 
 def status_lines(name: str, stats: dict, info: dict) -> list[str]:
@@ -109,3 +110,33 @@ def _startup(info: dict) -> str:
     detail = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts.items()
                        if k != "total")
     return f"{total:.1f} s ({detail})" if total is not None else detail
+
+
+def replica_lines(stats: dict) -> list[str]:
+    """The router's counters and a line per replica, for a replicated deployment's stats."""
+    router = stats["router"]
+    lines = [f"  routing            {router['policy']}: {router['routed']} requests, "
+             f"{router['route_us_mean']:.0f} us mean ({router['route_us_p99']:.0f} us p99), "
+             f"{router['indexed_blocks']} blocks indexed",
+             f"  replicas ({len(stats['replicas'])}):"]
+    for rid, r in sorted(stats["replicas"].items()):
+        line = f"    {rid}  {r['state']:<8} node {(r['node'] or '?')[:12]}  restarts " \
+               f"{r['replica_restarts']}"
+        if "num_running" in r:
+            line += (f"  running {r['num_running']:>3}  waiting {r['num_waiting']:>3}  KV "
+                     f"{r['kv_usage']:.0%}  prefix hits {r['prefix_cache_hit_rate']:.0%}")
+        if r.get("error") and r["state"] != "live":
+            line += f"  ({r['error']})"
+        lines.append(line)
+    return lines
+
+
+def request_lines(requests: list[dict]) -> list[str]:
+    """A heading and a line per unfinished request (list_requests()), with its replica's id
+    where the deployment has replicas."""
+    lines = [f"  requests ({len(requests)}):"]
+    for r in requests:
+        where = f"  replica {r['replica']}" if "replica" in r else ""
+        lines.append(f"    {r['request_id']}  {r['status']:<9} prompt {r['prompt_tokens']:>6}  "
+                     f"output {r['output_tokens']:>6}  age {r['age_s']:.1f} s{where}")
+    return lines

@@ -3,8 +3,8 @@
 Names follow vLLM's where vLLM has one. Unknown options are errors (with a suggestion), never
 dropped; a value of the wrong type or outside its range is a ValueError naming the field. Each
 field carries its help text, its choices and its bounds, from which the CLI's flags are built
-(deploy/cli.py), so an option and its documentation live in one place. Leaf classes (Scheduler,
-KVCacheManager, Worker) receive plain values taken from it.
+(deploy/cli_options.py), so an option and its documentation live in one place. Leaf classes
+(Scheduler, KVCacheManager, Worker) receive plain values taken from it.
 """
 from __future__ import annotations
 
