@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import threading
 
@@ -18,6 +17,9 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from tierserve.deploy import ray_cluster
+# Callers and tests import these from here as well as from the module that owns them.
+from tierserve.deploy.capacity import (  # noqa: F401
+    _fitting_cpus, _room, check_placement, default_cpus_per_worker, resolve_cpus_per_worker)
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
 from tierserve.runtime import envs
 from tierserve.deploy.watchdog import Liveness, next_or_dead
@@ -50,31 +52,6 @@ def ensure_ray(namespace: str | None = None) -> None:
                  log_to_driver=False, logging_level=logging.WARNING)
 
 
-# Ray accounts resources in steps of 1e-4.
-_RAY_CPU_STEPS = 10_000
-
-
-def default_cpus_per_worker(tp_size: int, cores: int | None = None) -> float:
-    """Each rank's share of this machine's cores: whole cores where there are enough, else a
-    fraction (rounded down to Ray's resolution, so that the ranks fit the cores)."""
-    cores = cores or os.cpu_count() or 1
-    if cores >= tp_size:
-        return cores // tp_size
-    return cores * _RAY_CPU_STEPS // tp_size / _RAY_CPU_STEPS
-
-
-def _cpus_per_worker(config: EngineConfig) -> float:
-    cpus = config.cpus_per_worker
-    if cpus is None:
-        cpus = default_cpus_per_worker(config.tensor_parallel_size)
-    if cpus < 1:
-        log.warning("cpus_per_worker=%g: the %d ranks share cores (each runs %d torch "
-                    "thread%s); a step takes longer than it would with a core per rank",
-                    cpus, config.tensor_parallel_size, math.ceil(cpus),
-                    "" if math.ceil(cpus) == 1 else "s")
-    return cpus
-
-
 def start_deployment(config: EngineConfig, name: str | None = None,
                      namespace: str | None = None):
     """Creates the placement group and the engine actor; returns (actor, placement group).
@@ -87,7 +64,7 @@ def start_deployment(config: EngineConfig, name: str | None = None,
 
     check_model(config)
     device = resolve_device(config.device)
-    cpus = _cpus_per_worker(config)
+    cpus = resolve_cpus_per_worker(config)
     config = config.replace(cpus_per_worker=cpus)
     check_placement(config.tensor_parallel_size, device, config.placement_strategy, cpus)
     detached = name is not None
@@ -372,54 +349,6 @@ def _stop_replicated(name: str, ns: str) -> bool:
     for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
         remove_ipc_dirs(uid, wait_s=0.0)
     return router is not None or bool(leftovers) or bool(pgs)
-
-
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float,
-                    what: str | None = None) -> None:
-    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles; it names
-    a cpus_per_worker that fits where there is one."""
-    from tierserve.deploy.placement import worker_bundle
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    bundle = worker_bundle(device, cpus_per_worker)
-    room, where = _room(nodes, bundle, strategy)
-    if room >= tp_size:
-        return
-    total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
-    fix = _fitting_cpus(nodes, device, strategy, tp_size, cpus_per_worker)
-    hint = (f"set cpus_per_worker={fix:g} (--cpus-per-worker {fix:g}; ranks then share "
-            f"cores), lower tensor_parallel_size, or add nodes" if fix is not None else
-            "lower tensor_parallel_size or add nodes")
-    raise ValueError(f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of "
-                     f"{bundle} ({strategy}); {where} can hold {room} (cluster: {total}). To "
-                     f"fit, {hint}")
-
-
-def _room(nodes: list[dict], bundle: dict, strategy: str) -> tuple[int, str]:
-    """How many bundles the nodes hold under the strategy, and where."""
-    def fits(resources: dict) -> int:
-        # Ray accounts in steps of 1e-4: compare in those steps, not in binary fractions.
-        return min(int(round(resources.get(k, 0) * _RAY_CPU_STEPS)
-                       // round(v * _RAY_CPU_STEPS)) for k, v in bundle.items())
-
-    if strategy == "STRICT_PACK":
-        return max((fits(r) for r in nodes), default=0), "one node"
-    if strategy == "STRICT_SPREAD":
-        return sum(min(fits(r), 1) for r in nodes), "distinct nodes"
-    return sum(fits(r) for r in nodes), "the cluster"
-
-
-def _fitting_cpus(nodes: list[dict], device: str, strategy: str, tp_size: int,
-                  cpus: float) -> float | None:
-    """The largest cpus_per_worker below `cpus` with which the ranks fit, or None."""
-    from tierserve.deploy.placement import worker_bundle
-
-    candidates = {default_cpus_per_worker(k, int(r.get("CPU", 0)) or 1)
-                  for r in nodes for k in range(1, tp_size + 1)}
-    for value in sorted((c for c in candidates if 0 < c < cpus), reverse=True):
-        if _room(nodes, worker_bundle(device, value), strategy)[0] >= tp_size:
-            return value
-    return None
 
 
 class RayEngineClient:
