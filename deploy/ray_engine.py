@@ -21,6 +21,9 @@ from tierserve.deploy import ray_cluster
 from tierserve.deploy.capacity import (  # noqa: F401
     _fitting_cpus, _room, check_placement, default_cpus_per_worker, resolve_cpus_per_worker)
 from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
+from tierserve.deploy.deployment_names import (
+    actor_name, deployments_left, ensure_ray, holder_name, join, lookup)
+from tierserve.deploy.holder import release, remember
 from tierserve.runtime import envs
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
@@ -36,21 +39,6 @@ __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "sta
            "ensure_ray", "actor_name"]
 
 log = logging.getLogger("tierserve.deploy")
-
-_ACTOR_PREFIX = "tierserve-engine-"
-
-
-def actor_name(name: str) -> str:
-    return _ACTOR_PREFIX + name
-
-
-def ensure_ray(namespace: str | None = None) -> None:
-    """For an engine this process owns: joins the cluster RAY_ADDRESS names (or this job's),
-    else starts a private local instance that ends with this process."""
-    if not ray.is_initialized():
-        ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
-                 log_to_driver=False, logging_level=logging.WARNING)
-
 
 def start_deployment(config: EngineConfig, name: str | None = None,
                      namespace: str | None = None):
@@ -71,7 +59,7 @@ def start_deployment(config: EngineConfig, name: str | None = None,
     pg = make_placement_group(config.tensor_parallel_size, device, config.placement_strategy,
                               cpus, detached=detached)
     uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
-    holder = _remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
+    holder = remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
         else None
     try:
         actor = start_engine_actor(config, pg, uid, namespace, detached)
@@ -123,35 +111,6 @@ def _bad_config(error: BaseException) -> ValueError | None:
         if isinstance(arg, ray.exceptions.RayTaskError) and isinstance(arg.cause, ValueError):
             return ValueError(str(arg.cause))
     return None
-
-
-_HOLDER_PREFIX = "tierserve-pg-"
-
-
-def _holder_name(name: str) -> str:
-    return _HOLDER_PREFIX + name
-
-
-def _remember(pg, tp_size: int, uid: str, name: str, namespace: str | None):
-    """A named, detached holder of what a named deployment owns beyond its engine actor (the
-    detached placement group, the workers' names), made before the engine starts, so that
-    `stop` can remove all of it whatever died."""
-    holder = ray.remote(_DeploymentHolder).options(
-        name=_holder_name(name), namespace=namespace or envs.default_namespace(),
-        lifetime="detached", num_cpus=0).remote(pg, tp_size, uid)
-    ray.get(holder.ping.remote())
-    return holder
-
-
-class _DeploymentHolder:
-    def __init__(self, pg, tp_size: int, uid: str) -> None:
-        self.pg, self.tp_size, self.uid = pg, tp_size, uid
-
-    def ping(self) -> bool:
-        return True
-
-    def get(self) -> tuple:
-        return self.pg, self.tp_size, self.uid
 
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
@@ -234,38 +193,14 @@ def _connect_client(name: str, namespace: str | None):
     """The running deployment's client: its engine's, else its router's (with replicas; the
     router's modules are imported only then)."""
     ns = namespace or envs.default_namespace()
-    _join(name, namespace)
-    if _lookup(actor_name(name), ns) is None and _lookup(_holder_name(name), ns) is None:
+    join(name, namespace)
+    if lookup(actor_name(name), ns) is None and lookup(holder_name(name), ns) is None:
         from tierserve.deploy.router import router_name
         from tierserve.deploy.router_client import RouterClient
-        router = _lookup(router_name(name), ns)
+        router = lookup(router_name(name), ns)
         if router is not None:
             return RouterClient(router, name)
     return RayEngineClient.connect(name, namespace)
-
-
-def _join(name: str, namespace: str | None) -> None:
-    """Joins the deployments' cluster; without one, no deployment named `name` is there."""
-    try:
-        ray_cluster.join(namespace)
-    except ray_cluster.NoClusterError as e:
-        raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
-                         f"--name {name}` starts one") from None
-
-
-def _lookup(name: str, namespace: str):
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
-
-
-def deployments_left() -> list[str]:
-    """What of tierserve's deployments is on the cluster this process joined: every named
-    actor of theirs (engines, workers, holders, routers, replicas), as namespace/name."""
-    return sorted(f"{a['namespace']}/{a['name']}"
-                  for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("tierserve-"))
 
 
 def stop(name: str, namespace: str | None = None) -> bool:
@@ -293,7 +228,7 @@ def _joined(head: ray_cluster.LocalHead) -> bool:
 def _stop_deployment(name: str, namespace: str | None) -> bool:
     ns = namespace or envs.default_namespace()
     replicated = _stop_replicated(name, ns)
-    actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
+    actor, holder = lookup(actor_name(name), ns), lookup(holder_name(name), ns)
     if actor is not None:
         try:
             ray.get(actor.shutdown.remote(), timeout=30)
@@ -301,18 +236,7 @@ def _stop_deployment(name: str, namespace: str | None) -> bool:
             log.warning("engine %s did not shut down cleanly: %s", name, e)
         ray.kill(actor, no_restart=True)
     if holder is not None:
-        try:
-            pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
-            from tierserve.deploy.placement import worker_names
-            for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
-                for worker_name in worker_names(uid, rank):  # ranks and spares
-                    worker = _lookup(worker_name, ns)
-                    if worker is not None:
-                        ray.kill(worker, no_restart=True)
-            remove_placement_group(pg)
-        except Exception as e:
-            log.warning("could not release the placement group of %s: %s", name, e)
-        ray.kill(holder, no_restart=True)
+        release(holder, name, ns)
     # The engine's folder, on this node (elsewhere, the next data-plane server there sweeps
     # folders whose owner died).
     remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
@@ -325,7 +249,7 @@ def _stop_replicated(name: str, ns: str) -> bool:
     of one (a replica or worker whose router died, a placement group), found by name."""
     from tierserve.deploy.router import router_name
 
-    router = _lookup(router_name(name), ns)
+    router = lookup(router_name(name), ns)
     if router is not None:
         try:
             ray.get(router.shutdown.remote(), timeout=120)
@@ -336,10 +260,10 @@ def _stop_replicated(name: str, ns: str) -> bool:
     leftovers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == ns and a["name"].startswith(prefix)]
     for actor_id in leftovers:
-        actor = _lookup(actor_id, ns)
+        actor = lookup(actor_id, ns)
         if actor is not None:
             ray.kill(actor, no_restart=True)
-    pg_prefix = _holder_name(name) + "+r"
+    pg_prefix = holder_name(name) + "+r"
     pgs = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
            if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"]
     from ray._raylet import PlacementGroupID
@@ -387,10 +311,10 @@ class RayEngineClient:
     @classmethod
     def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
         ns = namespace or envs.default_namespace()
-        _join(name, namespace)
-        actor = _lookup(actor_name(name), ns)
+        join(name, namespace)
+        actor = lookup(actor_name(name), ns)
         if actor is None:
-            if _lookup(_holder_name(name), ns) is not None:
+            if lookup(holder_name(name), ns) is not None:
                 raise EngineDeadError(f"deployment {name!r} is dead: its engine actor is gone "
                                       f"(`tierserve stop {name}` cleans up; serving it again "
                                       f"replaces it)")
