@@ -17,13 +17,14 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from tierserve.deploy import ray_cluster
-# Callers and tests import these from here as well as from the module that owns them.
+# Callers and tests import these from here as well as from the modules that own them.
 from tierserve.deploy.capacity import (  # noqa: F401
-    _fitting_cpus, _room, check_placement, default_cpus_per_worker, resolve_cpus_per_worker)
-from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
+    _fitting_cpus, _room, check_placement, default_cpus_per_worker)
 from tierserve.deploy.deployment_names import (
     actor_name, deployments_left, ensure_ray, holder_name, join, lookup)
-from tierserve.deploy.holder import release, remember
+from tierserve.deploy.deployment_start import (  # noqa: F401
+    start_deployment, start_engine_actor, start_replicated)
+from tierserve.deploy.deployment_stop import stop, stop_deployment
 from tierserve.runtime import envs
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
@@ -32,85 +33,10 @@ from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
 
-# The engine's modules (torch among them) are imported where an engine starts, not here:
-# status, stop and generate --name talk to a running deployment with Ray alone.
-
 __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
            "ensure_ray", "actor_name"]
 
 log = logging.getLogger("tierserve.deploy")
-
-def start_deployment(config: EngineConfig, name: str | None = None,
-                     namespace: str | None = None):
-    """Creates the placement group and the engine actor; returns (actor, placement group).
-    The actor's constructor starts the workers, so this returns once the model is loaded. A
-    model, TP size or placement that cannot work fails here at once, before anything waits;
-    a start that fails later leaves no actor, placement group or folder behind."""
-    from tierserve.deploy.placement import make_placement_group
-    from tierserve.runtime.engine_setup import check_model
-    from tierserve.workers.worker import resolve_device
-
-    check_model(config)
-    device = resolve_device(config.device)
-    cpus = resolve_cpus_per_worker(config)
-    config = config.replace(cpus_per_worker=cpus)
-    check_placement(config.tensor_parallel_size, device, config.placement_strategy, cpus)
-    detached = name is not None
-    pg = make_placement_group(config.tensor_parallel_size, device, config.placement_strategy,
-                              cpus, detached=detached)
-    uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
-    holder = remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
-        else None
-    try:
-        actor = start_engine_actor(config, pg, uid, namespace, detached)
-    except BaseException:
-        remove_placement_group(pg)
-        if holder is not None:
-            ray.kill(holder, no_restart=True)
-        raise
-    return actor, pg
-
-
-def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None,
-                       detached: bool):
-    """The EngineActor on rank 0's bundle of `pg`, named `uid` when detached; returns once
-    its model is loaded (a start that fails leaves no actor)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from tierserve.deploy.engine_actor import EngineActor
-    from tierserve.deploy.placement import rank_bundles
-
-    actor = None
-    try:
-        bundles = rank_bundles(pg)
-        options = dict(num_cpus=0, max_concurrency=1000,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(
-                           pg, placement_group_bundle_index=bundles[0]),
-                       # The engine and its workers (which inherit it) see this process's
-                       # TIERSERVE_* settings, not those the cluster was started with.
-                       runtime_env={"env_vars": envs.tierserve_variables()})
-        if detached:
-            options.update(name=uid, namespace=namespace or envs.default_namespace(),
-                           lifetime="detached")
-        actor = ray.remote(EngineActor).options(**options).remote(config, pg, bundles, uid)
-        ray.get(actor.health.remote())
-    except BaseException as e:
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
-        bad = _bad_config(e)
-        if bad is not None:
-            raise bad from None
-        raise
-    return actor
-
-
-def _bad_config(error: BaseException) -> ValueError | None:
-    """The ValueError an engine's constructor raised (a config the model or the pool cannot
-    take), out of the actor error Ray wraps it in."""
-    for arg in getattr(error, "args", ()):
-        if isinstance(arg, ray.exceptions.RayTaskError) and isinstance(arg.cause, ValueError):
-            return ValueError(str(arg.cause))
-    return None
 
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
@@ -143,46 +69,11 @@ def _serve_on_cluster(config: EngineConfig, name: str, namespace: str | None) ->
         pass
     except EngineDeadError as e:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
-    _stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
+    stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
     if config.data_parallel_size > 1:
         return AsyncLLM(client=start_replicated(config, name, namespace), name=name)
     actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
-
-
-def start_replicated(config: EngineConfig, name: str | None = None,
-                     namespace: str | None = None):
-    """A replicated deployment: its router actor, which starts data_parallel_size replicas;
-    returns its client once every replica serves. Named: detached, and found by `connect`;
-    anonymous: owned by the returned client."""
-    from tierserve.deploy.replicas import replica_config
-    from tierserve.deploy.router import Router, router_name
-    from tierserve.deploy.router_client import RouterClient
-    from tierserve.runtime.engine_setup import check_model
-    from tierserve.workers.worker import resolve_device
-
-    check_model(config)
-    config = replica_config(config)
-    device = resolve_device(config.device)
-    check_placement(config.tensor_parallel_size * config.data_parallel_size, device,
-                    "PACK", config.cpus_per_worker,
-                    what=f"data_parallel_size={config.data_parallel_size} x "
-                         f"tensor_parallel_size={config.tensor_parallel_size}")
-    uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
-    options = dict(num_cpus=0, max_concurrency=1000,
-                   runtime_env={"env_vars": envs.tierserve_variables()})
-    if name is not None:
-        # Ray restarts a named deployment's router (it then adopts the running replicas),
-        # and calls made meanwhile are retried.
-        options.update(name=router_name(name), namespace=namespace or envs.default_namespace(),
-                       lifetime="detached", max_restarts=-1, max_task_retries=-1)
-    router = ray.remote(Router).options(**options).remote(config, uid, name, namespace)
-    try:
-        ray.get(router.start.remote())
-    except BaseException:
-        ray.kill(router, no_restart=True)
-        raise
-    return RouterClient(router, name, owned=name is None)
 
 
 def connect(name: str, namespace: str | None = None) -> AsyncLLM:
@@ -201,78 +92,6 @@ def _connect_client(name: str, namespace: str | None):
         if router is not None:
             return RouterClient(router, name)
     return RayEngineClient.connect(name, namespace)
-
-
-def stop(name: str, namespace: str | None = None) -> bool:
-    """Shuts the named deployment down: engine actor, workers, placement group, IPC folders,
-    whatever state it is in; then the local head `serve` started for it, if no deployment is
-    left on it. False if there was nothing of it."""
-    try:
-        ray_cluster.join(namespace)
-    except ray_cluster.NoClusterError:
-        return False
-    found = _stop_deployment(name, namespace)
-    head = ray_cluster.local_head()
-    if head is not None and _joined(head) and not deployments_left():
-        ray_cluster.stop_head(head)
-        log.info("stopped the local Ray head at %s", head.address)
-    return found
-
-
-def _joined(head: ray_cluster.LocalHead) -> bool:
-    """Whether this process is connected to `head` (its GCS port, on this machine)."""
-    address = ray.get_runtime_context().gcs_address or ""
-    return address.rpartition(":")[2] == head.address.rpartition(":")[2]
-
-
-def _stop_deployment(name: str, namespace: str | None) -> bool:
-    ns = namespace or envs.default_namespace()
-    replicated = _stop_replicated(name, ns)
-    actor, holder = lookup(actor_name(name), ns), lookup(holder_name(name), ns)
-    if actor is not None:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=30)
-        except Exception as e:  # a dead engine still gets its resources removed
-            log.warning("engine %s did not shut down cleanly: %s", name, e)
-        ray.kill(actor, no_restart=True)
-    if holder is not None:
-        release(holder, name, ns)
-    # The engine's folder, on this node (elsewhere, the next data-plane server there sweeps
-    # folders whose owner died).
-    remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
-    remove_stale_ipc_dirs()
-    return actor is not None or holder is not None or replicated
-
-
-def _stop_replicated(name: str, ns: str) -> bool:
-    """Stops a replicated deployment: its router stops every replica; then whatever is left
-    of one (a replica or worker whose router died, a placement group), found by name."""
-    from tierserve.deploy.router import router_name
-
-    router = lookup(router_name(name), ns)
-    if router is not None:
-        try:
-            ray.get(router.shutdown.remote(), timeout=120)
-        except Exception as e:
-            log.warning("the router of %s did not shut down cleanly: %s", name, e)
-        ray.kill(router, no_restart=True)
-    prefix = actor_name(name) + "+r"
-    leftovers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == ns and a["name"].startswith(prefix)]
-    for actor_id in leftovers:
-        actor = lookup(actor_id, ns)
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
-    pg_prefix = holder_name(name) + "+r"
-    pgs = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
-           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"]
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
-    for pg_id in pgs:  # by id: a name is only found from its creator's namespace
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
-    for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
-        remove_ipc_dirs(uid, wait_s=0.0)
-    return router is not None or bool(leftovers) or bool(pgs)
 
 
 class RayEngineClient:
