@@ -1,180 +1,40 @@
-"""Deployments on Ray: a placement group, the EngineCore actor on rank 0's node, its workers.
+"""Deployments on Ray, the entry points: `serve(name=...)` starts a detached, named deployment
+(or connects to the running one); `connect(name)` is the running one's client; `stop(name)`
+removes every actor and the placement group. `RayDeployments` is the transport runtime/ is
+given (`tierserve` registers it).
 
-`serve(name=...)` starts a detached, named deployment (or connects to the running one);
-`stop(name)` removes every actor and the placement group. `RayEngineClient` is the client side
-of one deployment, an engine client for runtime's `LLM` and `AsyncLLM`: anonymous and owned by
-one of them (gone with it), or connected to a named one. `RayDeployments` is the transport
-runtime/ is given (`tierserve` registers it).
+What they are built from, one concern a module:
+- deployment_names.py: the deployment's actor names, joining its cluster, finding its actors;
+- capacity.py: each rank's CPUs and whether the cluster can hold the bundles;
+- deployment_start.py: the placement group and engine actor, or the router of replicas;
+- holder.py: the holder that remembers a named deployment's placement group and workers;
+- deployment_stop.py: removing a deployment in whatever state it is in;
+- engine_client.py: `RayEngineClient`, the client side of one engine, anonymous and owned by
+  an `LLM` or `AsyncLLM` (gone with it), or connected to a named deployment.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import os
-import threading
-
-import ray
-from ray.util.placement_group import remove_placement_group
 
 from tierserve.deploy import ray_cluster
-from tierserve.deploy.dataplane import remove_ipc_dirs, remove_stale_ipc_dirs
+# Callers and tests import these from here as well as from the modules that own them.
+from tierserve.deploy.capacity import (  # noqa: F401
+    _fitting_cpus, _room, check_placement, default_cpus_per_worker)
+from tierserve.deploy.deployment_names import (
+    actor_name, deployments_left, ensure_ray, holder_name, join, lookup)
+from tierserve.deploy.deployment_start import (  # noqa: F401
+    start_deployment, start_engine_actor, start_replicated)
+from tierserve.deploy.deployment_stop import stop, stop_deployment
+from tierserve.deploy.engine_client import RayEngineClient
 from tierserve.runtime import envs
-from tierserve.deploy.watchdog import Liveness, next_or_dead
-from tierserve.runtime.client import HEARTBEAT_S, AsyncLLM
+from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.errors import EngineDeadError
-from tierserve.runtime.outputs import Outstanding
-from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreRequest
-
-# The engine's modules (torch among them) are imported where an engine starts, not here:
-# status, stop and generate --name talk to a running deployment with Ray alone.
 
 __all__ = ["serve", "stop", "connect", "RayEngineClient", "RayDeployments", "start_deployment",
            "ensure_ray", "actor_name"]
 
 log = logging.getLogger("tierserve.deploy")
-
-_ACTOR_PREFIX = "tierserve-engine-"
-
-
-def actor_name(name: str) -> str:
-    return _ACTOR_PREFIX + name
-
-
-def ensure_ray(namespace: str | None = None) -> None:
-    """For an engine this process owns: joins the cluster RAY_ADDRESS names (or this job's),
-    else starts a private local instance that ends with this process."""
-    if not ray.is_initialized():
-        ray.init(address=envs.ray_address(), namespace=namespace or envs.default_namespace(),
-                 log_to_driver=False, logging_level=logging.WARNING)
-
-
-# Ray accounts resources in steps of 1e-4.
-_RAY_CPU_STEPS = 10_000
-
-
-def default_cpus_per_worker(tp_size: int, cores: int | None = None) -> float:
-    """Each rank's share of this machine's cores: whole cores where there are enough, else a
-    fraction (rounded down to Ray's resolution, so that the ranks fit the cores)."""
-    cores = cores or os.cpu_count() or 1
-    if cores >= tp_size:
-        return cores // tp_size
-    return cores * _RAY_CPU_STEPS // tp_size / _RAY_CPU_STEPS
-
-
-def _cpus_per_worker(config: EngineConfig) -> float:
-    cpus = config.cpus_per_worker
-    if cpus is None:
-        cpus = default_cpus_per_worker(config.tensor_parallel_size)
-    if cpus < 1:
-        log.warning("cpus_per_worker=%g: the %d ranks share cores (each runs %d torch "
-                    "thread%s); a step takes longer than it would with a core per rank",
-                    cpus, config.tensor_parallel_size, math.ceil(cpus),
-                    "" if math.ceil(cpus) == 1 else "s")
-    return cpus
-
-
-def start_deployment(config: EngineConfig, name: str | None = None,
-                     namespace: str | None = None):
-    """Creates the placement group and the engine actor; returns (actor, placement group).
-    The actor's constructor starts the workers, so this returns once the model is loaded. A
-    model, TP size or placement that cannot work fails here at once, before anything waits;
-    a start that fails later leaves no actor, placement group or folder behind."""
-    from tierserve.deploy.placement import make_placement_group
-    from tierserve.runtime.engine_setup import check_model
-    from tierserve.workers.worker import resolve_device
-
-    check_model(config)
-    device = resolve_device(config.device)
-    cpus = _cpus_per_worker(config)
-    config = config.replace(cpus_per_worker=cpus)
-    check_placement(config.tensor_parallel_size, device, config.placement_strategy, cpus)
-    detached = name is not None
-    pg = make_placement_group(config.tensor_parallel_size, device, config.placement_strategy,
-                              cpus, detached=detached)
-    uid = actor_name(name) if detached else f"tierserve-{os.urandom(4).hex()}"
-    holder = _remember(pg, config.tensor_parallel_size, uid, name, namespace) if detached \
-        else None
-    try:
-        actor = start_engine_actor(config, pg, uid, namespace, detached)
-    except BaseException:
-        remove_placement_group(pg)
-        if holder is not None:
-            ray.kill(holder, no_restart=True)
-        raise
-    return actor, pg
-
-
-def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None,
-                       detached: bool):
-    """The EngineActor on rank 0's bundle of `pg`, named `uid` when detached; returns once
-    its model is loaded (a start that fails leaves no actor)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from tierserve.deploy.engine_actor import EngineActor
-    from tierserve.deploy.placement import rank_bundles
-
-    actor = None
-    try:
-        bundles = rank_bundles(pg)
-        options = dict(num_cpus=0, max_concurrency=1000,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(
-                           pg, placement_group_bundle_index=bundles[0]),
-                       # The engine and its workers (which inherit it) see this process's
-                       # TIERSERVE_* settings, not those the cluster was started with.
-                       runtime_env={"env_vars": envs.tierserve_variables()})
-        if detached:
-            options.update(name=uid, namespace=namespace or envs.default_namespace(),
-                           lifetime="detached")
-        actor = ray.remote(EngineActor).options(**options).remote(config, pg, bundles, uid)
-        ray.get(actor.health.remote())
-    except BaseException as e:
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
-        bad = _bad_config(e)
-        if bad is not None:
-            raise bad from None
-        raise
-    return actor
-
-
-def _bad_config(error: BaseException) -> ValueError | None:
-    """The ValueError an engine's constructor raised (a config the model or the pool cannot
-    take), out of the actor error Ray wraps it in."""
-    for arg in getattr(error, "args", ()):
-        if isinstance(arg, ray.exceptions.RayTaskError) and isinstance(arg.cause, ValueError):
-            return ValueError(str(arg.cause))
-    return None
-
-
-_HOLDER_PREFIX = "tierserve-pg-"
-
-
-def _holder_name(name: str) -> str:
-    return _HOLDER_PREFIX + name
-
-
-def _remember(pg, tp_size: int, uid: str, name: str, namespace: str | None):
-    """A named, detached holder of what a named deployment owns beyond its engine actor (the
-    detached placement group, the workers' names), made before the engine starts, so that
-    `stop` can remove all of it whatever died."""
-    holder = ray.remote(_DeploymentHolder).options(
-        name=_holder_name(name), namespace=namespace or envs.default_namespace(),
-        lifetime="detached", num_cpus=0).remote(pg, tp_size, uid)
-    ray.get(holder.ping.remote())
-    return holder
-
-
-class _DeploymentHolder:
-    def __init__(self, pg, tp_size: int, uid: str) -> None:
-        self.pg, self.tp_size, self.uid = pg, tp_size, uid
-
-    def ping(self) -> bool:
-        return True
-
-    def get(self) -> tuple:
-        return self.pg, self.tp_size, self.uid
 
 
 def serve(name: str, namespace: str | None = None, **options) -> AsyncLLM:
@@ -207,46 +67,11 @@ def _serve_on_cluster(config: EngineConfig, name: str, namespace: str | None) ->
         pass
     except EngineDeadError as e:
         log.warning("deployment %r is dead (%s); starting a new one", name, e)
-    _stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
+    stop_deployment(name, namespace)  # whatever a dead or half-started one left behind
     if config.data_parallel_size > 1:
         return AsyncLLM(client=start_replicated(config, name, namespace), name=name)
     actor, _ = start_deployment(config, name, namespace)
     return AsyncLLM(client=RayEngineClient(actor, name), name=name)
-
-
-def start_replicated(config: EngineConfig, name: str | None = None,
-                     namespace: str | None = None):
-    """A replicated deployment: its router actor, which starts data_parallel_size replicas;
-    returns its client once every replica serves. Named: detached, and found by `connect`;
-    anonymous: owned by the returned client."""
-    from tierserve.deploy.replicas import replica_config
-    from tierserve.deploy.router import Router, router_name
-    from tierserve.deploy.router_client import RouterClient
-    from tierserve.runtime.engine_setup import check_model
-    from tierserve.workers.worker import resolve_device
-
-    check_model(config)
-    config = replica_config(config)
-    device = resolve_device(config.device)
-    check_placement(config.tensor_parallel_size * config.data_parallel_size, device,
-                    "PACK", config.cpus_per_worker,
-                    what=f"data_parallel_size={config.data_parallel_size} x "
-                         f"tensor_parallel_size={config.tensor_parallel_size}")
-    uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
-    options = dict(num_cpus=0, max_concurrency=1000,
-                   runtime_env={"env_vars": envs.tierserve_variables()})
-    if name is not None:
-        # Ray restarts a named deployment's router (it then adopts the running replicas),
-        # and calls made meanwhile are retried.
-        options.update(name=router_name(name), namespace=namespace or envs.default_namespace(),
-                       lifetime="detached", max_restarts=-1, max_task_retries=-1)
-    router = ray.remote(Router).options(**options).remote(config, uid, name, namespace)
-    try:
-        ray.get(router.start.remote())
-    except BaseException:
-        ray.kill(router, no_restart=True)
-        raise
-    return RouterClient(router, name, owned=name is None)
 
 
 def connect(name: str, namespace: str | None = None) -> AsyncLLM:
@@ -257,383 +82,14 @@ def _connect_client(name: str, namespace: str | None):
     """The running deployment's client: its engine's, else its router's (with replicas; the
     router's modules are imported only then)."""
     ns = namespace or envs.default_namespace()
-    _join(name, namespace)
-    if _lookup(actor_name(name), ns) is None and _lookup(_holder_name(name), ns) is None:
+    join(name, namespace)
+    if lookup(actor_name(name), ns) is None and lookup(holder_name(name), ns) is None:
         from tierserve.deploy.router import router_name
         from tierserve.deploy.router_client import RouterClient
-        router = _lookup(router_name(name), ns)
+        router = lookup(router_name(name), ns)
         if router is not None:
             return RouterClient(router, name)
     return RayEngineClient.connect(name, namespace)
-
-
-def _join(name: str, namespace: str | None) -> None:
-    """Joins the deployments' cluster; without one, no deployment named `name` is there."""
-    try:
-        ray_cluster.join(namespace)
-    except ray_cluster.NoClusterError as e:
-        raise ValueError(f"no tierserve deployment named {name!r}: {e}; `tierserve serve "
-                         f"--name {name}` starts one") from None
-
-
-def _lookup(name: str, namespace: str):
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
-
-
-def deployments_left() -> list[str]:
-    """What of tierserve's deployments is on the cluster this process joined: every named
-    actor of theirs (engines, workers, holders, routers, replicas), as namespace/name."""
-    return sorted(f"{a['namespace']}/{a['name']}"
-                  for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("tierserve-"))
-
-
-def stop(name: str, namespace: str | None = None) -> bool:
-    """Shuts the named deployment down: engine actor, workers, placement group, IPC folders,
-    whatever state it is in; then the local head `serve` started for it, if no deployment is
-    left on it. False if there was nothing of it."""
-    try:
-        ray_cluster.join(namespace)
-    except ray_cluster.NoClusterError:
-        return False
-    found = _stop_deployment(name, namespace)
-    head = ray_cluster.local_head()
-    if head is not None and _joined(head) and not deployments_left():
-        ray_cluster.stop_head(head)
-        log.info("stopped the local Ray head at %s", head.address)
-    return found
-
-
-def _joined(head: ray_cluster.LocalHead) -> bool:
-    """Whether this process is connected to `head` (its GCS port, on this machine)."""
-    address = ray.get_runtime_context().gcs_address or ""
-    return address.rpartition(":")[2] == head.address.rpartition(":")[2]
-
-
-def _stop_deployment(name: str, namespace: str | None) -> bool:
-    ns = namespace or envs.default_namespace()
-    replicated = _stop_replicated(name, ns)
-    actor, holder = _lookup(actor_name(name), ns), _lookup(_holder_name(name), ns)
-    if actor is not None:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=30)
-        except Exception as e:  # a dead engine still gets its resources removed
-            log.warning("engine %s did not shut down cleanly: %s", name, e)
-        ray.kill(actor, no_restart=True)
-    if holder is not None:
-        try:
-            pg, tp_size, uid = ray.get(holder.get.remote(), timeout=30)
-            from tierserve.deploy.placement import worker_names
-            for rank in range(tp_size):  # workers outlive an engine actor killed by Ray
-                for worker_name in worker_names(uid, rank):  # ranks and spares
-                    worker = _lookup(worker_name, ns)
-                    if worker is not None:
-                        ray.kill(worker, no_restart=True)
-            remove_placement_group(pg)
-        except Exception as e:
-            log.warning("could not release the placement group of %s: %s", name, e)
-        ray.kill(holder, no_restart=True)
-    # The engine's folder, on this node (elsewhere, the next data-plane server there sweeps
-    # folders whose owner died).
-    remove_ipc_dirs(actor_name(name), wait_s=10.0 if actor is not None else 0.0)
-    remove_stale_ipc_dirs()
-    return actor is not None or holder is not None or replicated
-
-
-def _stop_replicated(name: str, ns: str) -> bool:
-    """Stops a replicated deployment: its router stops every replica; then whatever is left
-    of one (a replica or worker whose router died, a placement group), found by name."""
-    from tierserve.deploy.router import router_name
-
-    router = _lookup(router_name(name), ns)
-    if router is not None:
-        try:
-            ray.get(router.shutdown.remote(), timeout=120)
-        except Exception as e:
-            log.warning("the router of %s did not shut down cleanly: %s", name, e)
-        ray.kill(router, no_restart=True)
-    prefix = actor_name(name) + "+r"
-    leftovers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == ns and a["name"].startswith(prefix)]
-    for actor_id in leftovers:
-        actor = _lookup(actor_id, ns)
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
-    pg_prefix = _holder_name(name) + "+r"
-    pgs = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
-           if pg.get("name", "").startswith(pg_prefix) and pg.get("state") != "REMOVED"]
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
-    for pg_id in pgs:  # by id: a name is only found from its creator's namespace
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
-    for uid in {n.split("-rank")[0] for n in leftovers} | {prefix}:
-        remove_ipc_dirs(uid, wait_s=0.0)
-    return router is not None or bool(leftovers) or bool(pgs)
-
-
-def check_placement(tp_size: int, device: str, strategy: str, cpus_per_worker: float,
-                    what: str | None = None) -> None:
-    """ValueError at once when the cluster, even idle, cannot hold the ranks' bundles; it names
-    a cpus_per_worker that fits where there is one."""
-    from tierserve.deploy.placement import worker_bundle
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    bundle = worker_bundle(device, cpus_per_worker)
-    room, where = _room(nodes, bundle, strategy)
-    if room >= tp_size:
-        return
-    total = {k: sum(r.get(k, 0) for r in nodes) for k in bundle}
-    fix = _fitting_cpus(nodes, device, strategy, tp_size, cpus_per_worker)
-    hint = (f"set cpus_per_worker={fix:g} (--cpus-per-worker {fix:g}; ranks then share "
-            f"cores), lower tensor_parallel_size, or add nodes" if fix is not None else
-            "lower tensor_parallel_size or add nodes")
-    raise ValueError(f"{what or f'tensor_parallel_size={tp_size}'} needs {tp_size} bundles of "
-                     f"{bundle} ({strategy}); {where} can hold {room} (cluster: {total}). To "
-                     f"fit, {hint}")
-
-
-def _room(nodes: list[dict], bundle: dict, strategy: str) -> tuple[int, str]:
-    """How many bundles the nodes hold under the strategy, and where."""
-    def fits(resources: dict) -> int:
-        # Ray accounts in steps of 1e-4: compare in those steps, not in binary fractions.
-        return min(int(round(resources.get(k, 0) * _RAY_CPU_STEPS)
-                       // round(v * _RAY_CPU_STEPS)) for k, v in bundle.items())
-
-    if strategy == "STRICT_PACK":
-        return max((fits(r) for r in nodes), default=0), "one node"
-    if strategy == "STRICT_SPREAD":
-        return sum(min(fits(r), 1) for r in nodes), "distinct nodes"
-    return sum(fits(r) for r in nodes), "the cluster"
-
-
-def _fitting_cpus(nodes: list[dict], device: str, strategy: str, tp_size: int,
-                  cpus: float) -> float | None:
-    """The largest cpus_per_worker below `cpus` with which the ranks fit, or None."""
-    from tierserve.deploy.placement import worker_bundle
-
-    candidates = {default_cpus_per_worker(k, int(r.get("CPU", 0)) or 1)
-                  for r in nodes for k in range(1, tp_size + 1)}
-    for value in sorted((c for c in candidates if 0 < c < cpus), reverse=True):
-        if _room(nodes, worker_bundle(device, value), strategy)[0] >= tp_size:
-            return value
-    return None
-
-
-class RayEngineClient:
-    """The client side of one deployment: the engine actor's handle. It pickles (as the
-    handle), so a connected client travels into Ray tasks and actors.
-
-    Its requests carry an owner token of its own (a fresh one in each process it is unpickled
-    in): its aborts and stops reach only requests it started. Every call has a deadline, and a
-    stream fails once the engine has not answered a heartbeat for the step timeout (its
-    process stopped or hung). Errors never carry Ray's text (tracebacks, pids, addresses,
-    actor ids): that is logged here, and chained as the exception's cause."""
-
-    def __init__(self, actor, name: str | None = None, *, config: EngineConfig | None = None,
-                 pg=None) -> None:
-        self.actor = actor
-        self.name = name
-        self.config = config  # set on an owned engine
-        self._pg = pg  # an owned engine's placement group, removed with it
-        self._codec = ClientChannelCodec()
-        self._tokenizer = None
-        self._owner = os.urandom(8).hex()
-        self.step_timeout_s = _CALL_TIMEOUT_S
-        info = self.info()
-        self.vocab_size = info["vocab_size"]
-        self.max_model_len = info["max_model_len"]
-        self.step_timeout_s = info.get("step_timeout_s", _CALL_TIMEOUT_S)
-        self._tokenizer_path = info["tokenizer_path"]
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> "RayEngineClient":
-        """An anonymous deployment owned by this client."""
-        ensure_ray()
-        actor, pg = start_deployment(config)
-        return cls(actor, config=config, pg=pg)
-
-    @classmethod
-    def connect(cls, name: str, namespace: str | None = None) -> "RayEngineClient":
-        ns = namespace or envs.default_namespace()
-        _join(name, namespace)
-        actor = _lookup(actor_name(name), ns)
-        if actor is None:
-            if _lookup(_holder_name(name), ns) is not None:
-                raise EngineDeadError(f"deployment {name!r} is dead: its engine actor is gone "
-                                      f"(`tierserve stop {name}` cleans up; serving it again "
-                                      f"replaces it)")
-            raise ValueError(f"no tierserve deployment named {name!r} in namespace {ns!r}")
-        return cls(actor, name)
-
-    def __reduce__(self):
-        return (RayEngineClient, (self.actor, self.name))
-
-    @property
-    def tokenizer(self):
-        """The engine's tokenizer, loaded here on first use (None for a model without one)."""
-        if self._tokenizer is None:
-            from tierserve.runtime.tokenizer import load_model_tokenizer
-            self._tokenizer = load_model_tokenizer(self._tokenizer_path)
-        return self._tokenizer
-
-    @property
-    def _deadline_s(self) -> float:
-        """How long a call may wait: a call waits behind at most a step."""
-        return max(_CALL_TIMEOUT_S, self.step_timeout_s + 10.0)
-
-    async def generate(self, requests: list[EngineCoreRequest]):
-        stream = self.actor.generate.options(num_returns="streaming").remote(requests,
-                                                                             self._owner)
-        pending = Outstanding(requests)
-        alive = Liveness(self.step_timeout_s)
-        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(pending, alive))
-        try:
-            while True:
-                try:
-                    ref = await next_or_dead(stream, alive)
-                except StopAsyncIteration:
-                    return
-                batch = self._codec.decode(await ref).outputs
-                alive.beat()
-                pending.update(batch)
-                yield batch
-        except ray.exceptions.RayActorError as e:
-            raise _dead("the engine actor died", e) from e
-        except ray.exceptions.RayError as e:
-            raise _failed(e) from e
-        finally:
-            heartbeat.cancel()
-            if pending:
-                ray.cancel(stream)
-                self.actor.abort.remote(list(pending), self._owner)
-
-    async def _heartbeat(self, pending: Outstanding, alive: Liveness) -> None:
-        """Renews the leases of this stream's unfinished requests while it is consumed; each
-        answer shows the engine alive."""
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            alive.watch(self.actor.renew.remote(list(pending)))
-
-    def stream_batch(self, requests: list[EngineCoreRequest]):
-        stream = self.actor.generate.options(num_returns="streaming").remote(requests,
-                                                                             self._owner)
-        pending = Outstanding(requests)
-        stop = threading.Event()
-        beat = threading.Thread(target=self._heartbeat_thread, args=(pending, stop), daemon=True,
-                                name="tierserve-heartbeat")
-        beat.start()
-        try:
-            for ref in stream:
-                batch = self._codec.decode(ray.get(ref)).outputs
-                pending.update(batch)
-                yield batch
-        except ray.exceptions.RayActorError as e:
-            raise _dead("the engine actor died", e) from e
-        except ray.exceptions.RayError as e:
-            raise _failed(e) from e
-        finally:
-            stop.set()
-            if pending:
-                ray.cancel(stream)
-                self.actor.abort.remote(list(pending), self._owner)
-
-    def _heartbeat_thread(self, pending: Outstanding, stop: threading.Event) -> None:
-        while not stop.wait(HEARTBEAT_S):
-            if pending:
-                self.actor.renew.remote(list(pending))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.actor.abort.remote(list(request_ids), self._owner)
-
-    def stop(self, seqs: list[tuple[str, int]]) -> None:
-        self.actor.stop.remote(list(seqs), self._owner)
-
-    stop_sequences = stop
-
-    def abort_now(self, names: list[str]) -> list[str]:
-        """The operator's abort, waited for: requests named by id or label, whoever started
-        them; the engine ids aborted."""
-        return self._get(self.actor.abort_named.remote(list(names)))
-
-    def list_requests(self) -> list[dict]:
-        return self._get(self.actor.list_requests.remote())
-
-    def stats(self) -> dict:
-        return self._get(self.actor.stats.remote())
-
-    async def stats_async(self) -> dict:
-        return await self._get_async(self.actor.stats.remote())
-
-    def info(self) -> dict:
-        return self._get(self.actor.info.remote())
-
-    def health(self) -> bool:
-        """True, or EngineDeadError (the engine died, its actor is gone, or it does not
-        answer)."""
-        return self._get(self.actor.health.remote())
-
-    async def health_async(self) -> bool:
-        return await self._get_async(self.actor.health.remote())
-
-    def reset_prefix_cache(self) -> bool:
-        return self._get(self.actor.reset_prefix_cache.remote())
-
-    def shutdown(self) -> None:
-        """Stops an owned engine; a connected client just lets go of the deployment."""
-        if self._pg is None or self.actor is None:
-            return
-        try:
-            ray.get(self.actor.shutdown.remote(), timeout=30)
-        except Exception as e:
-            log.warning("engine did not shut down cleanly: %s", e)
-        ray.kill(self.actor, no_restart=True)
-        remove_placement_group(self._pg)
-        self.actor = None
-
-    def _get(self, ref):
-        """ray.get within the deadline; a dead or silent engine actor is EngineDeadError."""
-        try:
-            return ray.get(ref, timeout=self._deadline_s)
-        except ray.exceptions.RayActorError as e:
-            raise _dead("the engine actor is gone", e) from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise _dead(f"the engine actor did not answer in {self._deadline_s:.0f} s",
-                        e) from e
-        except ray.exceptions.RayError as e:
-            raise _failed(e) from e
-
-    async def _get_async(self, ref):
-        """_get without a thread, for an event loop (its caller may set a shorter deadline)."""
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._deadline_s)
-        except ray.exceptions.RayActorError as e:
-            raise _dead("the engine actor is gone", e) from e
-        except ray.exceptions.RayError as e:
-            raise _failed(e) from e
-
-
-# A call to the engine actor waits this long at least (more with a longer step timeout).
-_CALL_TIMEOUT_S = 30.0
-
-
-def _dead(message: str, cause: BaseException) -> EngineDeadError:
-    """EngineDeadError with a message of ours; Ray's text (pids, addresses, actor ids) goes to
-    the log only."""
-    log.warning("%s: %s", message, cause)
-    return EngineDeadError(message)
-
-
-def _failed(error: BaseException) -> Exception:
-    """The exception a failed actor call raises here: the engine's own EngineDeadError or
-    ValueError (its message is the engine's), anything else by its type only."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, (EngineDeadError, ValueError)):
-        return (EngineDeadError if isinstance(cause, EngineDeadError) else ValueError)(str(cause))
-    log.error("the engine actor failed a call", exc_info=error)
-    return RuntimeError(f"the engine failed the call ({type(cause or error).__name__})")
 
 
 class RayDeployments:

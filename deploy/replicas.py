@@ -78,7 +78,7 @@ def start_replica(config: EngineConfig, uid: str, name: str | None, replica: int
                   taken: collections.Counter):
     """Starts replica `replica` (on `pg` when restarting it, else on a new group); returns
     (actor, pg). A failure leaves no actor behind, nor a group this call made."""
-    from tierserve.deploy.ray_engine import start_engine_actor
+    from tierserve.deploy.deployment_start import start_engine_actor
 
     if pg is None and name is not None:  # one left by a router that died
         try:
