@@ -15,7 +15,7 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_setup import make_worker_spec
 from tierserve.workers import worker as worker_module
-from tierserve.workers.backends.cpu import plan_for
+from tierserve.workers.backends.cpu import Avx512Backend, plan_for
 from tierserve.workers.backends.portable import half_linear_plan as _half_linear, torch_backend
 from tierserve.workers.backends.cpu_features import CpuFeatures, detect_cpu_features, isa_rank
 from tierserve.workers.backends.kernels import KernelLibrary
@@ -61,11 +61,23 @@ def test_no_backend_plans_above_its_cpu():
     assert _half_linear(fake_cpu(V3), "torch") == {}
 
 
+def test_amd_avx512_takes_the_panel_kernel_to_a_whole_step():
+    """On AMD, torch's MKL runs no AVX-512 code: the AVX-512 panel kernel takes fp32 products
+    of up to a default step's 2048 rows there, of up to 160 elsewhere (then MKL or AMX)."""
+    amd = dataclasses.replace(fake_cpu(V4), vendor="AuthenticAMD")
+    intel = dataclasses.replace(fake_cpu(V4), vendor="GenuineIntel")
+    assert Avx512Backend.level_paths(amd, None) == {"panel_max_rows": 2048}
+    assert Avx512Backend.level_paths(intel, None) == {}
+
+
 def test_this_cpu_is_read_at_run_time():
     features = detect_cpu_features()
     with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith(("flags", "Features"))).split(":")[1]
-    assert features.flags == frozenset(flags.split())
+        lines = f.readlines()
+    flags = next(line for line in lines if line.startswith(("flags", "Features"))).split(":")[1]
+    vendor = next((line.split(":")[1].strip() for line in lines
+                   if line.startswith("vendor_id")), "")
+    assert features.flags == frozenset(flags.split()) and features.vendor == vendor
     for isa in features.isas:
         assert features.has(isa)
     assert features.onednn_bf16 == torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -31,6 +31,10 @@ __all__ = ["CpuKernelBackend", "Avx2Backend", "Avx512Backend", "AmxBackend", "KE
 # AVX-512 CPUs; on AVX2 the panel kernel keeps up with MKL further (bench/linear_kernels.py).
 PANEL_MAX_ROWS = 160
 AVX2_PANEL_MAX_ROWS = 1024
+# On AMD CPUs torch's MKL runs no AVX-512 code, and the AVX-512 panel kernel matches or beats
+# it (plus the weight's rebuild from panels) at every row count up to a default step's 2048
+# (bench/linear_kernels.py on a Zen 4 EPYC).
+AMD_AVX512_PANEL_MAX_ROWS = 2048
 
 # Prefill chunks with contexts up to this many tokens go through the decode kernel, token by
 # token; longer ones through the tiled prefill kernel, whose tiles reuse each K/V row across a
@@ -235,6 +239,12 @@ class Avx2Backend(CpuKernelBackend):
 
 class Avx512Backend(CpuKernelBackend):
     isa = "avx512"
+
+    @classmethod
+    def level_paths(cls, features, ops):
+        if features.vendor == "AuthenticAMD":
+            return {"panel_max_rows": AMD_AVX512_PANEL_MAX_ROWS}
+        return {}
 
 
 class AmxBackend(Avx512Backend):

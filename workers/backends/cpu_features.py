@@ -45,6 +45,7 @@ class CpuFeatures:
     torch_capability: str  # torch's own CPU dispatch level: DEFAULT, AVX2, AVX512, ...
     onednn_bf16: bool  # oneDNN runs bf16 matmuls natively (its reorders accept bf16 weights)
     onednn_fp16: bool
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ...
 
     def has(self, isa: str) -> bool:
         """Whether this CPU runs code built for `isa` (and every level below it)."""
@@ -70,7 +71,7 @@ class CpuFeatures:
 
     def describe(self) -> dict:
         interesting = sorted(self.flags & frozenset().union(*_NEEDS.values()))
-        return {"model_name": self.model_name, "machine": self.machine,
+        return {"model_name": self.model_name, "vendor": self.vendor, "machine": self.machine,
                 "isas": list(self.isas), "flags": interesting,
                 "amx_permitted": self.amx_permitted, "torch_capability": self.torch_capability,
                 "onednn_bf16": self.onednn_bf16, "onednn_fp16": self.onednn_fp16}
@@ -79,17 +80,19 @@ class CpuFeatures:
 @functools.cache
 def detect_cpu_features() -> CpuFeatures:
     """This process's CPU, read once (the answer cannot change while it runs)."""
-    model_name, flags = _read_cpuinfo()
+    model_name, flags, vendor = _read_cpuinfo()
     machine = platform.machine()
     amx = _NEEDS["amx"] <= flags and _request_amx_permission()
     return CpuFeatures(model_name=model_name, machine=machine, flags=flags, amx_permitted=amx,
                        torch_capability=_torch_capability(),
                        onednn_bf16=_onednn_supports("_is_mkldnn_bf16_supported"),
-                       onednn_fp16=_onednn_supports("_is_mkldnn_fp16_supported"))
+                       onednn_fp16=_onednn_supports("_is_mkldnn_fp16_supported"),
+                       vendor=vendor)
 
 
-def _read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
-    model_name, flags = platform.processor() or "unknown", frozenset()
+def _read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str], str]:
+    """(model name, flags, vendor id) of the first processor listed."""
+    model_name, flags, vendor = platform.processor() or "unknown", frozenset(), ""
     try:
         with open(path) as f:
             for line in f:
@@ -97,13 +100,15 @@ def _read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
                 key = key.strip()
                 if key == "model name" and model_name in ("", "unknown", platform.machine()):
                     model_name = value.strip()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = frozenset(value.split())
-                if flags and model_name not in ("", "unknown", platform.machine()):
+                if flags and vendor and model_name not in ("", "unknown", platform.machine()):
                     break
     except OSError:
         pass
-    return model_name, flags
+    return model_name, flags, vendor
 
 
 def _request_amx_permission() -> bool:
