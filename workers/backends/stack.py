@@ -110,7 +110,8 @@ class KernelLayerStack:
                 or attn.prefills_longer_than(self.max_prefill_context):
             return None
         tables, lens, token_rows = attn.token_tables()
+        pools = [t for pair in kv_caches for t in pair]  # [k0, v0, k1, v1, ...]
         return self.ops.layer_stack(
-            hidden, None, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
-            plan.weights, plan.biases, plan.kinds, plan.widths, [t for pair in kv_caches for t in pair],
-            self._windows, self.heads, self.scale, self.eps)
+            hidden, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
+            plan.weights, plan.biases, plan.kinds, plan.widths, pools, self._windows, self.heads,
+            self.scale, self.eps)

@@ -38,10 +38,9 @@ at::Tensor stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_stack(
-    const at::Tensor& hidden_in, const std::optional<at::Tensor>& residual_in,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-    const std::optional<at::Tensor>& keep, at::TensorList norms,
+    const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& rows, const std::optional<at::Tensor>& keep, at::TensorList norms,
     const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
     at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows, int64_t heads,
@@ -53,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
                   biases.size() == kinds.size() && weights.size() == 3 * kinds.size(),
               "layer_stack: per-layer lists disagree on the number of layers");
   at::Tensor hidden = hidden_in;
-  std::optional<at::Tensor> residual = residual_in;
+  std::optional<at::Tensor> residual;  // the first layer's norm starts the residual stream
   const int64_t tokens = hidden.size(0);
   const std::optional<at::Tensor> table_rows = rows;
   for (int64_t l = 0; l < layers; ++l) {
@@ -84,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
-  m.def("layer_stack(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
+  m.def("layer_stack(Tensor hidden, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor? keep, "
         "Tensor[] norms, "
         "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor(a!)[] kv, "
