@@ -200,6 +200,8 @@ class Replay:
                     self._waiting.appendleft(req)  # its loads are in: it goes first
                 self.clock.ready.clear()
                 self._admit_waiting()
+            elif kind == _COMPLETE:
+                self._admit_waiting()  # the step's copies are done: their blocks may be free
 
     def _admit_waiting(self) -> None:
         waiting = self._waiting
