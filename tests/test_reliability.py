@@ -107,13 +107,16 @@ def test_an_unexpected_error_in_a_step_kills_the_engine_visibly(tiny, monkeypatc
 
 def test_an_error_in_the_async_step_loop_reaches_every_stream(tiny, monkeypatch):
     with tierserve.AsyncLLM(tiny, block_size=4) as llm:
+        streaming = asyncio.Event()
+
         async def stream():
             async for _ in llm.generate([5, 6, 7], LONG):
-                pass
+                streaming.set()
 
         async def scenario():
             task = asyncio.create_task(stream())
-            await asyncio.sleep(0.5)
+            # The bug lands while the stream runs (a fixed wait can outlast a fast decode).
+            await asyncio.wait_for(streaming.wait(), 30)
             monkeypatch.setattr(llm.engine.core.scheduler, "schedule",
                                 lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug")))
             with pytest.raises(tierserve.EngineDeadError, match="scheduler bug"):
