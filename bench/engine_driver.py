@@ -11,7 +11,9 @@ of vLLM.
 Spec: spawned_at (the parent's time.time() just before it started this process), dtype,
 max_model_len, sections (of SECTIONS), ready_prompt, prompts, output_len, decode_prompts (pairs
 of prompts of one length, all distinct), ttft_prompts (distinct prompts of one length), plus
-what the adapter reads (model, ...).
+what the adapter reads (model, ...). The paired_decode section also reads paired_dtypes (the
+other dtypes, each built as a second engine in this process), paired_rounds and
+paired_decode_prompts (a pair per round and dtype, all distinct).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import sys
 import time
 from typing import Callable, Protocol
 
-SECTIONS = ("throughput", "decode", "ttft")
+SECTIONS = ("throughput", "decode", "ttft", "paired_decode")
 WARMUP_PROMPTS, WARMUP_TOKENS = 4, 4
 
 # (output token ids, prompt tokens served from the prefix cache) per prompt, in input order
@@ -62,7 +64,10 @@ def run(make_engine: Callable[[dict], Engine], spec: dict) -> dict:
               "cold_start_s": t_ready - spec["spawned_at"], **engine.info()}
     try:
         for section in spec["sections"]:
-            result.update(_SECTION_RUNNERS[section](engine, spec))
+            if section == "paired_decode":
+                result.update(paired_decode(engine, spec, make_engine))
+            else:
+                result.update(_SECTION_RUNNERS[section](engine, spec))
         if hasattr(engine, "final_info"):  # what an engine can only tell after the work
             result.update(engine.final_info())
     finally:
@@ -89,19 +94,53 @@ def throughput(engine: Engine, spec: dict) -> dict:
             "throughput_token_ids": [tokens for tokens, _ in outs]}
 
 
+def _decode_pair(engine: Engine, first: list[int], second: list[int],
+                 n: int) -> tuple[float, float, float]:
+    """(decode tok/s, prefill s, total s): the time of 1 + n tokens on `second` minus that of
+    1 token on `first`, two uncached prompts of one length, is the decode of n tokens."""
+    prefill_s, _ = _timed(engine, [first], 1)
+    total_s, _ = _timed(engine, [second], 1 + n)
+    return n / (total_s - prefill_s), prefill_s, total_s
+
+
 def decode(engine: Engine, spec: dict) -> dict:
-    """One request alone: the time of 1 + output_len tokens minus that of 1 token, on two
-    uncached prompts of one length, is the decode of output_len tokens after that prompt. Once
-    per pair of decode_prompts (each prompt used once, so never cached); the median pair."""
+    """One request alone (_decode_pair), once per pair of decode_prompts (each prompt used
+    once, so never cached); the median pair."""
     prompts, n = spec["decode_prompts"], spec["output_len"]
-    runs = []
-    for first, second in zip(prompts[::2], prompts[1::2]):
-        prefill_s, _ = _timed(engine, [first], 1)
-        total_s, _ = _timed(engine, [second], 1 + n)
-        runs.append((n / (total_s - prefill_s), prefill_s, total_s))
+    runs = [_decode_pair(engine, first, second, n)
+            for first, second in zip(prompts[::2], prompts[1::2])]
     tok_s, prefill_s, total_s = sorted(runs)[(len(runs) - 1) // 2]
     return {"decode_tok_s": tok_s, "decode_prefill_ms": prefill_s * 1e3,
             "decode_total_s": total_s, "decode_runs_tok_s": [r[0] for r in runs]}
+
+
+def paired_decode(engine: Engine, spec: dict, make_engine: Callable[[dict], Engine]) -> dict:
+    """Single-stream decode of this engine's dtype against paired_dtypes, all engines in this
+    process, in rounds of one decode pair each, so that the machine's drift (this VM's memory
+    bandwidth moves by a third within minutes) falls on every dtype alike. The rounds run the
+    dtypes forwards and backwards in turn (A B, B A, ...); each round's ratio to this dtype,
+    then the median over rounds."""
+    dtypes = [spec["dtype"]] + list(spec["paired_dtypes"])
+    engines = {spec["dtype"]: engine}
+    try:
+        for dtype in dtypes[1:]:
+            engines[dtype] = make_engine(dict(spec, dtype=dtype))
+            engines[dtype].generate([spec["ready_prompt"]], 1)
+        prompts, n = iter(spec["paired_decode_prompts"]), spec["output_len"]
+        tok_s: dict[str, list[float]] = {d: [] for d in dtypes}
+        for r in range(spec["paired_rounds"]):
+            for dtype in dtypes if r % 2 == 0 else dtypes[::-1]:
+                tok_s[dtype].append(_decode_pair(engines[dtype], next(prompts), next(prompts),
+                                                 n)[0])
+    finally:
+        for dtype in dtypes[1:]:
+            if dtype in engines:
+                engines[dtype].close()
+    ratios = {d: [x / y for x, y in zip(tok_s[d], tok_s[dtypes[0]])] for d in dtypes[1:]}
+    return {"paired_decode": {
+        "dtypes": dtypes, "rounds": spec["paired_rounds"], "tok_s": tok_s,
+        "median_tok_s": {d: statistics.median(v) for d, v in tok_s.items()},
+        "ratios": ratios, "ratio": {d: statistics.median(v) for d, v in ratios.items()}}}
 
 
 def ttft(engine: Engine, spec: dict) -> dict:

