@@ -9,7 +9,7 @@ __all__ = ["make_placement_group", "rank_bundles", "worker_bundle", "worker_name
 
 def worker_names(prefix: str, rank: int) -> tuple[str, str]:
     """The two actor names rank `rank` of a deployment takes in turn with its spare
-    (deploy/ray_executor.py)."""
+    (deploy/executor_restart.py)."""
     return f"{prefix}-rank{rank}", f"{prefix}-rank{rank}-b"
 
 

@@ -1,171 +1,41 @@
-"""The client side of a replicated deployment: an engine client for `LLM` and `AsyncLLM`.
+"""The client side of a replicated deployment: an engine client for `LLM` and `AsyncLLM`;
+this module routes and streams its requests.
 
 Requests arrive as token ids (the frontend's InputProcessor tokenized them, off every engine's
 step loop: the router hashes token ids). Per call it asks the router (deploy/router.py) for a
 replica per request in one actor call, and streams each replica's outputs straight from that
 replica: no token passes through the router. Its requests carry an owner token of its own, so
 its aborts and stops reach only what it started; a replica silent for the step timeout (its
-process stopped or hung) counts as failed.
-
-A request whose replica dies mid-stream (its actor fails, or its engine reports itself dead)
-goes on elsewhere as a continuation: the prompt plus every token already streamed, the
-remaining max_tokens, the same seed, routed again away from the failed replica; the caller's
-stream continues with no token missing or repeated (greedy output equals an undisturbed run).
-A request with n samples continues each unfinished sample as a request of its own (sample i
-with seed + i, as the engine forks it). What a continuation cannot carry over: a seeded
-sampler's random stream restarts from the seed, penalties and bad words count the streamed
-tokens as prompt, and a structured output that has begun fails (its grammar's state died with
-the replica).
+process stopped or hung) counts as failed. A request whose replica dies mid-stream goes on
+elsewhere (deploy/router_failover.py); the router's control calls (info, stats, health,
+scale) are deploy/router_control.py's.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import queue
-import threading
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-import msgspec
 import ray
 
+from tierserve.deploy.loop_thread import LoopThread
+from tierserve.deploy.router_control import RouterControl
+from tierserve.deploy.router_failover import CONT_SEP, Call, Tracked
 from tierserve.deploy.routing import RouteQuery
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S
-from tierserve.runtime.requests import rejection
-from tierserve.runtime.tokenizer import load_model_tokenizer
-from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import Outstanding
-from tierserve.runtime.requests import check_request
+from tierserve.runtime.requests import check_request, rejection
+from tierserve.runtime.tokenizer import load_model_tokenizer
 from tierserve.scheduler.messages import ClientChannelCodec, EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import ErrorKind, FinishReason
 
 __all__ = ["RouterClient"]
 
 log = logging.getLogger("tierserve.router_client")
 
-# Engine id of sample i's continuation, for a request with several samples: rid + SEP + i
-# (the engine reserves \x1f for its own sample ids).
-_CONT_SEP = "\x1e"
-# A request moves to another replica at most this many times before it fails.
-MAX_FAILOVERS = 8
 
-
-@dataclass(slots=True, eq=False)
-class _Tracked:
-    """One caller request across the replicas that serve it."""
-
-    request: EngineCoreRequest
-    prompt_ids: list[int]
-    tokens: dict[int, list[int]] = field(default_factory=dict)  # per sample, streamed
-    finished: set[int] = field(default_factory=set)
-    announced: bool = False
-    cached: int | None = None
-    failovers: int = 0
-    failed_on: set[int] = field(default_factory=set)
-
-    @property
-    def n(self) -> int:
-        return self.request.sampling_params.n
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) >= self.n
-
-    @property
-    def continuable(self) -> bool:
-        """A grammar's state lives on the replica that died: a structured output that has
-        begun cannot go on elsewhere."""
-        return self.request.sampling_params.structured_outputs is None or \
-            not any(self.tokens.values())
-
-    def continuations(self) -> list[EngineCoreRequest]:
-        """What is left of it, as requests to route again."""
-        req, params = self.request, self.request.sampling_params
-        if not any(self.tokens.values()) and not self.finished:  # nothing streamed yet
-            return [msgspec.structs.replace(req, prompt_token_ids=self.prompt_ids)]
-        out = []
-        for index in range(self.n):
-            if index in self.finished:
-                continue
-            streamed = self.tokens.get(index, [])
-            seed = params.seed
-            if seed is not None and index > 0:
-                seed = (seed + index) % 2**64
-            left = None if params.max_tokens is None else params.max_tokens - len(streamed)
-            # The prompt's logprobs went out with the first output.
-            sample = msgspec.structs.replace(
-                params, n=1, seed=seed, max_tokens=left, prompt_logprobs=None,
-                min_tokens=max(0, params.min_tokens - len(streamed)))
-            rid = req.req_id if self.n == 1 else f"{req.req_id}{_CONT_SEP}{index}"
-            out.append(EngineCoreRequest(rid, sample, prompt_token_ids=self.prompt_ids + streamed,
-                                         priority=req.priority, cache_salt=req.cache_salt,
-                                         label=req.label))
-        return out
-
-
-class _Call:
-    """One generate() call: its requests, the legs (one replica stream each) serving them,
-    and the queue the caller reads."""
-
-    def __init__(self, client: "RouterClient") -> None:
-        self.client = client
-        self.tracked: dict[str, _Tracked] = {}
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.legs: set[asyncio.Task] = set()
-        self.left = 0  # caller requests not finished
-        self.actors: dict[str, object] = {}  # engine id -> the replica actor serving it
-
-    def owner(self, o: EngineCoreOutput) -> tuple[_Tracked, int]:
-        rid, sep, index = o.req_id.partition(_CONT_SEP)
-        return self.tracked[rid], int(index) if sep else o.index
-
-    def translate(self, batch: list[EngineCoreOutput], replica: int | None
-                  ) -> tuple[list[EngineCoreOutput], list[str]]:
-        """The outputs to forward (in caller terms), and the engine ids to continue elsewhere
-        (their replica's engine is dead, or full while another replica is not); outputs made
-        here (replica None) are forwarded as they are."""
-        forward, again = [], []
-        for o in batch:
-            t, index = self.owner(o)
-            if o.error and replica is not None and self._retry(t, o, replica):
-                again.append(o.req_id)
-                continue
-            o.req_id, o.index = t.request.req_id, index
-            if o.prompt_token_ids:
-                o.prompt_token_ids = [] if t.announced else t.prompt_ids
-                t.announced = True
-            if t.cached is None:
-                t.cached = o.num_cached_tokens
-            o.num_cached_tokens = t.cached
-            t.tokens.setdefault(index, []).extend(o.new_token_ids)
-            if o.finish_reason is not None:
-                was_done = t.done
-                t.finished.update(range(t.n) if o.error else (index,))
-                self.left -= t.done and not was_done
-            forward.append(o)
-        return forward, again
-
-    def _retry(self, t: _Tracked, o: EngineCoreOutput, replica: int) -> bool:
-        kind = o.error_kind
-        if kind == ErrorKind.ENGINE_DEAD:
-            return t.failovers < MAX_FAILOVERS
-        if kind == ErrorKind.OVERLOADED:  # another replica may have room
-            return replica not in t.failed_on and t.failovers < MAX_FAILOVERS
-        return False
-
-    def fail(self, t: _Tracked, message: str) -> None:
-        self.emit([EngineCoreOutput(t.request.req_id, finish_reason=FinishReason.ERROR,
-                                    error=message, error_kind=ErrorKind.ENGINE_DEAD)])
-
-    def emit(self, outputs: list[EngineCoreOutput]) -> None:
-        """Outputs made here, not by a replica."""
-        forward, _ = self.translate(outputs, None)
-        self.queue.put_nowait(forward)
-
-
-class RouterClient:
+class RouterClient(RouterControl):
     """The engine client of a replicated deployment (module docstring). It pickles (as the
     router's handle), so a connected client travels into Ray tasks and actors."""
 
@@ -175,9 +45,9 @@ class RouterClient:
         self._owned = owned
         self._codec = ClientChannelCodec()
         self._tokenizer = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._owner = os.urandom(8).hex()
-        self._calls: dict[str, _Call] = {}  # caller request id -> its call
+        self._calls: dict[str, Call] = {}  # caller request id -> its call
         info = self.info()
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
@@ -199,13 +69,13 @@ class RouterClient:
                        ) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs (of every replica serving these requests) until every request
         finished; leaving early aborts the rest."""
-        call = _Call(self)
+        call = Call(self)
         rejected = []
         for r in requests:
             if r.req_id in call.tracked:
                 raise ValueError(f"request id {r.req_id!r} is used twice in one call")
             try:
-                call.tracked[r.req_id] = _Tracked(r, check_request(r))
+                call.tracked[r.req_id] = Tracked(r, check_request(r))
             except Exception as e:
                 rejected.append(rejection(r, e))
         call.left = len(call.tracked)
@@ -228,8 +98,8 @@ class RouterClient:
             for rid in call.tracked:
                 self._calls.pop(rid, None)
 
-    async def _dispatch(self, call: _Call,
-                        work: list[tuple[_Tracked, list[EngineCoreRequest]]]) -> None:
+    async def _dispatch(self, call: Call,
+                        work: list[tuple[Tracked, list[EngineCoreRequest]]]) -> None:
         """Routes engine requests (in one router call) and starts a leg per replica."""
         reqs = [(t, r) for t, rs in work for r in rs]
         if not reqs:
@@ -253,7 +123,7 @@ class RouterClient:
             call.legs.add(task)
             task.add_done_callback(call.legs.discard)
 
-    async def _leg(self, call: _Call, replica: int, generation: int, actor,
+    async def _leg(self, call: Call, replica: int, generation: int, actor,
                    ereqs: list[EngineCoreRequest]) -> None:
         """Streams these requests from one replica; what its failure leaves unfinished is
         continued elsewhere."""
@@ -291,39 +161,13 @@ class RouterClient:
             again += list(left)
             self.router.replica_failed.remote(replica, generation, failure)
         if again:
-            await self._continue(call, replica, again, failure or "its engine failed")
-
-    async def _continue(self, call: _Call, replica: int, engine_ids: list[str],
-                        reason: str) -> None:
-        work = []
-        for t in {id(t): t for t in (call.tracked[e.partition(_CONT_SEP)[0]]
-                                     for e in engine_ids)}.values():
-            if t.done:
-                continue
-            t.failovers += 1
-            t.failed_on.add(replica)
-            if t.failovers > MAX_FAILOVERS:
-                call.fail(t, f"the request failed on {t.failovers} replicas; last: {reason}")
-                continue
-            if not t.continuable:
-                call.fail(t, f"the replica serving this structured output failed ({reason}); "
-                             f"its grammar cannot continue elsewhere")
-                continue
-            log.info("continuing %r elsewhere: replica %d failed (%s)", t.request.req_id,
-                     replica, reason)
-            todo = []
-            for c in t.continuations():
-                if c.sampling_params.max_tokens == 0:  # its last token came, its end did not
-                    call.emit([EngineCoreOutput(c.req_id, finish_reason=FinishReason.LENGTH)])
-                else:
-                    todo.append(c)
-            work.append((t, todo))
-        await self._dispatch(call, work)
+            await self._dispatch(call, call.failover(replica, again,
+                                                     failure or "its engine failed"))
 
     def stream_batch(self, requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
         """generate() for synchronous callers (LLM), driven on a loop of its own."""
         if self._loop is None:
-            self._loop = _LoopThread()
+            self._loop = LoopThread("tierserve-router-client")
         yield from self._loop.iterate(self.generate(requests))
 
     # ------------------------------------------------------------------ control
@@ -335,7 +179,7 @@ class RouterClient:
             if call is None:
                 continue
             for eid, actor in call.actors.items():
-                if eid.partition(_CONT_SEP)[0] == rid:
+                if eid.partition(CONT_SEP)[0] == rid:
                     actor.abort.remote([eid], self._owner)
 
     def stop(self, seqs: list[tuple[str, int]]) -> None:
@@ -345,51 +189,13 @@ class RouterClient:
             call = self._calls.get(rid)
             if call is None:
                 continue
-            own = f"{rid}{_CONT_SEP}{index}"
+            own = f"{rid}{CONT_SEP}{index}"
             eid, eindex = (own, 0) if own in call.actors else (rid, index)
             actor = call.actors.get(eid)
             if actor is not None:
                 actor.stop.remote([(eid, eindex)], self._owner)
 
     stop_sequences = stop
-
-    def abort_now(self, names: list[str]) -> list[str]:
-        """The operator's abort, on every replica: requests named by engine id or label."""
-        refs = [a.abort_named.remote(list(names)) for a in self._actors()]
-        found = []
-        for got in ray.get(refs, timeout=60):
-            found += got
-        return list(dict.fromkeys(found))
-
-    def _actors(self) -> list:
-        return [actor for _, actor in _get(self.router.replica_actors.remote()).values()]
-
-    def list_requests(self) -> list[dict]:
-        return _get(self.router.list_requests.remote())
-
-    def stats(self) -> dict:
-        return _get(self.router.stats.remote())
-
-    async def stats_async(self) -> dict:
-        return await _get_async(self.router.stats.remote())
-
-    def info(self) -> dict:
-        return _get(self.router.info.remote())
-
-    def health(self) -> bool:
-        return _get(self.router.health.remote())
-
-    async def health_async(self) -> bool:
-        return await _get_async(self.router.health.remote())
-
-    def reset_prefix_cache(self) -> bool:
-        return _get(self.router.reset_prefix_cache.remote())
-
-    def scale(self, size: int) -> dict:
-        return _get(self.router.scale.remote(size))
-
-    def describe(self) -> dict:
-        return _get(self.router.describe.remote())
 
     def shutdown(self) -> None:
         """Stops an owned deployment (router and replicas); a connected client lets go."""
@@ -417,81 +223,3 @@ async def _heartbeat(actor, pending: Outstanding, alive: Liveness) -> None:
 def _reason(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     return f"{type(cause or e).__name__}: {cause or e}"
-
-
-# A call to the router waits this long at most (it answers, or asks every replica within 30 s).
-_CALL_TIMEOUT_S = 60.0
-
-
-def _get(ref):
-    try:
-        return ray.get(ref, timeout=_CALL_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError as e:
-        raise EngineDeadError(f"the router did not answer in {_CALL_TIMEOUT_S:.0f} s") from e
-    except ray.exceptions.RayError as e:
-        raise _router_error(e) from e
-
-
-async def _get_async(ref):
-    """_get without a thread, for an event loop (its caller may set a shorter deadline)."""
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), _CALL_TIMEOUT_S)
-    except ray.exceptions.RayError as e:
-        raise _router_error(e) from e
-
-
-def _router_error(e: BaseException) -> Exception:
-    """The router's own exception (EngineDeadError, ValueError: messages of ours), or one
-    saying it is gone; Ray's text (pids, addresses, actor ids) goes to the log only."""
-    if isinstance(e, ray.exceptions.RayActorError):
-        log.warning("the router is gone: %s", e)
-        return EngineDeadError("the router is gone")
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, (EngineDeadError, ValueError)):
-        return (EngineDeadError if isinstance(cause, EngineDeadError) else ValueError)(str(cause))
-    log.error("the router failed a call", exc_info=e)
-    return RuntimeError(f"the router failed the call ({type(cause or e).__name__})")
-
-
-class _LoopThread:
-    """An event loop on a daemon thread, to drive async generators for sync callers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="tierserve-router-client")
-        self._thread.start()
-
-    def iterate(self, agen) -> Iterator:
-        out: queue.Queue = queue.Queue()
-        done = object()
-
-        async def pump():
-            try:
-                async for item in agen:
-                    out.put(item)
-            except BaseException as e:
-                out.put(e)
-            finally:
-                out.put(done)
-
-        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
-        try:
-            while True:
-                item = out.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not future.done():
-                future.cancel()
-                try:
-                    future.result(timeout=30)
-                except BaseException:
-                    pass
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
