@@ -11,11 +11,10 @@ import time
 import torch
 
 from tierserve.scheduler.messages import (
-    FlushTiers, FromWorker, ModelRunnerOutput, NewRequestData, SchedulerOutput, ShutdownWorker,
-    ToWorker, WorkerError, req_ids_digest,
+    FlushTiers, FromWorker, ModelRunnerOutput, SchedulerOutput, ShutdownWorker, ToWorker,
+    WorkerError, req_ids_digest,
 )
-from tierserve.scheduler.params import SamplingParams
-from tierserve.workers import parallel
+from tierserve.workers import kv_budget, parallel
 from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
@@ -35,15 +34,6 @@ __all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 log = logging.getLogger("tierserve.worker")
 # One line per part of a start (kernels, weights, KV pool), which the CLI shows on a terminal.
 progress = logging.getLogger("tierserve.progress")
-
-# CPU pools default to this much for the whole engine (or a fifth of available memory, if
-# less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
-# of bookkeeping.
-_CPU_DEFAULT_KV_BYTES = 1 << 30
-# A default budget's pool (no kv_cache_memory_bytes) holds at most this many blocks: the
-# bookkeeping (one KVCacheBlock per id, O(blocks) integrity checks) grows with the count, and a
-# small model's blocks are small enough for a GPU's memory to hold tens of millions.
-_DEFAULT_MAX_BLOCKS = {"cpu": 32768, "cuda": 1 << 19}
 
 
 class Worker:
@@ -175,52 +165,8 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
-        spec = self.spec
-        if spec.num_kv_blocks is not None:
-            return spec.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
-                                             spec.block_size, self.dtype)
-        budget = spec.kv_cache_memory_bytes or self._default_budget()
-        num_blocks = budget // per_block
-        if spec.kv_cache_memory_bytes is None:
-            num_blocks = min(num_blocks, _DEFAULT_MAX_BLOCKS[self.device.type])
-        if num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                             f"{per_block} bytes, and an engine needs 2 at least; set "
-                             f"kv_cache_memory_bytes={2 * per_block} or more")
-        return int(num_blocks)
-
-    def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            return self._profile_cuda_budget()
-        # The engine's whole pool, split between its ranks (each holds its heads' share of a
-        # block): the same tokens at any TP size, where ranks share a node's memory.
-        available = _available_memory_bytes()
-        return min(_CPU_DEFAULT_KV_BYTES, available // 5) // self.spec.tensor_parallel_size
-
-    def _profile_cuda_budget(self) -> int:
-        """Free memory times utilisation, less the peak a max-size forward needs."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._dummy_forward(self.spec.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free
-        budget = int(total * self.spec.gpu_memory_utilization) - used_by_others - activation_peak
-        return max(budget, 0)
-
-    def _dummy_forward(self, num_tokens: int) -> None:
-        bs = self.spec.block_size
-        num_blocks = -(-num_tokens // bs) + 1
-        runner = self._make_runner(num_blocks)
-        prompt = [0] * num_tokens
-        new = NewRequestData("profile", prompt, SamplingParams(temperature=0),
-                             list(range(num_blocks - 1)))
-        out = SchedulerOutput(0, scheduled_new_reqs=[new], num_scheduled_tokens=[num_tokens])
-        runner.execute(out)
-        del runner
+        return kv_budget.determine_num_blocks(self.spec, self.model.config, self.device,
+                                              self.dtype, self._make_runner)
 
     def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
         """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
@@ -343,17 +289,6 @@ class Worker:
             self.shutdown()
             return None
         raise RuntimeError(f"unexpected message {type(msg).__name__}")
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # glibc mallopt parameters (malloc.h)
