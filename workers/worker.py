@@ -24,8 +24,7 @@ from tierserve.workers.kv_pool import (
 )
 from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
-from tierserve.workers.tier_copier import TierCopier
-from tierserve.workers.tier_ssd import SsdFolder, kv_head_range
+from tierserve.workers.tier_setup import attach_tiers
 # The control plane's values live with the spec; runtime/ and deploy/ import them from here.
 from tierserve.workers.worker_spec import ModelInfo, TierReport, WorkerSpec, resolve_device
 
@@ -173,7 +172,7 @@ class Worker:
         knows the copy bandwidth: it is not measured again."""
         with self._phase("kv_pool"):
             self.runner = self._make_runner(num_blocks)
-            report = self._make_tiers(known)
+            report = attach_tiers(self.runner, self.spec, self.rank, self.dtype, known)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
         if self.rank == 0:
@@ -206,29 +205,6 @@ class Worker:
                            max_model_len=self.spec.max_model_len,
                            append_sampled=self.spec.async_scheduling,
                            tokenizer_file=self.spec.tokenizer_file)
-
-    def _make_tiers(self, known: bool = False) -> TierReport:
-        spec, cfg = self.spec, self.model.config
-        tp = spec.tensor_parallel_size
-        heads = kv_head_range(cfg.num_key_value_heads, tp, self.rank)
-        block_bytes = kv_cache_bytes_per_block(cfg, tp, spec.block_size, self.dtype)
-        cpu_slots = spec.kv_offload_cpu_bytes // block_bytes
-        if cpu_slots == 0:
-            return TierReport(0, heads, 0.0)
-        ssd = None
-        if spec.kv_offload_ssd_path:
-            ssd = SsdFolder(spec.kv_offload_ssd_path, spec.kv_fingerprint,
-                            cfg.num_key_value_heads, spec.kv_offload_ssd_bytes)
-        # Ranks sharing a replicated KV head hold the same KV: the first of them writes it.
-        replicas = max(1, tp // cfg.num_key_value_heads)
-        copier = TierCopier(self.runner.kv_caches, cpu_slots, self.device, ssd=ssd, heads=heads,
-                            writer=self.rank % replicas == 0, late=spec.debug_late_copies)
-        self.runner.tiers = copier
-        if known:  # a rank replacing a lost one: the engine knows the bandwidth
-            return TierReport(cpu_slots, heads, 0.0)
-        log.info("rank %d: a CPU tier of %d slots%s", self.rank, cpu_slots,
-                 f", SSD folder {ssd.dir}" if ssd is not None else "")
-        return TierReport(cpu_slots, heads, copier.measure_copy_bandwidth())
 
     def _inject_crash(self, msg: SchedulerOutput) -> None:
         crash = self.spec.debug_crash
