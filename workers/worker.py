@@ -19,6 +19,7 @@ from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
 from tierserve.workers.backends.select import select_backend
+from tierserve.workers.fault_injection import injected_crashes, stall_if_asked
 from tierserve.workers.kv_pool import (
     allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
 )
@@ -207,14 +208,8 @@ class Worker:
                            tokenizer_file=self.spec.tokenizer_file)
 
     def _inject_crash(self, msg: SchedulerOutput) -> None:
-        crash = self.spec.debug_crash
-        if crash is None or crash[0] != self.rank:
-            return
-        for new in msg.scheduled_new_reqs:
-            if crash[1] in new.prompt_token_ids:
-                log.warning("rank %d: crashing on request %r (TIERSERVE_DEBUG_CRASH)",
-                            self.rank, new.req_id)
-                self.crash(f"injected crash on request {new.req_id!r}")
+        for reason in injected_crashes(self.spec, self.rank, msg):
+            self.crash(reason)
 
     def crash(self, reason: str) -> None:
         """A fault injected for tests: raised here (in-process, a failed step); a rank in a
@@ -239,11 +234,7 @@ class Worker:
     def handle(self, msg: ToWorker) -> FromWorker | None:
         """Executes one message; returns the reply for the driver rank (None elsewhere)."""
         if isinstance(msg, SchedulerOutput):
-            stall = self.spec.debug_stall
-            if stall is not None and stall[:2] == (self.rank, msg.step_id):
-                log.warning("rank %d: stalling step %d for %.1f s (TIERSERVE_DEBUG_STALL)",
-                            self.rank, msg.step_id, stall[2])
-                time.sleep(stall[2])
+            stall_if_asked(self.spec, self.rank, msg.step_id)
             if self._threads_reduced and not self._kernels.building:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
