@@ -1,5 +1,9 @@
 """Worker: one tensor-parallel rank. It holds its model shard and its shard of the KV pool and
-executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
+executes the messages the EngineCore sends; it decides nothing about scheduling or caching.
+
+This module is the rank's life: device and kernels, weights, pool, reset, shutdown, and the step
+messages. Beside it: the values it exchanges with the runtime (worker_spec), the pool's size
+(kv_budget), its tiers' wiring (tier_setup) and the test-only faults (fault_injection)."""
 from __future__ import annotations
 
 import contextlib
