@@ -1,5 +1,9 @@
 """Worker: one tensor-parallel rank. It holds its model shard and its shard of the KV pool and
-executes the messages the EngineCore sends; it decides nothing about scheduling or caching."""
+executes the messages the EngineCore sends; it decides nothing about scheduling or caching.
+
+This module is the rank's life: device and kernels, weights, pool, reset, shutdown, and the step
+messages. Beside it: the values it exchanges with the runtime (worker_spec), the pool's size
+(kv_budget), its tiers' wiring (tier_setup) and the test-only faults (fault_injection)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,123 +11,33 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from tierserve.scheduler.messages import (
-    FlushTiers, FromWorker, ModelRunnerOutput, NewRequestData, SchedulerOutput, ShutdownWorker,
-    ToWorker, WorkerError, req_ids_digest,
+    FlushTiers, FromWorker, ModelRunnerOutput, SchedulerOutput, ShutdownWorker, ToWorker,
+    WorkerError, req_ids_digest,
 )
-from tierserve.scheduler.params import SamplingParams
-from tierserve.workers import parallel
+from tierserve.workers import kv_budget, parallel
 from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
 from tierserve.workers.backends.select import select_backend
+from tierserve.workers.fault_injection import injected_crashes, stall_if_asked
 from tierserve.workers.kv_pool import (
     allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
 )
 from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
-from tierserve.workers.tier_copier import TierCopier
-from tierserve.workers.tier_ssd import SsdFolder, kv_head_range
+from tierserve.workers.tier_setup import attach_tiers
+# The control plane's values live with the spec; runtime/ and deploy/ import them from here.
+from tierserve.workers.worker_spec import ModelInfo, TierReport, WorkerSpec, resolve_device
 
 __all__ = ["WorkerSpec", "ModelInfo", "TierReport", "Worker", "resolve_device"]
 
 log = logging.getLogger("tierserve.worker")
 # One line per part of a start (kernels, weights, KV pool), which the CLI shows on a terminal.
 progress = logging.getLogger("tierserve.progress")
-
-# CPU pools default to this much for the whole engine (or a fifth of available memory, if
-# less), and to at most this many blocks: a tiny model would otherwise get millions of blocks
-# of bookkeeping.
-_CPU_DEFAULT_KV_BYTES = 1 << 30
-# A default budget's pool (no kv_cache_memory_bytes) holds at most this many blocks: the
-# bookkeeping (one KVCacheBlock per id, O(blocks) integrity checks) grows with the count, and a
-# small model's blocks are small enough for a GPU's memory to hold tens of millions.
-_DEFAULT_MAX_BLOCKS = {"cpu": 32768, "cuda": 1 << 19}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """Plain values a rank needs; built by the runtime from its EngineConfig (make_worker_spec),
-    which owns every default."""
-
-    model: str
-    dtype: str  # float32 / bfloat16 / float16 (already resolved from "auto")
-    device: str  # cpu / cuda (already resolved from "auto")
-    block_size: int
-    tensor_parallel_size: int
-    max_num_batched_tokens: int
-    seed: int
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    num_kv_blocks: int | None
-    cpu_threads: int | None
-    collective_timeout_s: float
-    # Compiled CPU kernels: "background", "sync" or "off" (see workers/backends/kernels.py),
-    # built into cache_dir; None cache_dir means no kernels. cpu_isa caps the kernels' ISA level
-    # ("auto": the CPU's best; "torch": none).
-    cpu_kernels: str
-    cpu_isa: str
-    cache_dir: str | None
-    quantized_linears: bool
-    # KV tiers below the pool (workers/tier_copier.py): CPU bytes per rank (0: none); the SSD
-    # folder shared by every engine on it, its capacity in bytes, and the KV fingerprint that
-    # names its entries (workers/kv_fingerprint.py; "" without an SSD folder).
-    kv_offload_cpu_bytes: int
-    kv_offload_ssd_path: str | None
-    kv_offload_ssd_bytes: int
-    kv_fingerprint: str = ""
-    # Capacities of the persistent input batch (rows, tokens per row); None: grown on demand.
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    # The engine schedules a step before it knows the tokens of the step before (async
-    # scheduling): the ranks append their sampled tokens to the batch themselves.
-    async_scheduling: bool = False
-    # The tokenizer.json structured outputs compile grammars against (on the driver rank).
-    tokenizer_file: str | None = None
-    # Block format the linears are quantized to at load ("q8_0", "q4_1"), or None.
-    quantization: str | None = None
-    # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
-    debug_stall: tuple[int, int, float] | None = None
-    # Test-only fault injection (rank, token id): that rank crashes on a new request holding
-    # the token (Worker.crash).
-    debug_crash: tuple[int, int] | None = None
-    # Test-only: tier copies complete late, destinations poisoned until then
-    # (workers/tier_streams.py LateCopies).
-    debug_late_copies: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What a rank reports once its shard is loaded."""
-
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    backend: dict  # Backend.describe() of the backend the rank runs
-    kv_block_bytes: int  # one block id of the pool on this rank, all layers, K and V
-    weight_bytes: int = 0  # the model shard's weights as this rank holds them
-
-
-@dataclass(frozen=True, slots=True)
-class TierReport:
-    """A rank's KV tiers once allocated: its CPU slots, the KV heads [lo, hi) its SSD entries
-    hold, and its pool <-> CPU tier copy bandwidth."""
-
-    cpu_slots: int
-    kv_heads: tuple[int, int]
-    copy_bytes_per_s: float
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available")
-    return device
 
 
 class Worker:
@@ -255,59 +169,15 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """How many blocks this rank can hold; the runtime takes the minimum over ranks."""
-        spec = self.spec
-        if spec.num_kv_blocks is not None:
-            return spec.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model.config, spec.tensor_parallel_size,
-                                             spec.block_size, self.dtype)
-        budget = spec.kv_cache_memory_bytes or self._default_budget()
-        num_blocks = budget // per_block
-        if spec.kv_cache_memory_bytes is None:
-            num_blocks = min(num_blocks, _DEFAULT_MAX_BLOCKS[self.device.type])
-        if num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                             f"{per_block} bytes, and an engine needs 2 at least; set "
-                             f"kv_cache_memory_bytes={2 * per_block} or more")
-        return int(num_blocks)
-
-    def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            return self._profile_cuda_budget()
-        # The engine's whole pool, split between its ranks (each holds its heads' share of a
-        # block): the same tokens at any TP size, where ranks share a node's memory.
-        available = _available_memory_bytes()
-        return min(_CPU_DEFAULT_KV_BYTES, available // 5) // self.spec.tensor_parallel_size
-
-    def _profile_cuda_budget(self) -> int:
-        """Free memory times utilisation, less the peak a max-size forward needs."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._dummy_forward(self.spec.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free
-        budget = int(total * self.spec.gpu_memory_utilization) - used_by_others - activation_peak
-        return max(budget, 0)
-
-    def _dummy_forward(self, num_tokens: int) -> None:
-        bs = self.spec.block_size
-        num_blocks = -(-num_tokens // bs) + 1
-        runner = self._make_runner(num_blocks)
-        prompt = [0] * num_tokens
-        new = NewRequestData("profile", prompt, SamplingParams(temperature=0),
-                             list(range(num_blocks - 1)))
-        out = SchedulerOutput(0, scheduled_new_reqs=[new], num_scheduled_tokens=[num_tokens])
-        runner.execute(out)
-        del runner
+        return kv_budget.determine_num_blocks(self.spec, self.model.config, self.device,
+                                              self.dtype, self._make_runner)
 
     def initialize_cache(self, num_blocks: int, known: bool = False) -> TierReport:
         """The KV pool and tiers. known: a rank replacing a lost one, whose engine already
         knows the copy bandwidth: it is not measured again."""
         with self._phase("kv_pool"):
             self.runner = self._make_runner(num_blocks)
-            report = self._make_tiers(known)
+            report = attach_tiers(self.runner, self.spec, self.rank, self.dtype, known)
         log.info("rank %d: KV pool of %d blocks x %d tokens", self.rank, num_blocks,
                  self.spec.block_size)
         if self.rank == 0:
@@ -341,38 +211,9 @@ class Worker:
                            append_sampled=self.spec.async_scheduling,
                            tokenizer_file=self.spec.tokenizer_file)
 
-    def _make_tiers(self, known: bool = False) -> TierReport:
-        spec, cfg = self.spec, self.model.config
-        tp = spec.tensor_parallel_size
-        heads = kv_head_range(cfg.num_key_value_heads, tp, self.rank)
-        block_bytes = kv_cache_bytes_per_block(cfg, tp, spec.block_size, self.dtype)
-        cpu_slots = spec.kv_offload_cpu_bytes // block_bytes
-        if cpu_slots == 0:
-            return TierReport(0, heads, 0.0)
-        ssd = None
-        if spec.kv_offload_ssd_path:
-            ssd = SsdFolder(spec.kv_offload_ssd_path, spec.kv_fingerprint,
-                            cfg.num_key_value_heads, spec.kv_offload_ssd_bytes)
-        # Ranks sharing a replicated KV head hold the same KV: the first of them writes it.
-        replicas = max(1, tp // cfg.num_key_value_heads)
-        copier = TierCopier(self.runner.kv_caches, cpu_slots, self.device, ssd=ssd, heads=heads,
-                            writer=self.rank % replicas == 0, late=spec.debug_late_copies)
-        self.runner.tiers = copier
-        if known:  # a rank replacing a lost one: the engine knows the bandwidth
-            return TierReport(cpu_slots, heads, 0.0)
-        log.info("rank %d: a CPU tier of %d slots%s", self.rank, cpu_slots,
-                 f", SSD folder {ssd.dir}" if ssd is not None else "")
-        return TierReport(cpu_slots, heads, copier.measure_copy_bandwidth())
-
     def _inject_crash(self, msg: SchedulerOutput) -> None:
-        crash = self.spec.debug_crash
-        if crash is None or crash[0] != self.rank:
-            return
-        for new in msg.scheduled_new_reqs:
-            if crash[1] in new.prompt_token_ids:
-                log.warning("rank %d: crashing on request %r (TIERSERVE_DEBUG_CRASH)",
-                            self.rank, new.req_id)
-                self.crash(f"injected crash on request {new.req_id!r}")
+        for reason in injected_crashes(self.spec, self.rank, msg):
+            self.crash(reason)
 
     def crash(self, reason: str) -> None:
         """A fault injected for tests: raised here (in-process, a failed step); a rank in a
@@ -397,11 +238,7 @@ class Worker:
     def handle(self, msg: ToWorker) -> FromWorker | None:
         """Executes one message; returns the reply for the driver rank (None elsewhere)."""
         if isinstance(msg, SchedulerOutput):
-            stall = self.spec.debug_stall
-            if stall is not None and stall[:2] == (self.rank, msg.step_id):
-                log.warning("rank %d: stalling step %d for %.1f s (TIERSERVE_DEBUG_STALL)",
-                            self.rank, msg.step_id, stall[2])
-                time.sleep(stall[2])
+            stall_if_asked(self.spec, self.rank, msg.step_id)
             if self._threads_reduced and not self._kernels.building:
                 torch.set_num_threads(self.num_threads)  # on this thread: OpenMP's is per thread
                 self._threads_reduced = False
@@ -423,17 +260,6 @@ class Worker:
             self.shutdown()
             return None
         raise RuntimeError(f"unexpected message {type(msg).__name__}")
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # glibc mallopt parameters (malloc.h)
