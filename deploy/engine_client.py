@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
 from tierserve.deploy.deployment_names import actor_name, ensure_ray, holder_name, join, lookup
 from tierserve.deploy.deployment_start import start_deployment
+from tierserve.deploy.loop_thread import LoopThread
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime import envs
 from tierserve.runtime.client import HEARTBEAT_S
@@ -47,6 +47,7 @@ class RayEngineClient:
         self._pg = pg  # an owned engine's placement group, removed with it
         self._codec = ClientChannelCodec()
         self._tokenizer = None
+        self._loop: LoopThread | None = None  # stream_batch's, started on first use
         self._owner = os.urandom(8).hex()
         self.step_timeout_s = _CALL_TIMEOUT_S
         info = self.info()
@@ -125,32 +126,11 @@ class RayEngineClient:
             alive.watch(self.actor.renew.remote(list(pending)))
 
     def stream_batch(self, requests: list[EngineCoreRequest]):
-        stream = self.actor.generate.options(num_returns="streaming").remote(requests,
-                                                                             self._owner)
-        pending = Outstanding(requests)
-        stop = threading.Event()
-        beat = threading.Thread(target=self._heartbeat_thread, args=(pending, stop), daemon=True,
-                                name="tierserve-heartbeat")
-        beat.start()
-        try:
-            for ref in stream:
-                batch = self._codec.decode(ray.get(ref)).outputs
-                pending.update(batch)
-                yield batch
-        except ray.exceptions.RayActorError as e:
-            raise _dead("the engine actor died", e) from e
-        except ray.exceptions.RayError as e:
-            raise _failed(e) from e
-        finally:
-            stop.set()
-            if pending:
-                ray.cancel(stream)
-                self.actor.abort.remote(list(pending), self._owner)
-
-    def _heartbeat_thread(self, pending: Outstanding, stop: threading.Event) -> None:
-        while not stop.wait(HEARTBEAT_S):
-            if pending:
-                self.actor.renew.remote(list(pending))
+        """generate()'s batches for synchronous callers (LLM), driven on a loop thread of this
+        client's: one stream implementation, with generate's heartbeats and liveness watch."""
+        if self._loop is None:
+            self._loop = LoopThread("tierserve-engine-client")
+        yield from self._loop.iterate(self.generate(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         self.actor.abort.remote(list(request_ids), self._owner)
@@ -190,6 +170,9 @@ class RayEngineClient:
 
     def shutdown(self) -> None:
         """Stops an owned engine; a connected client just lets go of the deployment."""
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
         if self._pg is None or self.actor is None:
             return
         try:
