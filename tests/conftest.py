@@ -45,8 +45,8 @@ KERNEL_ISAS = _kernel_isas()
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "parity: transformers-parity tests, run once per CPU backend; .ci/run runs "
-                   "them again under TIERSERVE_CPU_ISA=avx2")
+        "markers", "parity: transformers-parity tests, run once per CPU backend this machine "
+                   "runs (avx2 included wherever the CPU has AVX-512 or AMX)")
 
 
 def pytest_report_header(config):

@@ -299,9 +299,11 @@ def test_gguf_loader_undoes_llama_cpp_permutation(tiny_ckpts, tmp_path):
         assert torch.equal(got[name], tensor), name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_hf():
-    """SmolLM2's config and transformers' own GGUF conversion of the same file.
+    """SmolLM2's config and transformers' own GGUF conversion of the same file. Session-wide:
+    the suite runs its tests grouped by backend, so a module's fixture would be rebuilt (about
+    ten seconds) once per backend.
 
     transformers' `from_pretrained(gguf_file=...)` needs `accelerate`, which tierserve does not
     depend on; its underlying `load_gguf_checkpoint` (dequantize, reverse permute, rename) and
