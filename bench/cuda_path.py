@@ -62,7 +62,7 @@ def cuda_bandwidth(buffer_mib: int, repeats: int) -> tuple[float, str]:
     nbytes = buf.numel() * 4
     read = nbytes / cuda_time(lambda: buf.sum(), repeats) / 1e9
     copy = 2 * nbytes / cuda_time(lambda: dst.copy_(buf), repeats) / 1e9
-    del buf, dst
+    buf = dst = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return max((read, "sum"), (copy, "copy"))
 

@@ -134,7 +134,7 @@ def send_raw(address: str, data: bytes) -> bool:
     endpoint hung up while they were; False if it refused the connection itself."""
     try:
         s = _connect(address)
-    except OSError as e:
+    except OSError:
         return False
     with s:
         try:

@@ -35,8 +35,7 @@ from tierserve.kvcache.tier_metrics import CostModel, TierStats
 from tierserve.kvcache.tier_records import ASYNC_KINDS, AsyncCopy, CopyKind, SsdEntry
 from tierserve.kvcache.tier_steps import CopyBatch, CopySteps
 from tierserve.kvcache.tier_swap import PREEMPTION_MODES, SwappedRequests
-# The spill bounds are tier_writeback's; importable from here too.
-from tierserve.kvcache.tier_writeback import MAX_SPILL_FAILURES, MIN_SPILLS_PER_STEP, WriteBack
+from tierserve.kvcache.tier_writeback import WriteBack
 
 __all__ = ["PREEMPTION_MODES", "TierPolicy", "TierAdmission", "TierHit", "CopyBatch",
            "CostModel", "TierStats", "TieredRequest"]

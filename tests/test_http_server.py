@@ -1,6 +1,5 @@
 """The OpenAI-compatible server, driven by the real `openai` client and raw HTTP on a loopback
 port, in front of an in-process engine on a tiny checkpoint with a tokenizer trained here."""
-import asyncio
 import concurrent.futures
 import json
 import threading

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import signal
 import subprocess

@@ -1,7 +1,7 @@
 """Scheduler behaviour on real KVCacheManager + hashing, checked every step."""
 import pytest
 
-from tierserve.scheduler import FinishReason, RequestStatus, SamplingParams
+from tierserve.scheduler import FinishReason, SamplingParams
 from tierserve.scheduler.step_budget import StepTimeBudget
 from tests.sched_driver import EOS, WorkerMirror, make_scheduler, next_token, step
 
