@@ -179,14 +179,17 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   }
   // Work items are (row block, panel), panel-major within a row block: a thread's contiguous
   // share of items is a run of panels, so with few rows each thread streams its own share of
-  // the weight, and a row block (the rows one panel slice is reused over) stays in L2.
+  // the weight, and a row block (the rows one panel slice is reused over) stays in L2. Row
+  // blocks are of equal size (within one row), at most kRowBlock: items are then equal work,
+  // and the threads' equal shares of items equal shares of the product (256 rows as blocks
+  // of 192 and 64 would leave one of two threads a quarter of the work).
   constexpr int64_t kRowBlock = 192;
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  auto block_start = [&](int64_t rb) { return m * rb / row_blocks; };
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t rb = i / panels;
-      run_panel(xp, ldx, wp, op, n, k, rb * kRowBlock, std::min(m, (rb + 1) * kRowBlock),
-                i % panels);
+      run_panel(xp, ldx, wp, op, n, k, block_start(rb), block_start(rb + 1), i % panels);
     }
   });
 }

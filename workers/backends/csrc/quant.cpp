@@ -249,20 +249,21 @@ at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::
       }
     });
   } else {
-    // As linear.cpp's panel_product: (row block, panel) items, panel-major in a row block.
+    // As linear.cpp's panel_product: (row block, panel) items, panel-major in a row block,
+    // row blocks of equal size (within one row) so that items are equal work.
     constexpr int64_t kRowBlock = 192;
     const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
     at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t rb = i / panels, p = i % panels;
-        const int64_t r1 = std::min(rows, (rb + 1) * kRowBlock);
+        const int64_t r0 = rows * rb / row_blocks, r1 = rows * (rb + 1) / row_blocks;
         const float* pm = q4 ? mp + p * blocks * kQNR : nullptr;
         if (q4)
           run_quant_panel<true>(xp, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR, pm, k,
-                                op_, n, rb * kRowBlock, r1, p);
+                                op_, n, r0, r1, p);
         else
           run_quant_panel<false>(xp, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR, pm, k,
-                                 op_, n, rb * kRowBlock, r1, p);
+                                 op_, n, r0, r1, p);
       }
     });
   }
