@@ -18,9 +18,10 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
 Rows: `<dtype>_<route>_m<M>_ms` (30 layers) and `..._gflops`; `..._err_1e6`, the largest
 deviation from float64 on one gate_up product, in units of 1e-6.
 
-Then the LM head (49152 x 576) for 1 and 64 rows:
+Then the LM head (49152 x 576) for 1, 8, 16 and 64 rows:
 `head_full_m<M>_ms`, linear_f32's logits plus argmax_rows; `head_greedy_m<M>_ms`,
-greedy.GreedyHead's exact route (Q8_0 approximation, bound, fp32 candidates);
+greedy.GreedyHead's exact route (Q8_0 approximation, bound, fp32 candidates), with the suffix
+`_unused` past the rows the engine takes it for (greedy.FP32_MAX_ROWS);
 `head_greedy_equal_m<M>`, 1 when both give the same tokens.
 
 Usage: python bench/linear_kernels.py [--json] [--rows 1,16,64,161,512,2048] [--repeats 5]
@@ -120,14 +121,17 @@ def bench_head(backend: CpuKernelBackend, repeats: int) -> dict[str, float]:
     w = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05
     panel = PanelWeight(w, backend)
     head = GreedyHead(panel, w, backend)
+    limit = head.max_rows
     result: dict[str, float] = {}
-    for m in (1, 64):
+    for m in (1, 8, 16, 64):
         # Rows shaped like final hidden states: RMS-normalised, then scaled.
         x = F.normalize(torch.randn(m, HIDDEN, generator=gen), dim=1) * HIDDEN ** 0.5 * 3
         full = lambda: backend.argmax_rows(panel.linear(x, None))  # noqa: E731
         greedy = lambda: head.tokens(x)  # noqa: E731
         result[f"head_full_m{m}_ms"] = best_of(full, repeats) * 1e3
-        result[f"head_greedy_m{m}_ms"] = best_of(greedy, repeats) * 1e3
+        head.max_rows = max(m, limit)  # timed past its limit too, to show the crossover
+        unused = "_unused" if m > limit else ""  # the engine takes the full product there
+        result[f"head_greedy_m{m}_ms{unused}"] = best_of(greedy, repeats) * 1e3
         result[f"head_greedy_equal_m{m}"] = int(torch.equal(full(), greedy()))
     return result
 

@@ -274,6 +274,7 @@ def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype):
     w = _lm_head_case(vocab, k, seed=m + vocab).to(dtype)
     panel = PanelWeight(w, kernels)
     head = GreedyHead(panel, w, kernels)
+    head.max_rows = kernels.panel_max_rows  # the route itself, at every size it could take
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
     x[0] = w[4].float() * 50
@@ -303,3 +304,20 @@ def test_greedy_head_defers_to_full_logits(kernels):
     assert head.tokens(x) is None
     w[3, 3] = float("inf")
     assert not GreedyHead.applies_to(w, kernels)
+
+
+def test_an_fp32_head_takes_the_route_for_few_rows_only(kernels):
+    """An fp32 head's full product wins from FP32_MAX_ROWS rows on (the route rebuilds its Q8_0
+    blocks in fp32, the panel kernel loads fp32 as it is); a half-precision head keeps the
+    route up to the panel kernel's rows."""
+    from tierserve.workers.backends.greedy import FP32_MAX_ROWS
+
+    kernels = _greedy_backend(kernels)
+    w = _lm_head_case(500, 64, seed=2)
+    fp32 = GreedyHead(PanelWeight(w, kernels), w, kernels)
+    assert fp32.tokens(torch.randn(FP32_MAX_ROWS, 64)) is not None
+    assert fp32.tokens(torch.randn(FP32_MAX_ROWS + 1, 64)) is None
+    half = w.to(torch.bfloat16)
+    bf16 = GreedyHead(PanelWeight(half, kernels), half, kernels)
+    assert bf16.max_rows == kernels.panel_max_rows
+    assert bf16.tokens(torch.randn(FP32_MAX_ROWS + 1, 64).to(torch.bfloat16)) is not None

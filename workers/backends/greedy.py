@@ -28,14 +28,24 @@ def _row_norms(w: torch.Tensor) -> torch.Tensor:
     return (norms * (1 + 1e-6)).float().contiguous()
 
 
+# Rows past which an fp32 head's full product beats the route: the Q8_0 pass reads half the
+# bytes, which wins while the product is bound by memory, but it rebuilds every weight block in
+# fp32 on the way, which costs more than the panel kernel's plain loads once it is bound by
+# FMAs (bench/linear_kernels.py's head rows: at 16 rows 6.9 ms against 5.3, on a Zen 4). A
+# half-precision head's full product widens its weights too, and the route wins at every size.
+FP32_MAX_ROWS = 8
+
+
 class GreedyHead:
     MAX_K = 1 << 16
 
-    __slots__ = ("panel", "approx", "norms", "devs", "backend")
+    __slots__ = ("panel", "approx", "norms", "devs", "backend", "max_rows")
 
     def __init__(self, panel: PanelWeight, weight: torch.Tensor, backend) -> None:
         self.panel = panel
         self.backend = backend
+        self.max_rows = backend.panel_max_rows if weight.dtype != torch.float32 \
+            else min(backend.panel_max_rows, FP32_MAX_ROWS)
         w = weight.detach().float()
         self.approx = QuantPanelWeight.quantize(w, "q8_0", backend)
         rebuilt = self.approx.weight()
@@ -61,8 +71,9 @@ class GreedyHead:
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] in the head's dtype -> long[M], or None where the full product must
         decide: more rows than the panel kernel takes (larger inputs go through AMX or MKL,
-        which round differently), or non-finite values."""
-        if x.shape[0] > self.backend.panel_max_rows:
+        which round differently) or than the route gains on (FP32_MAX_ROWS), or non-finite
+        values."""
+        if x.shape[0] > self.max_rows:
             return None
         x = x.float().contiguous()
         approx = self.approx.linear(x, None)
