@@ -121,64 +121,59 @@ constexpr auto micro2_table(std::integer_sequence<int, MR...>) {
 template <typename W>
 constexpr auto kMicro2 = micro2_table<W>(std::make_integer_sequence<int, kMaxMR2>{});
 
-// Rows [m0, m1) of the output through full panels p and p + 1 (no bias), as run_panel.
-template <typename W>
-void run_panel_pair(const float* x, int64_t ldx, const W* packed, float* out, int64_t n,
-                    int64_t k, int64_t m0, int64_t m1, int64_t p) {
+// Rows [m0, m1) of the fp32 output through full panel p, or panels p and p + 1 where Two (no
+// bias), accumulated straight into out.
+template <typename W, bool Two>
+void run_full_panels(const float* x, int64_t ldx, const W* packed, float* out, int64_t n,
+                     int64_t k, int64_t m0, int64_t m1, int64_t p) {
+  constexpr int kMR = Two ? kMaxMR2 : kMaxMR;
   const W* panel = packed + p * k * kNR;
-  const W* panel2 = panel + k * kNR;
+  const W* panel2 = panel + k * kNR;  // read where Two only
   const int64_t col = p * kNR, rows = m1 - m0;
-  const int64_t tiles = (rows + kMaxMR2 - 1) / kMaxMR2;
+  // Balanced row tiles: ceil(rows / kMR) tiles whose sizes differ by at most one.
+  const int64_t tiles = (rows + kMR - 1) / kMR;
   auto tile_rows = [&](int64_t t) { return rows / tiles + (t < rows % tiles ? 1 : 0); };
   for (int64_t kc = 0; kc < k; kc += kKC) {
     const int64_t kn = std::min(kKC, k - kc);
+    // The weight is streamed from memory once per call, in address order (panels are
+    // contiguous): while the row tiles reuse this slice from L1, they prefetch the next
+    // slice, a share each, since hardware prefetchers do not run that far ahead.
     const char* next = reinterpret_cast<const char*>(panel + (kc + kn) * kNR);
     const char* next2 = reinterpret_cast<const char*>(panel2 + (kc + kn) * kNR);
     const int64_t lines = (kn * kNR * static_cast<int64_t>(sizeof(W)) + kLine - 1) / kLine;
     const int64_t share = (lines + tiles - 1) / tiles;
-    for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t)
-      kMicro2<W>[tile_rows(t) - 1](kn, x + r0 * ldx + kc, ldx, panel + kc * kNR,
-                                   panel2 + kc * kNR, out + r0 * n + col, n, kc == 0,
-                                   next + t * share * kLine, next2 + t * share * kLine, share);
+    for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t) {
+      const float* a = x + r0 * ldx + kc;
+      float* c = out + r0 * n + col;
+      if constexpr (Two)
+        kMicro2<W>[tile_rows(t) - 1](kn, a, ldx, panel + kc * kNR, panel2 + kc * kNR, c, n,
+                                     kc == 0, next + t * share * kLine,
+                                     next2 + t * share * kLine, share);
+      else
+        kMicro<W>[tile_rows(t) - 1](kn, a, ldx, panel + kc * kNR, c, n, kc == 0,
+                                    next + t * share * kLine, share);
+    }
   }
 }
 
-// Rows [m0, m1) of the fp32 output through panel p (no bias). A full panel accumulates straight
-// into out; the last panel of an N that is not a multiple of kNR accumulates into a scratch
-// tile per row tile.
+// Rows [m0, m1) of the fp32 output through panel p (no bias). The last panel of an N that is
+// not a multiple of kNR accumulates into a scratch tile per row tile.
 template <typename W>
 void run_panel(const float* x, int64_t ldx, const W* packed, float* out, int64_t n, int64_t k,
                int64_t m0, int64_t m1, int64_t p) {
-  const W* panel = packed + p * k * kNR;
   const int64_t col = p * kNR, width = std::min<int64_t>(kNR, n - col);
-  const int64_t rows = m1 - m0;
-  // Balanced row tiles: ceil(rows / kMaxMR) tiles whose sizes differ by at most one.
-  const int64_t tiles = (rows + kMaxMR - 1) / kMaxMR;
-  auto tile_rows = [&](int64_t t) { return rows / tiles + (t < rows % tiles ? 1 : 0); };
-  if (width == kNR) {
-    for (int64_t kc = 0; kc < k; kc += kKC) {
-      const int64_t kn = std::min(kKC, k - kc);
-      // The weight is streamed from memory once per call, in address order (panels are
-      // contiguous): while the row tiles reuse this slice from L1, they prefetch the next
-      // slice, a share each, since hardware prefetchers do not run that far ahead.
-      const char* next = reinterpret_cast<const char*>(panel + (kc + kn) * kNR);
-      const int64_t lines = (kn * kNR * static_cast<int64_t>(sizeof(W)) + kLine - 1) / kLine;
-      const int64_t share = (lines + tiles - 1) / tiles;
-      for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t)
-        kMicro<W>[tile_rows(t) - 1](kn, x + r0 * ldx + kc, ldx, panel + kc * kNR,
-                                    out + r0 * n + col, n, kc == 0, next + t * share * kLine,
-                                    share);
-    }
-  } else {
-    alignas(64) float tail[kMaxMR * kNR];
-    for (int64_t t = 0, r0 = m0; t < tiles; r0 += tile_rows(t), ++t) {
-      const int64_t mr = tile_rows(t);
-      for (int64_t kc = 0; kc < k; kc += kKC)
-        kMicro<W>[mr - 1](std::min(kKC, k - kc), x + r0 * ldx + kc, ldx, panel + kc * kNR, tail,
-                          kNR, kc == 0, nullptr, 0);
-      for (int64_t r = 0; r < mr; ++r)
-        std::copy_n(tail + r * kNR, width, out + (r0 + r) * n + col);
-    }
+  if (width == kNR) return run_full_panels<W, false>(x, ldx, packed, out, n, k, m0, m1, p);
+  const W* panel = packed + p * k * kNR;
+  const int64_t rows = m1 - m0, tiles = (rows + kMaxMR - 1) / kMaxMR;
+  alignas(64) float tail[kMaxMR * kNR];
+  for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
+    const int64_t mr = rows / tiles + (t < rows % tiles ? 1 : 0);
+    for (int64_t kc = 0; kc < k; kc += kKC)
+      kMicro<W>[mr - 1](std::min(kKC, k - kc), x + r0 * ldx + kc, ldx, panel + kc * kNR, tail,
+                        kNR, kc == 0, nullptr, 0);
+    for (int64_t r = 0; r < mr; ++r)
+      std::copy_n(tail + r * kNR, width, out + (r0 + r) * n + col);
+    r0 += mr;
   }
 }
 
@@ -253,9 +248,9 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   auto block_start = [&](int64_t rb) { return m * rb / row_blocks; };
   // Items of two full panels where the ISA has the registers for it and the batch is
-  // prefill-sized (the pair kernel's 6-row tiles lose to 12-row ones on few rows: 2-5% faster
-  // from 256 rows on a Zen 4, 5-15% slower at 16-64); an odd last full panel and a partial
-  // one are items of their own.
+  // prefill-sized (on few rows the pair kernel's 6-row tiles lose to 12-row ones; README, CPU
+  // kernels, has the measurements); an odd last full panel and a partial one are items of
+  // their own.
   constexpr int64_t kPairMinRows = 256;
   const int64_t full = n / kNR, pairs = kPairs && m >= kPairMinRows ? full / 2 : 0;
   const int64_t per_block = pairs + (panels - 2 * pairs);
@@ -264,7 +259,7 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
       const int64_t rb = i / per_block, j = i % per_block;
       const int64_t r0 = block_start(rb), r1 = block_start(rb + 1);
       if (j < pairs)
-        run_panel_pair(xp, ldx, wp, op, n, k, r0, r1, 2 * j);
+        run_full_panels<W, true>(xp, ldx, wp, op, n, k, r0, r1, 2 * j);
       else
         run_panel(xp, ldx, wp, op, n, k, r0, r1, 2 * pairs + (j - pairs));
     }
