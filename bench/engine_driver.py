@@ -116,10 +116,9 @@ def decode(engine: Engine, spec: dict) -> dict:
 
 def paired_decode(engine: Engine, spec: dict, make_engine: Callable[[dict], Engine]) -> dict:
     """Single-stream decode of this engine's dtype against paired_dtypes, all engines in this
-    process, in rounds of one decode pair each, so that the machine's drift (this VM's memory
-    bandwidth moves by a third within minutes) falls on every dtype alike. The rounds run the
-    dtypes forwards and backwards in turn (A B, B A, ...); each round's ratio to this dtype,
-    then the median over rounds."""
+    process, in rounds of one decode pair each, so that drift in the machine's memory bandwidth
+    falls on every dtype alike. The rounds run the dtypes forwards and backwards in turn (A B,
+    B A, ...); each round's ratio to this dtype, then the median over rounds."""
     dtypes = [spec["dtype"]] + list(spec["paired_dtypes"])
     engines = {spec["dtype"]: engine}
     try:

@@ -31,8 +31,8 @@ def _row_norms(w: torch.Tensor) -> torch.Tensor:
 # Rows past which an fp32 head's full product beats the route: the Q8_0 pass reads half the
 # bytes, which wins while the product is bound by memory, but it rebuilds every weight block in
 # fp32 on the way, which costs more than the panel kernel's plain loads once it is bound by
-# FMAs (bench/linear_kernels.py's head rows: at 16 rows 6.9 ms against 5.3, on a Zen 4). A
-# half-precision head's full product widens its weights too, and the route wins at every size.
+# FMAs (bench/linear_kernels.py's head rows show the crossover). A half-precision head's full
+# product widens its weights too, and the route wins at every size.
 FP32_MAX_ROWS = 8
 
 
