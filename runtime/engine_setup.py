@@ -36,6 +36,10 @@ log = logging.getLogger("tierserve.engine")
 
 # Longest context a default config admits, whatever the model's positions allow.
 _DEFAULT_MAX_MODEL_LEN = 8192
+# A collective's own timeout is a backstop for a dead peer: it must outlast the step timeout,
+# so that a stuck rank is found by the engine (which replaces every rank) and not first by a
+# peer's collective error, which races it.
+_COLLECTIVE_TIMEOUT_FACTOR = 2.0
 
 
 def make_worker_spec(config: EngineConfig) -> WorkerSpec:
@@ -54,7 +58,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_kv_blocks=config.num_kv_blocks,
         cpu_threads=None if config.cpus_per_worker is None else math.ceil(config.cpus_per_worker),
-        collective_timeout_s=config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
+        collective_timeout_s=_COLLECTIVE_TIMEOUT_FACTOR * config.step_timeout_s, cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
         quantization=config.quantization,

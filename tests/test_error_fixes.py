@@ -85,6 +85,14 @@ def test_in_process_suggestions_applied_work(tiny, tmp_path):
             assert len(_tokens(llm)) == 4
 
 
+def test_a_collective_outlasts_the_step_timeout():
+    """A stuck rank must be found by the engine's step timeout, which replaces every rank and
+    names the cause, not first by a peer's collective timing out in the same instant."""
+    for step_timeout in (3.0, 60.0):
+        spec = make_worker_spec(EngineConfig(step_timeout_s=step_timeout))
+        assert spec.collective_timeout_s >= 2 * step_timeout
+
+
 def test_fractional_cpus_per_worker():
     """Ranks share cores: Ray gets the fraction (at its 1e-4 resolution, rounded down so that
     the ranks fit), torch a whole thread."""
