@@ -58,7 +58,10 @@ class RayEngineClient:
 
     @classmethod
     def start(cls, config: EngineConfig) -> "RayEngineClient":
-        """An anonymous deployment owned by this client."""
+        """An anonymous deployment owned by this client. A model or TP size that cannot work
+        fails before a Ray instance starts for it."""
+        from tierserve.runtime.engine_setup import check_model
+        check_model(config)
         ensure_ray()
         actor, pg = start_deployment(config)
         return cls(actor, config=config, pg=pg)

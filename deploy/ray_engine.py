@@ -97,6 +97,9 @@ class RayDeployments:
 
     def start(self, config: EngineConfig):
         if config.data_parallel_size > 1:
+            # A model or TP size that cannot work fails before a Ray instance starts for it.
+            from tierserve.runtime.engine_setup import check_model
+            check_model(config)
             ensure_ray()
             return start_replicated(config)
         return RayEngineClient.start(config)

@@ -131,6 +131,10 @@ def test_an_error_in_the_async_step_loop_reaches_every_stream(tiny, monkeypatch)
 
 
 def test_configuration_errors_name_the_option_at_once(tiny, tmp_path):
+    """Each bad option fails at once, naming itself, and before any Ray instance is started
+    for it (a TP size the model cannot split is found before the cluster is joined)."""
+    import ray
+    ray_before = ray.is_initialized()
     cases = []
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
@@ -148,6 +152,7 @@ def test_configuration_errors_name_the_option_at_once(tiny, tmp_path):
             LLM(**options)
         cases.append(time.monotonic() - t0)
     assert max(cases) < 10, cases
+    assert ray.is_initialized() == ray_before
     # The documented override lets a longer max_model_len through.
     with LLM(tiny, max_model_len=600, allow_long_max_model_len=True, block_size=4) as llm:
         assert llm.engine.max_model_len == 600
