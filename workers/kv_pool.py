@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import math
-import mmap
 import os
 import threading
 
 import torch
 
+from tierserve.workers.backends.host_memory import mapped_zeros
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.layers import partition_heads
 
@@ -31,13 +30,14 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
                       head_dim: int, dtype: torch.dtype, device, prefault: bool = True
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
-    NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings, zero
-    until touched, then faulted in by the kernel (_Prefaulter) unless `prefault` is False
-    (the caller then starts `prefault_in_background`): zeroing a 1 GiB pool from user space
-    took seconds of a cold start."""
+    NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings advised
+    for huge pages (a decode step streams each sequence's K/V; host_memory.py), zero until
+    touched, then faulted in by the kernel (_Prefaulter) unless `prefault` is False (the
+    caller then starts `prefault_in_background`): zeroing a 1 GiB pool from user space took
+    seconds of a cold start."""
     shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
     if torch.device(device).type == "cpu":
-        pools = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype)) for _ in range(num_layers)]
+        pools = [(mapped_zeros(shape, dtype), mapped_zeros(shape, dtype)) for _ in range(num_layers)]
         if prefault:
             _Prefaulter.run([t for pair in pools for t in pair], torch.get_num_threads())
         return pools
@@ -84,12 +84,6 @@ def copy_blocks(kv_caches: list, src: list[int], dst: list[int]) -> None:
     for k_cache, v_cache in kv_caches:
         for cache in (k_cache, v_cache):  # [num_blocks, block_size, kv_heads, head_dim]
             cache.index_copy_(0, dst_idx, cache.index_select(0, src_idx))
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor over a private anonymous mapping; the tensor keeps the mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class _Prefaulter:

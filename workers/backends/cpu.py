@@ -8,7 +8,7 @@ adds its prefill linear.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from tierserve.workers import attention as paged
 from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cpu_features
 from tierserve.workers.backends.kernels import kernel_library
 from tierserve.workers.backends.greedy import GreedyHead
+from tierserve.workers.backends.host_memory import HugePageArena
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -59,6 +60,8 @@ class CpuKernelBackend(TorchBackend):
     quant_linear: bool = True
     panel_width: int = 0
     head_dims: frozenset = frozenset()
+    # Where the weights the kernels stream are placed: huge pages (host_memory.py).
+    arena: HugePageArena = field(default_factory=HugePageArena, repr=False)
 
     @classmethod
     def plan(cls, features: CpuFeatures, ops: Any, *, quant_linear: bool = True
@@ -104,6 +107,9 @@ class CpuKernelBackend(TorchBackend):
                       head: bool = False):
         if weight.device.type != "cpu":
             return super().linear_method(weight, quantization, head)
+        return self._cpu_linear_method(weight, quantization, head).place(self.arena)
+
+    def _cpu_linear_method(self, weight: torch.Tensor, quantization: str | None, head: bool):
         if quantization is not None and QuantPanelWeight.applies_to(weight):
             return QuantPanelWeight.quantize(weight, quantization, self)
         if quantization is None:
@@ -123,7 +129,7 @@ class CpuKernelBackend(TorchBackend):
 
     def greedy_head(self, method, weight: torch.Tensor):
         if isinstance(method, PanelWeight) and GreedyHead.applies_to(weight, self):
-            return GreedyHead(method, weight, self)
+            return GreedyHead(method, weight, self).place(self.arena)
         return None
 
     def layer_stack(self, layers, heads, head_dim, scale, eps, dtype):

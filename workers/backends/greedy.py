@@ -68,6 +68,11 @@ class GreedyHead:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*self.approx.tensors(), self.norms, self.devs)
 
+    def place(self, arena) -> "GreedyHead":
+        """The first pass's codes into `arena` (the head's panels are its linear method's)."""
+        self.approx.place(arena)
+        return self
+
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] in the head's dtype -> long[M], or None where the full product must
         decide: more rows than the panel kernel takes (larger inputs go through AMX or MKL,

@@ -38,6 +38,11 @@ class LinearMethod:
         """The tensors the method holds (stats() sums their bytes, each tensor once)."""
         raise NotImplementedError
 
+    def place(self, arena) -> "LinearMethod":
+        """Moves the tensors a product streams into `arena` (host_memory.HugePageArena);
+        returns self. Methods whose tensors are not plain CPU storage keep them."""
+        return self
+
     @property
     def nbytes(self) -> int:
         return tensor_bytes(*self.tensors())
@@ -91,6 +96,12 @@ class PackedWeight(LinearMethod):
     def weight(self) -> torch.Tensor:
         return self.plain if self.panel is None else self.panel.weight()
 
+    def place(self, arena) -> "PackedWeight":
+        # oneDNN's packed copy is an opaque tensor; the panels serve the single rows.
+        if self.panel is not None:
+            self.panel.place(arena)
+        return self
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         # The packed copy is what a product streams; the plain weight (or the panels) is kept
         # for weight() (an LM head's is the embedding's) and for single rows.
@@ -139,6 +150,10 @@ class PanelWeight(LinearMethod):
     def weight(self) -> torch.Tensor:
         k = self.panels.shape[1]
         return self.panels.transpose(1, 2).reshape(-1, k)[: self.out_features]
+
+    def place(self, arena) -> "PanelWeight":
+        self.panels = arena.adopt(self.panels)
+        return self
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding's lookup): [len(ids), K]."""

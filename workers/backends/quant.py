@@ -145,6 +145,13 @@ class QuantPanelWeight(LinearMethod):
         c, scales, offsets = _panel_layout(codes, d, m, backend.panel_width)
         return cls(fmt, c, scales, offsets, weight.shape[0], weight.shape[1], backend)
 
+    def place(self, arena) -> "QuantPanelWeight":
+        self.codes = arena.adopt(self.codes)
+        self.scales = arena.adopt(self.scales)
+        if self.offsets is not None:
+            self.offsets = arena.adopt(self.offsets)
+        return self
+
     def reference_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The codes back in reference layout: codes [N, B, 32], d [N, B], m [N, B] or None."""
         panels, blocks, _, cols = self.codes.shape
