@@ -169,13 +169,13 @@ def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | 
     """What every driver gets; the random prompts are distinct, so none is cached at first.
     decode_prompts: the single-stream prompts, a pair per decode (default: random ids of
     --prompt-len, --decode-repeats pairs). The paired decode's prompts are random ids of the
-    decode prompts' length, a pair per round and dtype."""
+    decode prompts' length, a warm-up pair per dtype, then a pair per round and dtype."""
     pairs = 2 * getattr(args, "decode_repeats", 1)
     long = random_prompts(pairs + args.ttft_repeats, args.prompt_len, seed=1)
     dtypes = dtypes or ["float32"]
     rounds = getattr(args, "paired_rounds", 0)
     length = len((decode_prompts or long)[0])
-    paired = random_prompts(2 * rounds * len(dtypes), length, seed=2)
+    paired = random_prompts(2 * (rounds + 1) * len(dtypes), length, seed=2)
     return {"paired_dtypes": dtypes[1:], "paired_rounds": rounds,
             "paired_decode_prompts": paired,"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),

@@ -9,7 +9,7 @@ import mmap
 import pytest
 import torch
 
-from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros
+from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros, on_huge_pages
 from tierserve.workers.backends.linear import PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
 from tierserve.workers.kv_pool import allocate_kv_cache
@@ -88,5 +88,31 @@ def test_kernel_weights_and_kv_pools_are_advised_for_huge_pages(kernels):
     assert isinstance(quant, QuantPanelWeight)
     assert {"hg"} <= _vm_flags(quant.codes.data_ptr()) & _vm_flags(quant.scales.data_ptr())
     (k, v), = allocate_kv_cache(1, 8, 16, 2, 64, torch.float32, "cpu")
+    assert k.data_ptr() % (2 << 20) == 0 and v.data_ptr() % (2 << 20) == 0
     assert "hg" in _vm_flags(k.data_ptr()) and "hg" in _vm_flags(v.data_ptr())
     assert not k.any() and not v.any()
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+@huge_pages
+def test_huge_pages_are_told_apart_from_small_ones():
+    """on_huge_pages (which decides whether a KV pool needs a prefault thread) reads what the
+    kernel did: a mapping without the advice is on small pages where THP is `madvise`; with
+    it, on huge pages where THP is `madvise` or `always`. The tensor's values are kept."""
+    mode = _thp_mode()
+    small = mapped_zeros((4 << 20,), torch.uint8, huge=False)
+    small[0] = 7
+    assert small.data_ptr() % (2 << 20) == 0
+    if mode == "madvise":
+        assert not on_huge_pages(small)
+    assert small[0] == 7
+    if mode in ("madvise", "always"):
+        assert on_huge_pages(mapped_zeros((4 << 20,), torch.uint8))
+    assert not on_huge_pages(torch.zeros(3))  # not on a 2 MiB boundary: cannot be told

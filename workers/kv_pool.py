@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from tierserve.workers.backends.host_memory import mapped_zeros
+from tierserve.workers.backends.host_memory import mapped_zeros, on_huge_pages
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.layers import partition_heads
 
@@ -50,9 +50,15 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
 def prefault_in_background(kv_caches: list) -> "BackgroundPrefault | None":
     """Faults CPU pools in on one background thread, the lowest block ids of every pool first
     (the free queue hands those out first), so that an engine serves before its whole pool is
-    mapped; a page a step touches first is faulted in by that step. None for device pools."""
+    mapped; a page a step touches first is faulted in by that step. None for device pools, and
+    for pools on huge pages: a step then faults a fresh 2 MiB (hundreds of blocks of a pool)
+    at a time, rarely enough to leave to the steps, where a prefault thread would zero the
+    whole pool beside the serving engine, taking memory bandwidth from its steps for as long as
+    it runs (seconds to minutes on a busy machine)."""
     tensors = [t for pair in kv_caches for t in pair]
     if not tensors or tensors[0].device.type != "cpu" or _Prefaulter.supported is False:
+        return None
+    if on_huge_pages(tensors[0]):
         return None
     return BackgroundPrefault(tensors)
 
