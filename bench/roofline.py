@@ -3,7 +3,9 @@ the two halves of a roofline, so that any engine figure can be read as a fractio
 
 Limits (best of --repeats, after a warm-up):
 - `bandwidth_gb_s`: streaming read bandwidth from memory, a buffer of --buffer-mib (far past
-  the caches) read whole by torch reductions (sum, matrix-vector), the best of them;
+  the caches) read whole by torch reductions (sum, matrix-vector), on small pages and on huge
+  pages (as the engine places its weights), and by the kernel backend's one-row panel product
+  where it builds: the best of them;
 - `matmul_gflop_s` (fp32) and `matmul_gflop_s_bf16`: matmul peak at the engine's shapes, the
   decoder's four products and the LM head of --model, at batch sizes of an offline run (64,
   256 and 1024 rows), by the best route this CPU has (MKL; oneDNN's packed bf16 where it runs
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 
 from report import best_of, emit  # noqa: E402
+from tierserve.workers.backends.host_memory import mapped_zeros  # noqa: E402
 
 # Bytes a weight takes per value in each storage format (GGUF blocks of 32: fp16 scale, Q4_1
 # an fp16 offset too).
@@ -43,14 +46,24 @@ ROWS = (64, 256, 1024)
 
 
 def measure_bandwidth(buffer_mib: int = 512, repeats: int = 5) -> float:
-    """GB/s of streaming reads with torch's current thread count."""
-    buf = torch.ones(buffer_mib << 18)  # fp32: 4 bytes a value
-    rows = buf.view(-1, 1 << 14)
+    """GB/s of streaming reads with torch's current thread count: the buffer on small pages
+    (torch's allocator) and on huge pages (the engine's placement of weights and KV pools,
+    host_memory.py), the better."""
     ones = torch.ones(1 << 14)
-    nbytes = buf.numel() * 4
-    seconds = min(best_of(lambda: buf.sum(), repeats), best_of(lambda: torch.mv(rows, ones),
-                                                                repeats))
-    return nbytes / seconds / 1e9
+    nbytes = (buffer_mib << 18) * 4  # fp32: 4 bytes a value
+    seconds = []
+    # Random values: pages of equal bytes may be merged into one (KSM in a VM's host), which
+    # reads from cache.
+    for buf in (torch.empty(buffer_mib << 18), mapped_zeros((buffer_mib << 18,), torch.float32)):
+        buf.uniform_()
+        seconds += [best_of(lambda b=buf: b.sum(), repeats),
+                    best_of(lambda r=buf.view(-1, 1 << 14): torch.mv(r, ones), repeats)]
+    # The kernel backend's one-row panel product, which reads its weight once (a decode row).
+    for name, make in _matmul_routes(torch.float32):
+        if name == "panel":
+            fn = make(torch.rand(buffer_mib << 4, 1 << 14))
+            seconds.append(best_of(lambda: fn(ones.view(1, -1)), repeats))
+    return nbytes / min(seconds) / 1e9
 
 
 @dataclass(frozen=True)
