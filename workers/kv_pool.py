@@ -37,7 +37,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
     seconds of a cold start."""
     shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
     if torch.device(device).type == "cpu":
-        pools = [(mapped_zeros(shape, dtype), mapped_zeros(shape, dtype)) for _ in range(num_layers)]
+        pools = [(mapped_zeros(shape, dtype), mapped_zeros(shape, dtype))
+                 for _ in range(num_layers)]
         if prefault:
             _Prefaulter.run([t for pair in pools for t in pair], torch.get_num_threads())
         return pools
