@@ -190,9 +190,15 @@ def measure_limits(model: str | None = None, threads: int | None = None, buffer_
 
 
 def decode_frac(limits: dict, cost: ModelCost, tok_s: float, dtype: str,
-                quantization: str | None, context: int) -> float:
-    return cost.bytes_per_token(dtype, quantization, context) * tok_s / (
-        limits["bandwidth_gb_s"] * 1e9)
+                quantization: str | None, context: int, weight_bytes: int | None = None) -> float:
+    """weight_bytes: what the engine's weights take as it holds them, where that is what a step
+    streams (a GGUF model run from its codes, whose mix of formats the config does not tell);
+    else the config's weights in `quantization` or `dtype`."""
+    if weight_bytes is None:
+        nbytes = cost.bytes_per_token(dtype, quantization, context)
+    else:
+        nbytes = weight_bytes + context * cost.kv_bytes_per_token(dtype)
+    return nbytes * tok_s / (limits["bandwidth_gb_s"] * 1e9)
 
 
 def offline_frac(limits: dict, cost: ModelCost, tok_s: float, dtype: str,
