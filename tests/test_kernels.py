@@ -175,10 +175,11 @@ def test_kernel_attends_prefill_tokens_like_sdpa(kernels, threads, dtype, atol, 
 @pytest.mark.parametrize("window", [None, 37, 200])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_decode_kernel_splits_long_contexts(kernels, threads, dtype, atol, window):
-    """Contexts past the kernel's part length (300 and 1000 tokens) are split into parts merged
-    afterwards; with a sliding window the parts start at the window's first token."""
+    """Contexts past the kernel's part length are split into an even number of parts merged
+    afterwards (1000 tokens: 8 parts; 580: 6 of unequal whole tiles; 300: 4); with a sliding
+    window the parts start at the window's first token."""
     q, k_cache, v_cache, attn = _decode_batch(dtype, 3, 64, kv_heads=3, seed=4,
-                                              lens=[1000, 300, 17])
+                                              lens=[1000, 580, 300, 17])
     expected = _decode(q, k_cache, v_cache, attn, 0.125, window)
     got = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(), 0.125, window)
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)

@@ -40,7 +40,7 @@ namespace {
 
 constexpr int kTile = 32;   // tokens scored between two online-softmax rescales
 constexpr int kAhead = 2;   // tiles between a prefetch and the use
-constexpr int kPart = 128; // tokens of one work item of a split context (a multiple of kTile)
+constexpr int kPart = 128; // tokens of one work item of a split context, at most (whole tiles)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (it is only taken of score - running max). Below -87 the result is
@@ -401,8 +401,8 @@ void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
   }
 }
 
-// Work items. A context longer than kPart tokens is split into parts of kPart tokens, each its
-// own item (flash-decoding), so that one long sequence keeps every thread busy; the parts'
+// Work items. A context longer than kPart tokens is split into parts of about kPart tokens
+// (num_parts_of, part_offset), each its own item (flash-decoding), so that one long sequence keeps every thread busy; the parts'
 // results are merged by whichever thread finishes a sequence's last part. With enough items to
 // keep every thread busy, an item takes all KV heads, so each block of the pool is read as one
 // contiguous run; with few, it takes one KV head, for parallelism. Items are claimed from a
@@ -416,6 +416,22 @@ struct Plan {
   int64_t heads_per_item = 1;
 };
 
+// How many parts a split context of `span` tokens takes: one per kPart tokens, made even (so
+// that two threads share a lone sequence evenly; one part over would leave one of them idle for
+// a part's time). Depends on the length alone, so a sequence's result does not depend on the
+// batch or the threads.
+inline int64_t num_parts_of(int span) {
+  const int64_t parts = (span + kPart - 1) / kPart, tiles = (span + kTile - 1) / kTile;
+  return parts > 1 && parts % 2 == 1 && parts < tiles ? parts + 1 : parts;
+}
+
+// Offset of part p of a span split into `parts`: whole tiles, as even as tiles allow, the
+// longer parts first.
+inline int part_offset(int span, int64_t parts, int64_t p) {
+  const int64_t tiles = (span + kTile - 1) / kTile, base = tiles / parts, extra = tiles % parts;
+  return static_cast<int>((p * base + std::min(p, extra)) * kTile);
+}
+
 template <typename T>
 Plan plan_items(const DecodeArgs<T>& a, int64_t num_seqs, int64_t threads) {
   Plan plan;
@@ -426,7 +442,7 @@ Plan plan_items(const DecodeArgs<T>& a, int64_t num_seqs, int64_t threads) {
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int len = a.seq_lens[s];
     start[s] = a.window > 0 && len > a.window ? len - a.window : 0;
-    const int64_t parts = plan.num_parts[s] = (len - start[s] + kPart - 1) / kPart;
+    const int64_t parts = plan.num_parts[s] = num_parts_of(len - start[s]);
     units += parts;
     plan.first_part[s] = parts > 1 ? plan.total_parts : -1;
     if (parts > 1) plan.total_parts += parts;
@@ -436,8 +452,10 @@ Plan plan_items(const DecodeArgs<T>& a, int64_t num_seqs, int64_t threads) {
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t p = 0; p < plan.num_parts[s]; ++p)
       for (int64_t h0 = 0; h0 < a.kv_heads; h0 += per_item) {
-        const int t0 = start[s] + static_cast<int>(p) * kPart;
-        plan.items.push_back({s, h0, h0 + per_item, t0, std::min(t0 + kPart, a.seq_lens[s]),
+        const int span = a.seq_lens[s] - start[s];
+        const int t0 = start[s] + part_offset(span, plan.num_parts[s], p);
+        const int t1 = start[s] + part_offset(span, plan.num_parts[s], p + 1);
+        plan.items.push_back({s, h0, h0 + per_item, t0, std::min(t1, a.seq_lens[s]),
                               plan.num_parts[s] > 1 ? plan.first_part[s] + p : -1});
       }
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& x, const Item& y) {
