@@ -204,3 +204,23 @@ def test_the_weights_digest_follows_their_bytes_and_is_cached(tmp_path, monkeypa
         f.write(b"\xff")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime
     assert fp.weights_digest(str(model), cache) != first
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_cpu_tier_beside_a_cpu_pool_takes_memory_only_as_it_fills():
+    """The CPU tier of a CPU pool is a lazy mapping: a tier of 128 MiB costs no resident
+    memory until blocks are copied into it, reads zero, and keeps what it is given."""
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    kv = _pool()
+    slot_bytes = LAYERS * 2 * BS * HEADS * HD * 4
+    slots = (128 << 20) // slot_bytes
+    before = rss()
+    copier = TierCopier(kv, slots, torch.device("cpu"))
+    assert rss() - before < (16 << 20)
+    assert copier.cpu.shape == (slots, LAYERS, 2, BS, HEADS, HD)
+    assert not copier.cpu[slots - 1].any()
+    copier.stream.host_waits(copier.stream.to_cpu([1], [slots - 1]))
+    assert torch.equal(copier.cpu[slots - 1], _block(kv, 1))

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from tierserve.scheduler.messages import CopyKind, FlushTiers, TierCopyBatch
+from tierserve.workers.backends.host_memory import mapped_zeros
 from tierserve.workers.parallel import get_tp_size, tp_all_reduce_max
 from tierserve.workers.tier_ssd import SsdFolder
 from tierserve.workers.tier_streams import make_copy_stream
@@ -108,8 +109,11 @@ class TierCopier:
         self.device = device
         self.layout = [len(kv_caches), 2, *k0.shape[1:]]  # one slot
         self.dtype_name = str(k0.dtype).removeprefix("torch.")
+        # Beside a CPU pool the tier is a lazy mapping on huge pages (as the pool): zeroing it
+        # up front cost a start about 0.2 s a GiB, and resident memory it may never use.
         self.cpu = torch.zeros((cpu_slots, *self.layout), dtype=k0.dtype,
-                               pin_memory=device.type == "cuda" and cpu_slots > 0)
+                               pin_memory=cpu_slots > 0) if device.type == "cuda" \
+            else mapped_zeros((cpu_slots, *self.layout), k0.dtype)
         self.stream = make_copy_stream(kv_caches, self.cpu, device, late)
         self.ssd, self.heads, self.writer = ssd, tuple(heads), writer
         # The last copy-stream batch that touched each CPU slot (None where none is pending).
