@@ -177,7 +177,8 @@ def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | 
     length = len((decode_prompts or long)[0])
     paired = random_prompts(2 * (rounds + 1) * len(dtypes), length, seed=2)
     return {"paired_dtypes": dtypes[1:], "paired_rounds": rounds,
-            "paired_decode_prompts": paired,"model": model, "cpu_isa": args.cpu_isa, "max_model_len": args.max_model_len,
+            "paired_decode_prompts": paired, "model": model, "cpu_isa": args.cpu_isa,
+            "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_gib << 30, "ready_prompt": list(range(100, 108)),
             "prompts": prompts, "output_len": args.output_len,
             "decode_prompts": decode_prompts or long[:pairs], "ttft_prompts": long[pairs:],

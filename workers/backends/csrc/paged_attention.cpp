@@ -402,12 +402,12 @@ void merge_parts(const DecodeArgs<T>& a, int64_t seq, int64_t p0, int64_t parts,
 }
 
 // Work items. A context longer than kPart tokens is split into parts of about kPart tokens
-// (num_parts_of, part_offset), each its own item (flash-decoding), so that one long sequence keeps every thread busy; the parts'
-// results are merged by whichever thread finishes a sequence's last part. With enough items to
-// keep every thread busy, an item takes all KV heads, so each block of the pool is read as one
-// contiguous run; with few, it takes one KV head, for parallelism. Items are claimed from a
-// shared counter, longest first: contexts are ragged, so equal counts of items are far from
-// equal work.
+// (num_parts_of, part_offset), each its own item (flash-decoding), so that one long sequence
+// keeps every thread busy; the parts' results are merged by whichever thread finishes a
+// sequence's last part. With enough items to keep every thread busy, an item takes all KV
+// heads, so each block of the pool is read as one contiguous run; with few, it takes one KV
+// head, for parallelism. Items are claimed from a shared counter, longest first: contexts are
+// ragged, so equal counts of items are far from equal work.
 struct Plan {
   std::vector<Item> items;
   std::vector<int64_t> first_part;  // per sequence: its first row of partials (-1: one part)
