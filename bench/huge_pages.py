@@ -84,8 +84,7 @@ def attention_case(backend, dtype, context):
 
 
 def alternate(runs: dict, rounds: int) -> dict:
-    """Median seconds per placement, the order of the two flipped every round; `huge_kb`: the
-    process's huge pages while both placements are alive."""
+    """Median seconds per placement, the order of the two flipped every round."""
     times = {name: [] for name in runs}
     for run in runs.values():
         run()
@@ -94,15 +93,16 @@ def alternate(runs: dict, rounds: int) -> dict:
             t0 = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - t0)
-    return {"huge_kb": huge_kb(), **{name: statistics.median(ts) for name, ts in times.items()}}
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def report(rows: Rows, key: str, seconds: dict, nbytes: int) -> None:
+    """The case's rows; called while its two placements are still alive (anon_huge_mb)."""
     for name in ("small", "huge"):
         rows.add(f"{key}_{name}_us", round(seconds[name] * 1e6, 1))
         rows.add(f"{key}_{name}_gb_s", round(nbytes / seconds[name] / 1e9, 1))
     rows.add(f"{key}_speedup", round(seconds["small"] / seconds["huge"], 3))
-    rows.add(f"{key}_anon_huge_mb", seconds["huge_kb"] // 1024)
+    rows.add(f"{key}_anon_huge_mb", huge_kb() // 1024)
 
 
 def main() -> None:
