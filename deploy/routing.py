@@ -13,7 +13,8 @@ where steps = 1 + work / max_num_batched_tokens (each step also carries every ru
 request's decode), the prefill rate is the replicas' measured mean, and the blocks work lacks
 are those it needs beyond the replica's free ones (they wait for running requests to finish).
 A replica may take a request only while its outstanding requests stay within `load_bound` x
-the mean (bounded loads), so a hot prefix spreads once its replica is that far ahead.
+the mean or `LOAD_SLACK` above it, whichever is looser (bounded loads), so a hot prefix spreads
+once its replica is that far ahead.
 `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the approximate policy of
 SGLang's and Ray Serve's routers: a tree of the prompts each replica was sent (never told of
 evictions, tiers or salts), for comparison.
@@ -36,7 +37,8 @@ from tierserve.kvcache.hashing import BlockHasher, encode_extra_keys
 from tierserve.scheduler.kv_events import ReplicaLoad
 
 __all__ = ["RouteQuery", "Candidate", "LoadTracker", "Choice", "Policy", "RoundRobin",
-           "LeastLoaded", "KVAware", "PrefixTree", "make_policy", "bounded"]
+           "LeastLoaded", "KVAware", "PrefixTree", "make_policy", "bounded", "LOAD_BOUND",
+           "LOAD_SLACK"]
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -48,8 +50,11 @@ _DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 _CPU_BLOCK_SHARE = 0.05
 _SSD_BLOCK_SHARE = 0.25
 # Bounded loads: a replica takes a request only while its outstanding requests, this one
-# included, stay within LOAD_BOUND x the mean.
+# included, stay within LOAD_BOUND x the mean or LOAD_SLACK above it. The slack matters at a
+# few requests a replica, where the ratio alone would send a conversation away from its cached
+# history (seconds of prefill) over a difference of two decodes (a few % of a step).
 LOAD_BOUND = 1.5
+LOAD_SLACK = 2
 
 
 class RouteQuery(msgspec.Struct, **_WIRE):
@@ -121,11 +126,13 @@ class Policy(Protocol):
         """The replica left (died, restarted or was scaled away)."""
 
 
-def bounded(candidates: list[Candidate], bound: float = LOAD_BOUND) -> list[Candidate]:
+def bounded(candidates: list[Candidate], bound: float = LOAD_BOUND,
+            slack: int = LOAD_SLACK) -> list[Candidate]:
     """The candidates whose outstanding requests, with one more, stay within bound x the
-    mean (never empty: the least loaded always qualifies)."""
+    mean or slack above it (never empty: the least loaded always qualifies)."""
     total = sum(c.load.outstanding for c in candidates) + 1
-    cap = math.ceil(bound * total / len(candidates))
+    mean = total / len(candidates)
+    cap = max(math.ceil(bound * mean), math.floor(mean + slack))
     ok = [c for c in candidates if c.load.outstanding + 1 <= cap]
     return ok or [min(candidates, key=lambda c: c.load.outstanding)]
 
@@ -231,9 +238,10 @@ class PrefixTree:
     describe: a tree per replica of the prompts routed there, matched at block granularity.
     Balanced (the busiest replica at most `balance_abs` requests above the idlest, or at most
     `balance_rel` times it): the replica whose tree shares the longest prefix with the
-    prompt, when that covers more than `cache_threshold` of it, else the replica with the
-    smallest tree; imbalanced: the least loaded. The tree learns only from its own choices
-    (no evictions, tiers or salts), with LRU trimming past `max_nodes` per replica."""
+    prompt (of equal ones the least loaded), when that covers more than `cache_threshold` of
+    it, else the replica with the smallest tree; imbalanced: the least loaded. The tree
+    learns only from its own choices (no evictions, tiers or salts), with LRU trimming past
+    `max_nodes` per replica."""
 
     name = "prefix_tree"
 
@@ -256,14 +264,14 @@ class PrefixTree:
             return choice
         hashes = self.hasher.hash_blocks(tokens, 0, None)[0]
         best, best_len = None, -1
-        for c in candidates:
+        for c in candidates:  # the longest match; of equal ones, the least loaded
             tree = self._trees.setdefault(c.replica, OrderedDict())
             n = 0
             for h in hashes:
                 if h not in tree:
                     break
                 n += 1
-            if n > best_len:
+            if n > best_len or n == best_len and c.load.outstanding < best.load.outstanding:
                 best, best_len = c, n
         rate = best_len * self.hasher.block_size / len(tokens)
         if rate <= self.cache_threshold:

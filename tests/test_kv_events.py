@@ -9,7 +9,7 @@ import pytest
 from tests.sched_driver import WorkerMirror, make_scheduler, step
 from tierserve.deploy.kv_index import KVIndex
 from tierserve.deploy.routing import (
-    LOAD_BOUND, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree, RoundRobin,
+    LOAD_BOUND, LOAD_SLACK, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree, RoundRobin,
     RouteQuery, bounded,
 )
 from tierserve.kvcache import BlockHasher, KVEventRecorder, KVTier
@@ -195,6 +195,21 @@ def test_kv_policy_weighs_the_queue_and_bounds_the_load():
     assert picks[:3] == [0, 0, 0] and 1 in picks
     assert max(c.load.outstanding for c in cands) <= math.ceil(LOAD_BOUND * 8 / 2)
     assert len(bounded(cands)) >= 1
+
+
+def test_kv_policy_keeps_a_conversation_with_its_history_a_few_requests_apart():
+    """At a few requests a replica the bound's slack keeps a turn with its cached history
+    (the ratio alone caps 3 running against 0 idle); further apart the load bound wins."""
+    hasher = BlockHasher(BS)
+    prompt = list(range(1, 42))
+    chain = hasher.hash_blocks(prompt, 0, None)[0]
+    policy = KVAware(_index_with({0: [chain, [], []], 1: [[], [], []]}), hasher, 64)
+    for running, holder_wins in ((3, True), (LOAD_SLACK + 3, False)):
+        cands = [Candidate(0, LoadTracker(ReplicaLoad(num_running=running))),
+                 Candidate(1, LoadTracker())]
+        assert math.ceil(LOAD_BOUND * (running + 1) / 2) < running + 1
+        assert (policy.pick(RouteQuery(prompt), cands).replica == 0) == holder_wins, running
+        assert bounded(cands, slack=0) == cands[1:]
 
 
 def test_kv_policy_weighs_blocks_the_holder_lacks():
