@@ -6,7 +6,9 @@ policy runs the same workloads on the same replicas, caches emptied between runs
 
   chat      --sessions multi-turn conversations sharing a --system-tokens system prompt; each
             turn adds a --user-tokens user message to the history and waits for a greedy
-            reply of --reply-tokens (EOS ignored), after an exponential think time. The KV
+            reply of --reply-tokens (EOS ignored; 64 and 192 by default: a chat reply is
+            usually several times the message that asked for it), after an exponential
+            think time (--think-s). The KV
             working set (every conversation's history) exceeds one replica's pool and fits
             the cluster's tiers (`working_set_blocks` in the JSON).
   mooncake  a trace in Mooncake's FAST'25 JSONL format (timestamp ms, input_length,
@@ -14,7 +16,9 @@ policy runs the same workloads on the same replicas, caches emptied between runs
             (x --time-scale): each hash id stands for the same synthetic tokens wherever it
             appears, a block of --mooncake-block tokens (512 scaled down to the model's
             context). --mooncake-trace reads a file; without one, a synthetic trace in that
-            format is generated (multi-turn sessions whose hash ids extend the session's).
+            format is generated, shaped like the published conversation trace: every request
+            opens with the same id (a system prompt), new sessions' lengths are heavy-tailed,
+            and later turns extend their session's ids.
 
 Per policy (round_robin, least_loaded, prefix_tree: the approximate tree of past prompts that
 SGLang's and Ray Serve's routers keep, kv: the exact KV-event index): prefix hit rate (cached
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -72,22 +77,27 @@ def chat_workload(args) -> list[dict]:
 
 
 def synthetic_mooncake(args) -> list[dict]:
-    """A trace in Mooncake's JSONL format: sessions whose every request extends the session's
-    hash ids (the conversation so far) by a few new ones; some share a first id (a common
-    system prompt)."""
+    """A trace in Mooncake's JSONL format, shaped like its published conversation trace: every
+    request opens with hash id 0 (the service's system prompt); a session's first request adds
+    a heavy-tailed number of new ids (lognormal: most a few, some near the context), each later
+    one repeats the session's ids so far and adds 1-2 (the last reply and a new message)."""
     rng = random.Random(2)
+    room = args.max_model_len - 2 * args.mooncake_output_tokens
+    max_ids = room // args.mooncake_block - 1 - 2 * args.mooncake_turns
     rows, next_id, t = [], 1, 0.0
-    for s in range(args.mooncake_sessions):
-        ids = [0] if s % 2 == 0 else []  # half share hash id 0
-        at = t
-        for _ in range(args.mooncake_turns):
-            ids = ids + list(range(next_id, next_id + rng.randrange(1, 3)))
-            next_id += len(ids)
+    for _ in range(args.mooncake_sessions):
+        first = min(max_ids, max(1, round(rng.lognormvariate(math.log(4), 0.9))))
+        ids, at = [0], t
+        for turn in range(args.mooncake_turns):
+            new = first if turn == 0 else rng.randrange(1, 3)
+            ids = ids + list(range(next_id, next_id + new))
+            next_id += new
             rows.append({"timestamp": int(at * 1000), "input_length": len(ids) * 512 - 100,
-                         "output_length": args.reply_tokens * 512 // args.mooncake_block,
+                         "output_length": args.mooncake_output_tokens * 512
+                         // args.mooncake_block,
                          "hash_ids": list(ids)})
-            at += rng.expovariate(1.0 / (4 * args.session_gap_s))
-        t += rng.expovariate(1.0 / args.session_gap_s)
+            at += rng.expovariate(1.0 / (4 * args.mooncake_gap_s))
+        t += rng.expovariate(1.0 / args.mooncake_gap_s)
     return sorted(rows, key=lambda r: r["timestamp"])
 
 
@@ -301,22 +311,26 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--skip-bound", action="store_true")
     p.add_argument("--cpus-per-replica", type=int, default=1)
-    p.add_argument("--pool-blocks", type=int, default=256)
+    p.add_argument("--pool-blocks", type=int, default=1024)
     p.add_argument("--cpu-blocks", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--user-tokens", type=int, default=96)
-    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--user-tokens", type=int, default=64)
+    p.add_argument("--reply-tokens", type=int, default=192)
     p.add_argument("--session-gap-s", type=float, default=1.0)
-    p.add_argument("--think-s", type=float, default=1.0)
+    p.add_argument("--think-s", type=float, default=3.0)
     p.add_argument("--mooncake-trace", default=None, help="a Mooncake JSONL trace to replay")
     p.add_argument("--mooncake-requests", type=int, default=0, help="its first N rows (0: all)")
     p.add_argument("--mooncake-block", type=int, default=64,
                    help="tokens per hash id (Mooncake's 512, scaled to the model)")
     p.add_argument("--mooncake-sessions", type=int, default=16)
     p.add_argument("--mooncake-turns", type=int, default=5)
+    p.add_argument("--mooncake-gap-s", type=float, default=2.0,
+                   help="the synthetic trace's mean gap between sessions (4x between turns)")
+    p.add_argument("--mooncake-output-tokens", type=int, default=32,
+                   help="the synthetic trace's output length, scaled as its blocks are")
     p.add_argument("--time-scale", type=float, default=1.0)
     args = p.parse_args()
     args.policies = [x for x in args.policies.split(",") if x]
