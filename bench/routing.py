@@ -1,16 +1,16 @@
 """Routing policies of a replicated deployment against one big engine, on the default model.
 
 Two replicas (TP=1, --cpus-per-replica CPUs each) of SmolLM2-135M-Instruct behind one router,
-fp32, a small device pool (--pool-blocks) and a CPU tier (--cpu-blocks) per replica. Every
+fp32, a device pool (--pool-blocks) and a CPU tier (--cpu-blocks) per replica. Every
 policy runs the same workloads on the same replicas, caches emptied between runs:
 
   chat      --sessions multi-turn conversations sharing a --system-tokens system prompt; each
             turn adds a --user-tokens user message to the history and waits for a greedy
             reply of --reply-tokens (EOS ignored; 64 and 192 by default: a chat reply is
             usually several times the message that asked for it), after an exponential
-            think time (--think-s). The KV
-            working set (every conversation's history) exceeds one replica's pool and fits
-            the cluster's tiers (`working_set_blocks` in the JSON).
+            think time (--think-s). The KV working set (every conversation's history)
+            exceeds one replica's pool and fits the cluster's tiers (`working_set_blocks`
+            in the JSON).
   mooncake  a trace in Mooncake's FAST'25 JSONL format (timestamp ms, input_length,
             output_length, hash_ids: one id per 512 tokens), replayed at its arrival times
             (x --time-scale): each hash id stands for the same synthetic tokens wherever it
@@ -346,7 +346,7 @@ def main() -> None:
     chat = chat_workload(args)
     workloads = {"chat": ("chat", chat), "mooncake": ("trace", mooncake_requests(rows, args))}
     longest = max(len(s["system"]) + len(s["turns"]) * (args.user_tokens + args.reply_tokens)
-                  for s in chat)
+                  for s in chat) - args.reply_tokens
     working_set = sum(len(s["system"]) + len(s["turns"]) * (args.user_tokens + args.reply_tokens)
                       for s in chat) // BLOCK_SIZE
 
