@@ -34,6 +34,7 @@ call's round trip (no token passes through the router: this bounds the deploymen
 rate, not its token rate).
 
 Usage: python bench/routing.py [--json] [--quick] [--policies kv,round_robin]
+       [--workloads chat,mooncake]
 """
 from __future__ import annotations
 
@@ -248,9 +249,7 @@ def run_policies(args, workloads: dict) -> dict:
                 results[name][policy] = res
                 print(f"  {name:<9} {policy:<13} {res}", file=sys.stderr, flush=True)
         # Last: the routes it makes count as load on their way to the replicas.
-        chat = next(w for kind, w in workloads.values() if kind == "chat")
-        results["router"] = router_capacity(
-            router, [s["system"] + [t for u in s["turns"] for t in u] for s in chat])
+        results["router"] = router_capacity(router, args.router_prompts)
     finally:
         tierserve.stop("bench-routing")
     return results
@@ -309,6 +308,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few sessions, to check it runs")
     p.add_argument("--model", default=None)
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--workloads", default="chat,mooncake")
     p.add_argument("--skip-bound", action="store_true")
     p.add_argument("--cpus-per-replica", type=int, default=1)
     p.add_argument("--pool-blocks", type=int, default=1024)
@@ -345,6 +345,11 @@ def main() -> None:
         rows = synthetic_mooncake(args)
     chat = chat_workload(args)
     workloads = {"chat": ("chat", chat), "mooncake": ("trace", mooncake_requests(rows, args))}
+    unknown = set(args.workloads.split(",")) - set(workloads)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(workloads)}")
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
+    args.router_prompts = [s["system"] + [t for u in s["turns"] for t in u] for s in chat]
     longest = max(len(s["system"]) + len(s["turns"]) * (args.user_tokens + args.reply_tokens)
                   for s in chat) - args.reply_tokens
     working_set = sum(len(s["system"]) + len(s["turns"]) * (args.user_tokens + args.reply_tokens)
@@ -367,8 +372,7 @@ def main() -> None:
     for name in workloads:
         result["workloads"][name] = {"bound": bound.get(name, {}), **per_policy[name]}
     result["router"] = per_policy.get("router", {})
-    result["route_us_at_100k_blocks"] = route_us_at(
-        100_000, [s["system"] + [t for u in s["turns"] for t in u] for s in chat] * 4)
+    result["route_us_at_100k_blocks"] = route_us_at(100_000, args.router_prompts * 4)
     if args.json:
         print(json.dumps(result))
         return
