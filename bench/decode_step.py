@@ -10,8 +10,14 @@ on both; the table gives each path's median over the repeats. --model: `default`
 default model, its linears run from their Q4_1 codes) or `dense-noise` (its weights plus 1%
 Gaussian noise, an HF checkpoint exported once by bench/export_hf.py).
 
+--ops N adds where a step's time goes: the layer-by-layer path under torch.profiler for
+--steps steps, the N ops of most self CPU time per dtype in milliseconds per step (the stack
+path is one op: it runs these kernels in this order), the rest summed as `other` (small
+tensor ops, allocations), and `python`: the path's step time (layers_ms) less all its ops.
+
 Usage: python bench/decode_step.py [--json] [--model default|dense-noise|PATH]
                                    [--dtypes float32,bfloat16] [--context 580] [--repeats 6]
+                                   [--ops 6]
 """
 from __future__ import annotations
 
@@ -79,6 +85,21 @@ def time_paths(model, step, repeats: int, steps: int) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in runs.items()}
 
 
+def op_split(step, steps: int, top: int, wall_ms: float) -> dict[str, float]:
+    """Milliseconds per step of the `top` ops of most self CPU time, then `other` (the rest of
+    the ops) and `python` (wall_ms, the path's unprofiled step, less all the ops)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    ops = sorted(((e.key.split("::")[-1], e.self_cpu_time_total / 1e3 / steps)
+                  for e in prof.key_averages()), key=lambda kv: -kv[1])
+    split = {f"{name}_ms": round(ms, 3) for name, ms in ops[:top]}
+    split["other_ms"] = round(sum(ms for _, ms in ops[top:]), 3)
+    split["python_ms"] = round(max(0.0, wall_ms - sum(ms for _, ms in ops)), 3)
+    return split
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
@@ -87,13 +108,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=580)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--ops", type=int, default=0, help="add the N costliest ops per step")
     args = parser.parse_args()
     features = detect_cpu_features()
     if features.best_isa() == "torch":
         raise SystemExit("this CPU runs no kernel backend: there is no layer stack to time")
     backend = kernel_backend(features.best_isa(), envs.cache_dir())
     path = model_path(args.model)
-    rows = []
+    rows, splits = [], {}
     with torch.inference_mode():
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
@@ -106,8 +128,14 @@ def main() -> None:
                          "layers_ms": round(ms["layers"], 2),
                          "stack_tok_s": round(1e3 / ms["stack"], 1),
                          "saved_ms": round(ms["layers"] - ms["stack"], 2)})
+            if args.ops:
+                model.model.use_layer_stack = False
+                splits[name] = op_split(step, args.steps, args.ops, ms["layers"])
+                model.model.use_layer_stack = True
     result = {"cpu": features.model_name, "backend": backend.name, "model": args.model,
               "context": args.context, "threads": torch.get_num_threads(), "rows": rows}
+    if splits:
+        result["ops"] = splits
     if args.json:
         import json
         print(json.dumps(result))
@@ -115,6 +143,11 @@ def main() -> None:
     print(f"# {result['cpu']}, {backend.name}, {result['threads']} threads; {args.model}, one "
           f"sequence of {args.context} tokens")
     print_table(rows)
+    if splits:
+        print("\n# ms per step of the layer-by-layer path, by op (self CPU time)")
+        names = list(dict.fromkeys(k for split in splits.values() for k in split))
+        print_table([{"op": k.removesuffix("_ms"), **{d: split.get(k, "") for d, split
+                                                      in splits.items()}} for k in names])
 
 
 if __name__ == "__main__":
