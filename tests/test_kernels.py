@@ -204,6 +204,25 @@ def test_decode_kernel_output_is_batch_invariant(kernels, dtype):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_bf16_scores_by_dot_product_where_the_cpu_has_it(kernels, threads, head_dim):
+    """AVX-512 builds score bf16 rows with AVX512_BF16's dot product where the CPU has it (head
+    dims in whole 32-value registers; 80 keeps the widening path), else by widening them: both
+    match the torch path, and the switch reports which the CPU runs."""
+    has_dot = kernels.name != "avx2" and "avx512_bf16" in kernels.features.flags
+    q, k_cache, v_cache, attn = _decode_batch(torch.bfloat16, 3, head_dim, kv_heads=3, seed=6,
+                                              lens=[1000, 300, 17, 1])
+    expected = _decode(q, k_cache, v_cache, attn, head_dim ** -0.5).float()
+    try:
+        for dot in (False, True):
+            assert kernels.ops.set_bf16_dot(dot) == (dot and has_dot)
+            got = kernels.paged_attention(q, k_cache, v_cache, *attn.decode_tables(),
+                                          head_dim ** -0.5)
+            torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
+    finally:
+        kernels.ops.set_bf16_dot(True)
+
+
 def test_decode_kernel_small_blocks_and_tiny_head_dim(kernels, threads):
     """block_size 4 puts several blocks in one kernel tile; head_dim 16 is the tiny models'."""
     q, k_cache, v_cache, attn = _decode_batch(torch.float32, 2, 16, block_size=4, seed=1)

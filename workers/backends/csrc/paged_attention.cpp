@@ -9,8 +9,11 @@
 // front to back. Per KV head, a K row is loaded once for all query heads sharing it, and the
 // lane-wise products of kLanes tokens are summed across lanes together; the tile's V rows are
 // then accumulated into those heads' outputs, held in registers. bf16 rows widen in registers.
-// Every K/V row of the context is read from memory exactly once, and the tile kAhead ahead is
-// prefetched a token at a time meanwhile, into L2.
+// Every K/V row of the context is read from memory exactly once: an item first pulls its rows
+// into cache with demand loads (pull_rows), and the tile kAhead ahead is prefetched a token at a
+// time meanwhile, into L2. On CPUs with AVX512_BF16, bf16 scores take
+// its dot product (vdpbf16ps: pairs of bf16 products summed in fp32) on the stored bf16 query
+// and K rows, then the scale: no widening of either (score_tile_dot).
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 // With a sliding window W > 0, a token attends to the last W tokens of its context only
 // (Mistral's: keys j with q - W < j <= q); tiles start at the window's first token.
@@ -120,8 +123,10 @@ struct Scratch {
   std::vector<float> p;       // [heads, kTile] scores, then probabilities
   std::vector<float> m, l;    // [heads] running max and running sum of exp
   std::vector<Vec> part;      // [heads, kTile] lane-wise products of q and each K row
+  std::vector<c10::BFloat16> qb;  // [heads, D] unscaled bf16 queries (score_tile_dot)
   Scratch(int64_t heads, int D)
-      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads), part(heads * kTile) {}
+      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads), part(heads * kTile),
+        qb(heads * D) {}
 };
 
 // Addresses of the rows of KV head h0 of tokens t0 .. t0 + n - 1 in the K and V pools (a
@@ -184,6 +189,75 @@ void score_tile(const float* q, int64_t span, int64_t group, const T* const* kro
     for (int b = 0; b < kTile; b += kLanes) store(p + h * kTile + b, transpose_sum(ph + b));
     std::fill(p + h * kTile + n, p + (h + 1) * kTile, kNegInf);
   }
+}
+
+#if defined(__AVX512F__)
+// Whether bf16 scores take AVX512_BF16's dot product: where the CPU has it, unless a test turned
+// it off (set_bf16_dot) to compare both paths on one machine.
+std::atomic<bool>& bf16_dot_flag() {
+  static std::atomic<bool> on{static_cast<bool>(__builtin_cpu_supports("avx512bf16"))};
+  return on;
+}
+
+// score_tile for bf16 rows by vdpbf16ps: p[h][j] <- scale * (q[h] . k[j][h / group]), q the
+// unscaled bf16 queries [heads, D]. Each of a K row's D / 32 zmm of bf16 pairs is loaded once for
+// the group's query heads; the products are exact in fp32 and summed in fp32 (in another order
+// than score_tile's FMA chain).
+template <int D>
+__attribute__((target("avx512bf16"))) void score_tile_dot(
+    const c10::BFloat16* q, float scale, int64_t span, int64_t group,
+    const c10::BFloat16* const* krows, int n, float* p, Vec* part,
+    const c10::BFloat16* const* pf, int pf_bytes) {
+  static_assert(D % 32 == 0 && kLanes == 16, "rows are whole zmm of 32 bf16");
+  constexpr int kZmm = D / 32;
+  const int64_t heads = span * group;
+  for (int j = 0; j < n; ++j) {
+    prefetch_row(pf[j], pf_bytes);
+    for (int64_t kv = 0; kv < span; ++kv) {
+      const c10::BFloat16* row = krows[j] + kv * D;
+      __m512bh k[kZmm];
+      for (int c = 0; c < kZmm; ++c) k[c] = (__m512bh)_mm512_loadu_si512(row + c * 32);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        const c10::BFloat16* qh = q + h * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < kZmm; ++c)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + c * 32), k[c]);
+        part[h * kTile + j] = (Vec)acc;
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    Vec* ph = part + h * kTile;
+    for (int j = n; j < kTile; ++j) ph[j] = Vec{};
+    for (int b = 0; b < kTile; b += kLanes) store(p + h * kTile + b, transpose_sum(ph + b) * scale);
+    std::fill(p + h * kTile + n, p + (h + 1) * kTile, kNegInf);
+  }
+}
+#endif
+
+// Whether an item of T rows of D values scores by score_tile_dot.
+template <typename T, int D>
+inline bool scores_by_dot() {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0)
+    return bf16_dot_flag().load(std::memory_order_relaxed);
+#endif
+  return false;
+}
+
+// score_tile_dot on an item's scratch, for the T and D it takes (scores_by_dot).
+template <typename T, int D>
+void score_by_dot(Scratch& s, float scale, int64_t span, int64_t group, const T* const* krows,
+                  int n, const T* const* pf, int pf_bytes) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+    score_tile_dot<D>(s.qb.data(), scale, span, group, krows, n, s.p.data(), s.part.data(), pf,
+                      pf_bytes);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "paged_decode_attention: no bf16 dot product for this row");
 }
 
 // acc[h] += sum_j p[h][j] * v[j] for NH query heads of one KV head, their accumulator rows
@@ -288,12 +362,45 @@ void tile_rows(const DecodeArgs<T>& a, const Item& it, int tile, const T** krows
 
 inline int num_tiles(const Item& it) { return (it.t_end - it.t_begin + kTile - 1) / kTile; }
 
+// Demand loads of the K and V rows of an item's first tiles (up to kPullBytes): a load per cache
+// line, independent of each other, so the core keeps as many misses in flight as it tracks.
+// Prefetches a row at a time alone leave the scoring waiting on memory (bench/decode_step.py
+// with a long context shows the difference); the rows then wait in L2 for the scoring.
+constexpr int64_t kPullBytes = 256 << 10;
+
+template <typename T>
+void pull_rows(const DecodeArgs<T>& a, const Item& it, const int32_t* table, int64_t D,
+               int bytes) {
+  const int tiles = static_cast<int>(std::min<int64_t>(
+      num_tiles(it), std::max<int64_t>(1, kPullBytes / (2 * kTile * int64_t{bytes}))));
+  const T* krows[kTile];
+  const T* vrows[kTile];
+  uint8_t sink = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int t0 = it.t_begin + t * kTile, n = std::min(kTile, it.t_end - t0);
+    row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
+    for (int j = 0; j < n; ++j) {
+      const auto* k = reinterpret_cast<const volatile uint8_t*>(krows[j]);
+      const auto* v = reinterpret_cast<const volatile uint8_t*>(vrows[j]);
+      for (int b = 0; b < bytes; b += 64) sink ^= k[b] ^ v[b];
+      sink ^= k[bytes - 1] ^ v[bytes - 1];  // a row that starts mid-line ends in one more
+    }
+  }
+  asm volatile("" : : "r"(sink));
+}
+
 // The item's scaled queries into s, its outputs and running (max, sum) reset.
 template <typename T, int D>
-void start_item(const DecodeArgs<T>& a, const Item& it, Scratch& s) {
+void start_item(const DecodeArgs<T>& a, const Item& it, Scratch& s, bool dot) {
   const int64_t heads = (it.h1 - it.h0) * a.group;
   for (int64_t h = 0; h < heads; ++h) {
     const T* src = a.q + it.seq * a.q_seq_stride + (it.h0 * a.group + h) * a.q_head_stride;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (dot) {
+        std::copy_n(src, D, s.qb.begin() + h * D);
+        continue;
+      }
+    }
     for (int d = 0; d < D; ++d) s.q[h * D + d] = static_cast<float>(src[d]) * a.scale;
   }
   std::fill_n(s.acc.begin(), heads * D, 0.0f);
@@ -311,11 +418,13 @@ template <typename T, int D>
 int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, Scratch& s) {
   const int64_t group = a.group, span = it.h1 - it.h0, heads = span * group;
   const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
-  start_item<T, D>(a, it, s);
+  const bool dot = scores_by_dot<T, D>();
+  start_item<T, D>(a, it, s, dot);
   // A token's rows of the item's KV heads are contiguous: prefetched as one span. Every item
   // has the same span.
   const int bytes = static_cast<int>(span * D * sizeof(T));
   const int tiles = num_tiles(it), next_tiles = next ? num_tiles(*next) : 0;
+  pull_rows<T>(a, it, table, D, bytes);
   const T* krows[kTile];
   const T* vrows[kTile];
   const T* kpf[kTile];
@@ -340,7 +449,10 @@ int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, 
       std::fill_n(vpf, kTile, nullptr);
     }
     row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
-    score_tile<T, D>(s.q.data(), span, group, krows, n, s.p.data(), s.part.data(), kpf, bytes);
+    if (dot)
+      score_by_dot<T, D>(s, a.scale, span, group, krows, n, kpf, bytes);
+    else
+      score_tile<T, D>(s.q.data(), span, group, krows, n, s.p.data(), s.part.data(), kpf, bytes);
     softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
     accumulate_tile<T, D>(span, group, s.p.data(), vrows, n, s.acc.data(), vpf, bytes);
   }
@@ -622,10 +734,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   return out;
 }
 
+// Turns the bf16 dot product on (where the CPU has it) or off; whether it is now on.
+bool set_bf16_dot(bool enabled) {
+#if defined(__AVX512F__)
+  const bool on = enabled && __builtin_cpu_supports("avx512bf16");
+  bf16_dot_flag().store(on);
+  return on;
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
+  m.def("set_bf16_dot(bool enabled) -> bool", &tierserve::set_bf16_dot);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window=0, Tensor? rows=None) -> Tensor");
   m.def("decode_head_dims() -> int[]", &tierserve::decode_head_dims);
