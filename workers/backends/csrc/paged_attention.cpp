@@ -11,9 +11,9 @@
 // then accumulated into those heads' outputs, held in registers. bf16 rows widen in registers.
 // Every K/V row of the context is read from memory exactly once: an item first pulls its rows
 // into cache with demand loads (pull_rows), and the tile kAhead ahead is prefetched a token at a
-// time meanwhile, into L2. On CPUs with AVX512_BF16, bf16 scores take
-// its dot product (vdpbf16ps: pairs of bf16 products summed in fp32) on the stored bf16 query
-// and K rows, then the scale: no widening of either (score_tile_dot).
+// time meanwhile, into L2. On CPUs with AVX512_BF16, bf16 scores take its dot product
+// (vdpbf16ps: pairs of bf16 products summed in fp32) on the stored bf16 query and K rows, then
+// the scale: no widening of either (score_tile_dot).
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
 // With a sliding window W > 0, a token attends to the last W tokens of its context only
 // (Mistral's: keys j with q - W < j <= q); tiles start at the window's first token.
