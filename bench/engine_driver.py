@@ -36,6 +36,10 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Outputs:
         """Greedy, EOS ignored: exactly max_tokens tokens per prompt."""
 
+    # Optional (paired_decode's step-interleaved measure, where every engine has it):
+    # def stream_steps(self, prompt: list[int], max_tokens: int) -> Iterator: one greedy
+    # request's engine steps, one per next(): its prefill, then a token each.
+
     def info(self) -> dict:
         """Versions, and whether compile / kernel caches were warm at start."""
 
@@ -119,7 +123,8 @@ def paired_decode(engine: Engine, spec: dict, make_engine: Callable[[dict], Engi
     """Single-stream decode of this engine's dtype against paired_dtypes, all engines in this
     process, in rounds of one decode pair each, so that drift in the machine's memory bandwidth
     falls on every dtype alike. The rounds run the dtypes forwards and backwards in turn (A B,
-    B A, ...); each round's ratio to this dtype, then the median over rounds."""
+    B A, ...); each round's ratio to this dtype, then the median over rounds. Then, where the
+    engines can be stepped (stream_steps), as many rounds of interleaved_steps."""
     dtypes = [spec["dtype"]] + list(spec["paired_dtypes"])
     engines = {spec["dtype"]: engine}
     try:
@@ -137,15 +142,51 @@ def paired_decode(engine: Engine, spec: dict, make_engine: Callable[[dict], Engi
             for dtype in dtypes if r % 2 == 0 else dtypes[::-1]:
                 tok_s[dtype].append(_decode_pair(engines[dtype], next(prompts), next(prompts),
                                                  n)[0])
+        interleaved = interleaved_steps(engines, spec["paired_decode_prompts"][0], n,
+                                        spec["paired_rounds"]) \
+            if all(hasattr(e, "stream_steps") for e in engines.values()) else None
     finally:
         for dtype in dtypes[1:]:
             if dtype in engines:
                 engines[dtype].close()
     ratios = {d: [x / y for x, y in zip(tok_s[d], tok_s[dtypes[0]])] for d in dtypes[1:]}
-    return {"paired_decode": {
-        "dtypes": dtypes, "rounds": spec["paired_rounds"], "tok_s": tok_s,
-        "median_tok_s": {d: statistics.median(v) for d, v in tok_s.items()},
-        "ratios": ratios, "ratio": {d: statistics.median(v) for d, v in ratios.items()}}}
+    result = {"dtypes": dtypes, "rounds": spec["paired_rounds"], "tok_s": tok_s,
+              "median_tok_s": {d: statistics.median(v) for d, v in tok_s.items()},
+              "ratios": ratios, "ratio": {d: statistics.median(v) for d, v in ratios.items()}}
+    if interleaved:
+        result["interleaved"] = interleaved
+    return {"paired_decode": result}
+
+
+def interleaved_steps(engines: dict[str, Engine], prompt: list[int], n: int,
+                      rounds: int) -> dict:
+    """Single-stream decode steps of the engines taken in turn, a step each, the order reversed
+    every step and round: bandwidth that drifts within seconds falls on every engine alike,
+    where a round of whole decodes (seconds each) leaves it to chance. Per round each engine's
+    median step time (ms) after its prefill; each later engine's speed-up over the first
+    (the first's step time over its own), then the median round's."""
+    names = list(engines)
+    step_ms: dict[str, list[float]] = {d: [] for d in names}
+    for r in range(rounds):
+        streams = {d: engines[d].stream_steps(prompt, n + 1) for d in names}
+        times: dict[str, list[float]] = {d: [] for d in names}
+        try:
+            for stream in streams.values():
+                next(stream)  # the prefill
+            order = names if r % 2 == 0 else names[::-1]
+            for k in range(n):
+                for d in order if k % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    next(streams[d])
+                    times[d].append(time.perf_counter() - t0)
+        finally:
+            for stream in streams.values():
+                stream.close()
+        for d in names:
+            step_ms[d].append(statistics.median(times[d]) * 1e3)
+    ratios = {d: [a / b for a, b in zip(step_ms[names[0]], step_ms[d])] for d in names[1:]}
+    return {"step_ms": step_ms, "ratios": ratios,
+            "ratio": {d: statistics.median(v) for d, v in ratios.items()}}
 
 
 def ttft(engine: Engine, spec: dict) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from importlib.metadata import version
+from typing import Iterator
 
 os.environ.setdefault("TIERSERVE_CPU_KERNELS", "sync")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,11 +30,19 @@ class TierserveEngine:
         self.llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                        kv_cache_memory_bytes=spec["kv_cache_bytes"], cpu_isa=spec["cpu_isa"],
                        enable_prefix_caching=True, **spec.get("engine_options", {}))
+        self._steps = 0
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Outputs:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
+
+    def stream_steps(self, prompt: list[int], max_tokens: int) -> Iterator:
+        """One greedy request's engine steps, one per next(): its prefill, then a token each."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self._steps += 1
+        request = self.llm.processors[0].process(f"steps-{self._steps}", prompt, params, 0, None)
+        return self.llm.engine.stream_batch([request.request])
 
     def info(self) -> dict:
         new_files = count_files(self._cache) - self._cache_files
