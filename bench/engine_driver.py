@@ -36,9 +36,9 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Outputs:
         """Greedy, EOS ignored: exactly max_tokens tokens per prompt."""
 
-    # Optional (paired_decode's step-interleaved measure, where every engine has it):
-    # def stream_steps(self, prompt: list[int], max_tokens: int) -> Iterator: one greedy
-    # request's engine steps, one per next(): its prefill, then a token each.
+    # An engine may also offer stream_steps(prompt, max_tokens): one greedy request's engine
+    # steps as an iterator, one per next() (its prefill, then a token each). paired_decode's
+    # step-interleaved measure runs where every engine does (tierserve's driver; not vLLM's).
 
     def info(self) -> dict:
         """Versions, and whether compile / kernel caches were warm at start."""
