@@ -174,7 +174,9 @@ def test_a_client_cannot_touch_another_clients_request(deployment):
     b = tierserve.connect("hostile", namespace=NS)
 
     async def scenario():
-        first = a.generate([5, 6, 7], _params(60), request_id="same")
+        # Long enough (the model's whole context) to outlast b's request and the lookups
+        # below on a loaded machine.
+        first = a.generate([5, 6, 7], _params(500), request_id="same")
         await first.__anext__()
         theirs = await _last(b.generate([9, 8, 7], _params(6), request_id="same"))
         [mine] = [r for r in a.list_requests() if r["request_id"] == "same"]
@@ -188,7 +190,7 @@ def test_a_client_cannot_touch_another_clients_request(deployment):
     theirs, rest = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert theirs.error is None and theirs.outputs[0].finish_reason == "length"
     assert rest[-1].outputs[0].finish_reason == "length" and rest[-1].finished
-    assert sum(len(d.outputs[0].token_ids) for d in rest) == 59
+    assert sum(len(d.outputs[0].token_ids) for d in rest) == 499
     wait_idle(deployment)
 
 
