@@ -4,6 +4,8 @@ float64 reference, rows that do not depend on the batch around them, input check
 layers of a loaded model get which layout on each backend."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,18 +69,32 @@ def test_panel_linear_matches_float64(kernels, m, k, n, with_bias):
                            got[m // 3:])
 
 
+def _half_layout(kernels, dtype, layout: str):
+    """The backend whose PanelWeight packs `dtype` in `layout`: "widen" (panels of the dtype,
+    widened to fp32 in registers) or "pairs" (bf16 k pairs for AVX512_BF16's dot product,
+    where the backend has it)."""
+    if layout == "widen":
+        return dataclasses.replace(kernels, bf16_pairs=False)
+    if dtype != torch.bfloat16 or not kernels.bf16_pairs:
+        pytest.skip(f"the {kernels.name} backend packs no {dtype} pairs on this CPU")
+    return kernels
+
+
 # bf16 / fp16 on the panel kernel: fp32 products and sums, rounded once to the dtype, as
 # F.linear rounds; against float64 within one rounding of the output plus the fp32 sum's error.
+@pytest.mark.parametrize("layout", ["widen", "pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 6, 7, 64, 300])
-@pytest.mark.parametrize("k,n", [(64, 96), (600, 50)])
+@pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (2 * 200, 32)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_half_panel_linear_matches_float64(kernels, dtype, m, k, n, with_bias):
+def test_half_panel_linear_matches_float64(kernels, layout, dtype, m, k, n, with_bias):
     if kernels.half_linear_for(dtype) != "kernel":
         pytest.skip(f"the {kernels.name} backend runs {dtype} linears on oneDNN here")
+    kernels = _half_layout(kernels, dtype, layout)
     w, x, b = (t.to(dtype) for t in _case(m, k, n, seed=m + k + n))
     bias = b if with_bias else None
     packed = PanelWeight(w, kernels)
+    assert packed.pairs == (layout == "pairs")
     got = packed.linear(x, bias)
     assert got.dtype == dtype and got.shape == (m, n) and packed.panels.dtype == dtype
     want = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
@@ -264,13 +280,15 @@ def _greedy_backend(kernels):
 
 
 @pytest.mark.parametrize("m", [1, 13, 64, 160])
-@pytest.mark.parametrize("vocab,k,dtype", [(1000, 64, torch.float32), (3001, 576, torch.float32),
-                                           (3001, 576, torch.bfloat16), (1000, 64, torch.float16)])
-def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype):
+@pytest.mark.parametrize("vocab,k,dtype,layout", [
+    (1000, 64, torch.float32, "widen"), (3001, 576, torch.float32, "widen"),
+    (3001, 576, torch.bfloat16, "widen"), (3001, 576, torch.bfloat16, "pairs"),
+    (1000, 64, torch.float16, "widen")])
+def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype, layout):
     """Bit for bit the token argmax over the panel kernel's logits gives (first index on ties;
     half-precision logits rounded as the kernel rounds them), on random rows, rows aimed at
     tied or near-tied vocabulary rows, and all-zero rows (every column a candidate)."""
-    kernels = _greedy_backend(kernels)
+    kernels = _half_layout(_greedy_backend(kernels), dtype, layout)
     w = _lm_head_case(vocab, k, seed=m + vocab).to(dtype)
     panel = PanelWeight(w, kernels)
     head = GreedyHead(panel, w, kernels)
@@ -321,3 +339,26 @@ def test_an_fp32_head_takes_the_route_for_few_rows_only(kernels):
     bf16 = GreedyHead(PanelWeight(half, kernels), half, kernels)
     assert bf16.max_rows == kernels.panel_max_rows
     assert bf16.tokens(torch.randn(FP32_MAX_ROWS + 1, 64).to(torch.bfloat16)) is not None
+
+
+def test_bf16_pair_panels_where_the_cpu_has_the_dot_product(kernels):
+    """bf16 weights of an even K are packed in k pairs exactly where the backend's library runs
+    AVX512_BF16 (an AVX-512 build on a CPU with it); odd K and other dtypes keep the widening
+    layout. Both layouts give back the weight and its rows, and their products agree within
+    the output's rounding."""
+    features = detect_cpu_features()
+    assert kernels.bf16_pairs == (kernels.name != "avx2" and "avx512_bf16" in features.flags)
+    g = torch.Generator().manual_seed(3)
+    for k, n in [(64, 100), (576, 960), (33, 40)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(5, k, generator=g).bfloat16()
+        pairs, widen = PanelWeight(w, kernels), PanelWeight(w, _half_layout(kernels, w.dtype,
+                                                                            "widen"))
+        assert pairs.pairs == (kernels.bf16_pairs and k % 2 == 0) and not widen.pairs
+        ids = torch.tensor([0, 31, 32, n - 1])
+        for packed in (pairs, widen):
+            assert torch.equal(packed.weight(), w) and torch.equal(packed.rows(ids), w[ids])
+        torch.testing.assert_close(pairs.linear(x, None).float(), widen.linear(x, None).float(),
+                                   rtol=2 ** -7, atol=1e-6)
+    assert not PanelWeight(torch.randn(40, 64), kernels).pairs
+    assert not PanelWeight(torch.randn(40, 64).half(), kernels).pairs

@@ -59,6 +59,8 @@ class CpuKernelBackend(TorchBackend):
     # fp32 weights that are GGUF blocks dequantized run from their codes alone (quant.py).
     quant_linear: bool = True
     panel_width: int = 0
+    # bf16 weights of an even K packed in k pairs for AVX512_BF16's dot product (PanelWeight).
+    bf16_pairs: bool = False
     head_dims: frozenset = frozenset()
     # Where the weights the kernels stream are placed: huge pages (host_memory.py).
     arena: HugePageArena = field(default_factory=HugePageArena, repr=False)
@@ -73,6 +75,7 @@ class CpuKernelBackend(TorchBackend):
                                f"{', '.join(features.isas) or 'none of ' + ', '.join(ISAS)}")
         return cls(isa, features, half_linear_plan(features, isa), "cpu", ops,
                    quant_linear=quant_linear, panel_width=int(ops.panel_width()),
+                   bf16_pairs=bool(ops.bf16_pairs()),
                    head_dims=frozenset(ops.decode_head_dims()), **cls.level_paths(features, ops))
 
     @classmethod

@@ -39,8 +39,8 @@ log = logging.getLogger("tierserve.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
 _UNIT = "kernels.cpp"  # includes the other sources: one translation unit
-_SOURCES = ("kernels.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear.cpp",
-            "linear_amx.cpp", "fused.cpp", "quant.cpp", "layer_stack.cpp")
+_SOURCES = ("kernels.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear_pairs.cpp",
+            "linear.cpp", "linear_amx.cpp", "fused.cpp", "quant.cpp", "layer_stack.cpp")
 _HEADERS = ("vec.h", "panels.h")  # part of the build's identity
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:

@@ -111,7 +111,9 @@ class PackedWeight(LinearMethod):
 class PanelWeight(LinearMethod):
     """A CPU weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of W
     output features, [ceil(N / W), K, W], the last one zero-padded, W the backend's panel width
-    (two of its vector registers). It replaces the plain weight.
+    (two of its vector registers). It replaces the plain weight. bf16 weights of an even K on
+    a backend with bf16_pairs are pair panels instead, [ceil(N / W), K / 2, 2 W]: per k pair,
+    each output feature's weights for k = 2j, 2j + 1 side by side (csrc/linear_pairs.cpp).
 
     fp32: inputs of up to the backend's panel_max_rows rows run the panel kernel; larger ones
     run csrc/linear_amx.cpp where the backend has AMX (bf16x3, to fp32 accuracy), else MKL on
@@ -126,9 +128,23 @@ class PanelWeight(LinearMethod):
         width = backend.panel_width
         num_panels = -(-n // width)
         padded = F.pad(weight.detach(), (0, 0, 0, num_panels * width - n))
-        self.panels = padded.view(num_panels, width, k).transpose(1, 2).contiguous()
+        if self.pairs_for(weight, backend):
+            # [P, W, K/2, 2] -> [P, K/2, W, 2]: a k pair's W pairs are one contiguous row.
+            self.panels = padded.view(num_panels, width, k // 2, 2).transpose(1, 2) \
+                .reshape(num_panels, k // 2, 2 * width).contiguous()
+        else:
+            self.panels = padded.view(num_panels, width, k).transpose(1, 2).contiguous()
         self.out_features = n
         self.backend = backend
+
+    @staticmethod
+    def pairs_for(weight: torch.Tensor, backend) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 \
+            and backend.bf16_pairs
+
+    @property
+    def pairs(self) -> bool:
+        return self.panels.shape[2] == 2 * self.backend.panel_width
 
     @staticmethod
     def applies_to(weight: torch.Tensor, backend) -> bool:
@@ -147,9 +163,17 @@ class PanelWeight(LinearMethod):
             return self.backend.linear_amx(x, self.panels, bias, self.out_features)
         return F.linear(x, self.weight(), bias)
 
+    def _features_major(self) -> torch.Tensor:
+        """The panels as [P, W, K] (a view where it can be)."""
+        p, rows, width = self.panels.shape
+        if self.pairs:
+            width //= 2
+            return self.panels.view(p, rows, width, 2).transpose(1, 2).reshape(p, width, 2 * rows)
+        return self.panels.transpose(1, 2)
+
     def weight(self) -> torch.Tensor:
-        k = self.panels.shape[1]
-        return self.panels.transpose(1, 2).reshape(-1, k)[: self.out_features]
+        w = self._features_major()
+        return w.reshape(-1, w.shape[2])[: self.out_features]
 
     def place(self, arena) -> "PanelWeight":
         self.panels = arena.adopt(self.panels)
@@ -157,6 +181,11 @@ class PanelWeight(LinearMethod):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding's lookup): [len(ids), K]."""
+        if self.pairs:
+            p, half, width2 = self.panels.shape
+            width = width2 // 2
+            return self.panels.view(p, half, width, 2)[ids // width, :, ids % width] \
+                .reshape(len(ids), 2 * half)
         width = self.panels.shape[2]
         return self.panels[ids // width, :, ids % width]
 

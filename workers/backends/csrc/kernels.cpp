@@ -4,6 +4,7 @@
 
 #include "paged_attention.cpp"
 #include "prefill_attention.cpp"
+#include "linear_pairs.cpp"
 #include "linear.cpp"
 #include "linear_amx.cpp"
 #include "fused.cpp"

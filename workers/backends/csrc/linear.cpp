@@ -283,22 +283,9 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// y = round_T(x W^T + b) for bf16 / fp16 x, W (panels of T) and b: fp32 products and sums.
+// out = round_T(acc + b), acc [M, n] fp32.
 template <typename T>
-void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, int64_t n,
-                 at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
-  // fp32 copies of x ([M, K]: a Vec of inputs per splat) and of the product, in plain buffers:
-  // for a lone decode row, tensor allocations and conversions through the dispatcher cost a
-  // good part of a small weight's product.
-  std::unique_ptr<float[]> xf(new float[m * k]), acc(new float[m * n]);
-  const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(xp[r * ldx + i]);
-  });
-  float* ap = acc.get();
-  panel_product(xf.get(), k, m, k, packed.data_ptr<T>(), packed.size(0), ap, n);
+void finish_half(const float* ap, const T* bias, int64_t m, int64_t n, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
@@ -307,6 +294,33 @@ void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, i
         op[r * n + j] = static_cast<T>(v);
       }
   });
+}
+
+// y = round_T(x W^T + b) for bf16 / fp16 x, W (panels of T, or bf16 pair panels) and b: fp32
+// products and sums.
+template <typename T>
+void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, int64_t n,
+                 at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
+  // fp32 copies of x ([M, K]: a Vec of inputs per splat) and of the product, in plain buffers:
+  // for a lone decode row, tensor allocations and conversions through the dispatcher cost a
+  // good part of a small weight's product.
+  std::unique_ptr<float[]> acc(new float[m * n]);
+  const T* xp = x.data_ptr<T>();
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pair_layout(packed)) {
+      TORCH_CHECK(bf16_pairs(), "linear_half: bf16 pair panels need a CPU with AVX512_BF16");
+      pair_product(xp, ldx, m, k, packed.data_ptr<T>(), packed.size(0), acc.get(), n);
+      return finish_half(acc.get(), bias, m, n, out);
+    }
+  }
+  std::unique_ptr<float[]> xf(new float[m * k]);
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(xp[r * ldx + i]);
+  });
+  panel_product(xf.get(), k, m, k, packed.data_ptr<T>(), packed.size(0), acc.get(), n);
+  finish_half(acc.get(), bias, m, n, out);
 }
 
 at::Tensor linear_half(const at::Tensor& x, const at::Tensor& packed,
@@ -368,7 +382,7 @@ inline float stored(float v) {
 template <typename W>
 int64_t greedy_row(const float* approx, const float* x, const W* packed, const float* norms,
                    const float* devs, int64_t n, int64_t k, float gamma, int out_bits,
-                   std::vector<int64_t>& cand) {
+                   bool pairs, std::vector<int64_t>& cand) {
   double sq = 0;
   for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
   const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
@@ -421,7 +435,14 @@ int64_t greedy_row(const float* approx, const float* x, const W* packed, const f
   float top = -INFINITY;
   float vals[kGroup];
   for (size_t i = 0; i < cand.size(); i += kGroup) {
-    exact_columns<W, kGroup>(x, packed, k, cand.data() + i, vals);
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+      if (pairs)
+        exact_pair_columns<kGroup>(x, packed, k, cand.data() + i, vals);
+      else
+        exact_columns<W, kGroup>(x, packed, k, cand.data() + i, vals);
+    } else {
+      exact_columns<W, kGroup>(x, packed, k, cand.data() + i, vals);
+    }
     for (int l = 0; l < kGroup; ++l) {
       const float v = stored<W>(vals[l]);
       if (v > top || arg < 0) {
@@ -451,6 +472,8 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
   TORCH_CHECK(norms.numel() == n && devs.numel() == n, op, "norms and devs must be [n]");
   const int64_t m = x.size(0), k = x.size(1);
   const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
+  const bool pairs = pair_layout(packed);
+  TORCH_CHECK(!pairs || bf16_pairs(), op, "bf16 pair panels need a CPU with AVX512_BF16");
   at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
@@ -462,12 +485,14 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
       const float* dv = devs.data_ptr<float>();
       const float g = static_cast<float>(gamma);
       if (wt == at::kFloat)
-        o[r] = greedy_row(a, xr, packed.data_ptr<float>(), nr, dv, n, k, g, out_bits, cand);
+        o[r] = greedy_row(a, xr, packed.data_ptr<float>(), nr, dv, n, k, g, out_bits, false,
+                          cand);
       else if (wt == at::kBFloat16)
         o[r] = greedy_row(a, xr, packed.data_ptr<c10::BFloat16>(), nr, dv, n, k, g, out_bits,
-                          cand);
+                          pairs, cand);
       else
-        o[r] = greedy_row(a, xr, packed.data_ptr<c10::Half>(), nr, dv, n, k, g, out_bits, cand);
+        o[r] = greedy_row(a, xr, packed.data_ptr<c10::Half>(), nr, dv, n, k, g, out_bits, false,
+                          cand);
     }
   });
   return out;
@@ -479,6 +504,7 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("linear_half(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("bf16_pairs() -> bool", &tierserve::bf16_pairs);
   m.def("greedy_tokens(Tensor approx, Tensor x, Tensor packed, Tensor norms, Tensor devs, "
         "int n, float gamma) -> Tensor");
 }

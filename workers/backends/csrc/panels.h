@@ -1,5 +1,5 @@
-// The panel layout of linear weights, shared by linear.cpp (which defines it) and linear_amx.cpp
-// (which reads it): [ceil(N / kPanel), K, kPanel], panel p holding output features
+// The panel layout of linear weights, shared by linear.cpp (which defines it), linear_pairs.cpp
+// and linear_amx.cpp (which read it): [ceil(N / kPanel), K, kPanel], panel p holding output features
 // [p * kPanel, (p + 1) * kPanel) as a contiguous [K][kPanel] block, the last one zero-padded; a
 // panel is two Vecs wide, so its width depends on the build's ISA. Every kernel source
 // includes it, so kernels.build_dir_for hashes it with them.
@@ -16,16 +16,24 @@ namespace tierserve {
 
 constexpr int64_t kPanel = 2 * kLanes;  // output features per panel: two Vecs
 
+// Whether packed holds bf16 pair panels ([ceil(N / kPanel), K / 2, 2 kPanel]: per k pair, the
+// panel's output features' weights for k = 2j and 2j + 1 side by side; linear_pairs.cpp).
+inline bool pair_layout(const at::Tensor& packed) {
+  return packed.dim() == 3 && packed.size(2) == 2 * kPanel &&
+         packed.scalar_type() == at::kBFloat16;
+}
+
 // Checks the shapes of y = x W^T + b's inputs, W in panels of N = n output features.
 inline void check_panel_shapes(const char* op, const at::Tensor& x, const at::Tensor& packed,
                                int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, "x must be [M, K] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
-              "packed weight must be a contiguous [panels, K, ", kPanel, "] tensor");
-  const int64_t panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == x.size(1), op, "x has K = ", x.size(1), ", the weight ",
-              packed.size(1));
+  const bool pairs = pair_layout(packed);
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kPanel || pairs) && packed.is_contiguous(),
+              op, "packed weight must be a contiguous [panels, K, ", kPanel,
+              "] tensor (or bf16 [panels, K / 2, ", 2 * kPanel, "] pairs)");
+  const int64_t panels = packed.size(0), k = pairs ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(k == x.size(1), op, "x has K = ", x.size(1), ", the weight ", k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, "n = ", n,
               " does not match ", panels, " panels");
 }
