@@ -7,7 +7,10 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
 - `torch`: F.linear on the plain weight, the torch backend's route (oneDNN-packed where the
   torch backend packs that dtype);
 - `panel`: the C++ panel kernel (csrc/linear.cpp): fp32 up to the backend's panel_max_rows
-  rows, bf16 / fp16 at every size where the backend's half_linear is "kernel";
+  rows; bf16 / fp16 (the engine takes it at every size where the backend's half_linear is
+  "kernel", else for single rows), bf16 in pair panels on AVX512_BF16's dot product where
+  the backend packs them (csrc/linear_pairs.cpp);
+- `panel_widen`: bf16 panels widened to fp32 in registers, where `panel` runs pairs;
 - `amx`: csrc/linear_amx.cpp, fp32, weight split from the panels in the call (beyond
   panel_max_rows where the backend has AMX);
 - `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX);
@@ -30,6 +33,7 @@ Usage: python bench/linear_kernels.py [--json] [--rows 1,16,64,161,512,2048] [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -54,7 +58,11 @@ class Weight:
 
     def __init__(self, w: torch.Tensor, backend: CpuKernelBackend) -> None:
         self.plain = w
-        self.panel = PanelWeight(w, backend) if PanelWeight.applies_to(w, backend) else None
+        half = w.dtype != torch.float32
+        self.panel = PanelWeight(w, backend) \
+            if half or PanelWeight.applies_to(w, backend) else None
+        self.widen = PanelWeight(w, dataclasses.replace(backend, bf16_pairs=False)) \
+            if half and self.panel.pairs else None
         torch_route = torch_backend().half_linear_for(w.dtype)
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
         self.quant = QuantPanelWeight.encode(w, backend) if self.panel else None
@@ -66,9 +74,11 @@ class Weight:
 def routes(backend: CpuKernelBackend, dtype: torch.dtype, m: int) -> dict:
     out = {"torch": lambda x, w: w.torch(x)}
     if dtype != torch.float32:
-        if backend.half_linear_for(dtype) == "kernel":
-            out["panel"] = lambda x, w: backend.linear_half(x, w.panel.panels, None,
-                                                            w.plain.shape[0])
+        out["panel"] = lambda x, w: backend.linear_half(x, w.panel.panels, None,
+                                                        w.plain.shape[0])
+        if dtype == torch.bfloat16 and backend.bf16_pairs:
+            out["panel_widen"] = lambda x, w: backend.linear_half(x, w.widen.panels, None,
+                                                                  w.plain.shape[0])
         return out
     out["panel"] = lambda x, w: backend.linear_f32(x, w.panel.panels, None, w.plain.shape[0])
     if backend.amx_linear:

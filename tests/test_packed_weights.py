@@ -362,3 +362,23 @@ def test_bf16_pair_panels_where_the_cpu_has_the_dot_product(kernels):
                                    rtol=2 ** -7, atol=1e-6)
     assert not PanelWeight(torch.randn(40, 64), kernels).pairs
     assert not PanelWeight(torch.randn(40, 64).half(), kernels).pairs
+
+
+def test_onednn_weights_leave_decode_batches_to_pair_panels(kernels):
+    """Where oneDNN runs bf16 natively, its packed weight still hands single rows to the panel
+    kernel, and bf16 pair panels up to PAIR_PANEL_MAX_ROWS rows (they stream the weight once
+    at near memory bandwidth, oneDNN's small products do not)."""
+    from tierserve.workers.backends.linear import PAIR_PANEL_MAX_ROWS
+
+    if not PackedWeight.applies_to(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN is not available")
+    w = torch.randn(100, 64).bfloat16()
+    for backend in (kernels, _half_layout(kernels, w.dtype, "widen")):
+        packed = PackedWeight(w, backend)
+        limit = PAIR_PANEL_MAX_ROWS if packed.panel.pairs else 1
+        assert packed.panel_takes(1) and packed.panel_takes(limit)
+        assert not packed.panel_takes(limit + 1)
+        for m in (1, limit, limit + 1):
+            x = torch.randn(m, 64).bfloat16()
+            torch.testing.assert_close(packed.linear(x, None).float(), F.linear(x, w).float(),
+                                       rtol=2 ** -7, atol=1e-5)

@@ -68,12 +68,18 @@ class PlainLinear(LinearMethod):
         return (self.w,)
 
 
+# Rows up to which bf16 pair panels beat oneDNN's native bf16 product on a decoder layer's
+# shapes (bench/linear_kernels.py: equal near 64 rows, oneDNN ahead from about 96).
+PAIR_PANEL_MAX_ROWS = 64
+
+
 class PackedWeight(LinearMethod):
     """A CPU bf16/fp16 weight in oneDNN's blocked layout: with plain weights oneDNN re-lays
     them out on every call, which doubles the cost of decode-sized (small-M) matmuls. Results
     are the same kernels' results. Given a kernel backend, a single row (a lone decode) runs
     the panel kernel instead (the weight kept in its layout too, in place of the plain copy):
-    oneDNN's one-row product runs at half the memory bandwidth, the panel kernel's near it."""
+    oneDNN's one-row product runs at half the memory bandwidth, the panel kernel's near it.
+    bf16 pair panels take up to PAIR_PANEL_MAX_ROWS rows (decode batches)."""
 
     __slots__ = ("packed", "plain", "panel", "out_features")
 
@@ -88,8 +94,14 @@ class PackedWeight(LinearMethod):
         return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
                 and torch.backends.mkldnn.is_available())
 
+    def panel_takes(self, rows: int) -> bool:
+        """Whether `rows` input rows run the panel kernel rather than oneDNN."""
+        if self.panel is None:
+            return False
+        return rows <= (PAIR_PANEL_MAX_ROWS if self.panel.pairs else 1)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.panel is not None and x.shape[0] == 1:
+        if self.panel_takes(x.shape[0]):
             return self.panel.linear(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 

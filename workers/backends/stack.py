@@ -45,7 +45,7 @@ def _kernel_of(method, dtype: torch.dtype, rows: int, max_rows: int):
     """(kind, tensors) of the kernel `method.linear` runs for `rows` rows of `dtype`, or None
     where it runs something else (oneDNN, MKL, AMX or a dtype conversion)."""
     if isinstance(method, PackedWeight):
-        if rows != 1 or method.panel is None:
+        if not method.panel_takes(rows):
             return None
         method = method.panel
     if isinstance(method, PanelWeight):
