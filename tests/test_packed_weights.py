@@ -348,6 +348,7 @@ def test_bf16_pair_panels_where_the_cpu_has_the_dot_product(kernels):
     the output's rounding."""
     features = detect_cpu_features()
     assert kernels.bf16_pairs == (kernels.name != "avx2" and "avx512_bf16" in features.flags)
+    assert ("bf16_pairs" in kernels.describe()["paths"]) == kernels.bf16_pairs
     g = torch.Generator().manual_seed(3)
     for k, n in [(64, 100), (576, 960), (33, 40)]:
         w = torch.randn(n, k, generator=g).bfloat16()

@@ -91,7 +91,8 @@ class CpuKernelBackend(TorchBackend):
     def paths(self) -> list[str]:
         flags = {"attention": self.attention_kernel, "fused": self.fused,
                  "fp32_linear": self.fp32_linear, "amx_linear": self.amx_linear,
-                 "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear}
+                 "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear,
+                 "bf16_pairs": self.bf16_pairs}
         return [name for name, on in flags.items() if on]
 
     def fuses(self, x: torch.Tensor) -> bool:
