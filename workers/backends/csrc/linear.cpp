@@ -221,21 +221,13 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   // stream per thread), which kGroup streams at once would lose; half-precision ones are
   // bound by the FMA latency of a single row, which kGroup chains hide.
   if (m == 1 && !std::is_same_v<W, float>) {
-    // Each thread takes an equal run of panels (within one), in groups of kGroup and a smaller
-    // last group: whole groups as work items would leave one thread most of a weight whose
-    // panels are few (576 outputs are 18 panels on AVX-512). A partial last panel takes
-    // run_panel, which writes only its columns.
-    const int64_t full = n / kNR;
-    const int64_t chunks = std::min<int64_t>(at::get_num_threads(), panels);
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p0 = panels * t / chunks, p1 = panels * (t + 1) / chunks;
-        for (int64_t p = p0; p < std::min(p1, full); p += kGroup)
-          row_panels_n<W>(std::min<int64_t>(kGroup, std::min(p1, full) - p), k, xp,
-                          wp + p * k * kNR, op + p * kNR);
-        if (p1 > full) run_panel(xp, ldx, wp, op, n, k, 0, 1, full);
-      }
-    });
+    // A partial last panel takes run_panel, which writes only its columns.
+    single_row_panels(
+        panels, n / kNR, kGroup,
+        [&](int64_t p, int64_t count) {
+          row_panels_n<W>(count, k, xp, wp + p * k * kNR, op + p * kNR);
+        },
+        [&](int64_t p) { run_panel(xp, ldx, wp, op, n, k, 0, 1, p); });
     return;
   }
   // Work items are (row block, panel), panel-major within a row block: a thread's contiguous

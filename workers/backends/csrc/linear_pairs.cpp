@@ -159,19 +159,13 @@ void pair_product(const c10::BFloat16* xp, int64_t ldx, int64_t m, int64_t k,
                   const c10::BFloat16* wp, int64_t panels, float* op, int64_t n) {
   const int64_t k2 = k / 2;
   if (m == 1) {
-    // As the widening path's single row: each thread an equal run of panels, in groups.
     const uint32_t* a = reinterpret_cast<const uint32_t*>(xp);
-    const int64_t full = n / kPanel;
-    const int64_t chunks = std::min<int64_t>(at::get_num_threads(), panels);
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p0 = panels * t / chunks, p1 = panels * (t + 1) / chunks;
-        for (int64_t p = p0; p < std::min(p1, full); p += kPairGroup)
-          row_pair_panels_n(std::min<int64_t>(kPairGroup, std::min(p1, full) - p), k2, a,
-                            wp + p * k * kPanel, op + p * kPanel);
-        if (p1 > full) run_pair_panel(xp, ldx, wp, op, n, k, 0, 1, full);
-      }
-    });
+    single_row_panels(
+        panels, n / kPanel, kPairGroup,
+        [&](int64_t p, int64_t count) {
+          row_pair_panels_n(count, k2, a, wp + p * k * kPanel, op + p * kPanel);
+        },
+        [&](int64_t p) { run_pair_panel(xp, ldx, wp, op, n, k, 0, 1, p); });
     return;
   }
   // Items (row block, panel), panel-major within a row block, as the widening path's.

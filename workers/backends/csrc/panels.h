@@ -6,9 +6,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -36,6 +38,25 @@ inline void check_panel_shapes(const char* op, const at::Tensor& x, const at::Te
   TORCH_CHECK(k == x.size(1), op, "x has K = ", x.size(1), ", the weight ", k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, "n = ", n,
               " does not match ", panels, " panels");
+}
+
+// A single input row through `panels` panels, the first `full` of them whole: each thread
+// takes an equal run of panels (within one), its whole ones `group` at a time
+// (whole(first, count)), then the partial last panel (partial(p)) where its run holds it.
+// Whole groups as work items would leave one thread most of a weight whose panels are few
+// (576 outputs are 18 panels on AVX-512).
+template <typename Whole, typename Partial>
+void single_row_panels(int64_t panels, int64_t full, int64_t group, Whole&& whole,
+                       Partial&& partial) {
+  const int64_t chunks = std::min<int64_t>(at::get_num_threads(), panels);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = panels * t / chunks, p1 = panels * (t + 1) / chunks;
+      const int64_t last = std::min(p1, full);
+      for (int64_t p = p0; p < last; p += group) whole(p, std::min(group, last - p));
+      if (p1 > full) partial(full);
+    }
+  });
 }
 
 // Checks an fp32 y = x W^T + b's inputs; returns b's data (or nullptr).
