@@ -217,9 +217,10 @@ void row_panels_n(int64_t count, int64_t k, const float* a, const W* b, float* c
 template <typename W>
 void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* wp,
                    int64_t panels, float* op, int64_t n) {
-  // fp32 panels stream from memory at near its bandwidth one after another (one sequential
-  // stream per thread), which kGroup streams at once would lose; half-precision ones are
-  // bound by the FMA latency of a single row, which kGroup chains hide.
+  // fp32 panels stream from memory one after another, one sequential stream per thread:
+  // kGroup streams at once speed up the products alone but not a decode step
+  // (bench/decode_step.py). Half-precision ones are bound by the FMA latency of a single row,
+  // which kGroup chains hide.
   if (m == 1 && !std::is_same_v<W, float>) {
     // A partial last panel takes run_panel, which writes only its columns.
     single_row_panels(

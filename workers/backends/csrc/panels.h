@@ -1,8 +1,8 @@
 // The panel layout of linear weights, shared by linear.cpp (which defines it), linear_pairs.cpp
-// and linear_amx.cpp (which read it): [ceil(N / kPanel), K, kPanel], panel p holding output features
-// [p * kPanel, (p + 1) * kPanel) as a contiguous [K][kPanel] block, the last one zero-padded; a
-// panel is two Vecs wide, so its width depends on the build's ISA. Every kernel source
-// includes it, so kernels.build_dir_for hashes it with them.
+// and linear_amx.cpp (which read it): [ceil(N / kPanel), K, kPanel], panel p holding output
+// features [p * kPanel, (p + 1) * kPanel) as a contiguous [K][kPanel] block, the last one
+// zero-padded; a panel is two Vecs wide, so its width depends on the build's ISA. Every kernel
+// source includes it, so kernels.build_dir_for hashes it with them.
 #pragma once
 
 #include <ATen/ATen.h>
