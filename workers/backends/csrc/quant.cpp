@@ -125,63 +125,6 @@ void quant_tile(const float* __restrict x, int64_t ldx, const void* codes, const
   }
 }
 
-// One input row through G full panels at once: quant_tile's single row keeps two FMA chains,
-// which wait on the FMA latency every k step; G panels give 2 G independent chains. Each chain
-// is quant_tile's own, so its bits.
-constexpr int kQGroup = kVecRegs >= 32 ? 4 : 2;
-
-template <bool Q4, int G>
-void quant_row_panels(const float* __restrict x, const char* codes, const float* d,
-                      const float* m, int64_t blocks, int64_t panel_bytes,
-                      float* __restrict out) {
-  constexpr int64_t row_bytes = Q4 ? kQNR / 2 : kQNR;
-  const int64_t scales = blocks * kQNR;  // scales (and offsets) per panel
-  Vec lo[G], hi[G];
-  for (int g = 0; g < G; ++g) lo[g] = hi[g] = Vec{};
-  for (int64_t b = 0; b < blocks; ++b) {
-    Vec d0[G], d1[G], m0[G], m1[G];
-    for (int g = 0; g < G; ++g) {
-      d0[g] = load(d + g * scales + b * kQNR);
-      d1[g] = load(d + g * scales + b * kQNR + kLanes);
-      m0[g] = Q4 ? load(m + g * scales + b * kQNR) : Vec{};
-      m1[g] = Q4 ? load(m + g * scales + b * kQNR + kLanes) : Vec{};
-    }
-    for (int64_t kk = 0; kk < kQBlock; ++kk) {
-      const Vec av = splat(x[b * kQBlock + kk]);
-      for (int g = 0; g < G; ++g) {
-        const char* row = codes + g * panel_bytes + (b * kQBlock + kk) * row_bytes;
-        Vec w0, w1;
-        if constexpr (Q4) {
-          const auto [c0, c1] = unpack_q4(reinterpret_cast<const uint8_t*>(row));
-          w0 = fma_vec(c0, d0[g], m0[g]);
-          w1 = fma_vec(c1, d1[g], m1[g]);
-        } else {
-          const auto [c0, c1] = unpack_q8(reinterpret_cast<const int8_t*>(row));
-          w0 = c0 * d0[g];
-          w1 = c1 * d1[g];
-        }
-        lo[g] += av * w0;
-        hi[g] += av * w1;
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    store(out + g * kQNR, lo[g]);
-    store(out + g * kQNR + kLanes, hi[g]);
-  }
-}
-
-// quant_row_panels over `count` (1 .. kQGroup) full panels.
-template <bool Q4, int G = kQGroup>
-void quant_row_panels_n(int64_t count, const float* x, const char* codes, const float* d,
-                        const float* m, int64_t blocks, int64_t panel_bytes, float* out) {
-  if constexpr (G > 1) {
-    if (count < G)
-      return quant_row_panels_n<Q4, G - 1>(count, x, codes, d, m, blocks, panel_bytes, out);
-  }
-  quant_row_panels<Q4, G>(x, codes, d, m, blocks, panel_bytes, out);
-}
-
 template <bool Q4>
 using QuantTile = void (*)(const float*, int64_t, const void*, const float*, const float*,
                            int64_t, float*, int64_t, int64_t);
@@ -292,23 +235,7 @@ at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::
   const float* mp = q4 ? m.data_ptr<float>() : nullptr;
   float* op_ = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  if (rows == 1) {
-    // A partial last panel takes quant_tile, which writes only its columns.
-    auto scale = [&](int64_t p) { return dp + p * blocks * kQNR; };
-    auto offset = [&](int64_t p) { return q4 ? mp + p * blocks * kQNR : nullptr; };
-    single_row_panels(
-        panels, n / kQNR, kQGroup,
-        [&](int64_t p, int64_t count) {
-          (q4 ? quant_row_panels_n<true> : quant_row_panels_n<false>)(
-              count, xp, cp + p * panel_bytes, scale(p), offset(p), blocks, panel_bytes,
-              op_ + p * kQNR);
-        },
-        [&](int64_t p) {
-          (q4 ? kQuantTile<true>[0] : kQuantTile<false>[0])(
-              xp, ldx, cp + p * panel_bytes, scale(p), offset(p), blocks, op_ + p * kQNR, n,
-              n - p * kQNR);
-        });
-  } else if (rows <= kQDirectRows) {
+  if (rows <= kQDirectRows) {
     // Each thread streams a contiguous run of panels once, all row tiles reusing it.
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
