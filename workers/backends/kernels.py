@@ -41,7 +41,8 @@ _CSRC = Path(__file__).with_name("csrc")
 _UNIT = "kernels.cpp"  # includes the other sources: one translation unit
 _SOURCES = ("kernels.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear_pairs.cpp",
             "linear.cpp", "linear_amx.cpp", "fused.cpp", "quant.cpp", "layer_stack.cpp")
-_HEADERS = ("vec.h", "panels.h")  # part of the build's identity
+# Part of the build's identity.
+_HEADERS = ("vec.h", "panels.h", "attention_math.h", "decode_tiles.h", "decode_plan.h")
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded. -ffp-contract=fast:
 # -std=c++20 otherwise forbids fusing a * b + c into one FMA.

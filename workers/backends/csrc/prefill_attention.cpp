@@ -1,5 +1,6 @@
-// Causal prefill attention for CPU, fp32 or bf16 storage (fp32 math): a chunk of L query tokens over its S >= L keys (the
-// chunk's own, after any cached prefix), query i sitting at position S - L + i. Flash-style:
+// Causal prefill attention for CPU, fp32 or bf16 storage (fp32 math): a chunk of L query
+// tokens over its S >= L keys (the chunk's own, after any cached prefix), query i sitting at
+// position S - L + i. Flash-style:
 // scores are computed a tile of keys at a time and folded into an online softmax, so no
 // [L, S] matrix is ever formed, and key tiles past a query tile's last position are never
 // touched (half the work of a dense causal product).
@@ -11,13 +12,13 @@
 // panel linear kernel is; V rows are read in place. Items are claimed from a shared counter,
 // the longest (latest) query tiles first.
 // With a sliding window W > 0, a query attends to keys j with pos - W < j <= pos (Mistral's).
-// Compiled in kernels.cpp's unit after paged_attention.cpp, whose exp_nonpositive and
-// TIERSERVE_HEAD_DIMS it shares.
+// exp_nonpositive and TIERSERVE_HEAD_DIMS are decode attention's (attention_math.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention_math.h"
 #include "vec.h"
 
 #include <algorithm>
