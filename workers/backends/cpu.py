@@ -233,8 +233,8 @@ class CpuKernelBackend(TorchBackend):
     def greedy_tokens(self, approx, x, panels, norms, devs, out_features: int, gamma: float):
         """The first index of each row's maximum of the panel product of x [M, K] (fp32) and
         panels (fp32, or half precision rounded once), from approx [M, N] fp32, whose rows
-        deviate by at most devs from the weight's (see csrc/linear.cpp) -> long[M]; -1 for rows
-        with non-finite values."""
+        deviate by at most devs from the weight's (see csrc/greedy_head.cpp) -> long[M]; -1 for
+        rows with non-finite values."""
         return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma)
 
 

@@ -3,7 +3,7 @@
 A decode step's LM head streams the whole vocabulary's weights (SmolLM2-135M: 113 MB in fp32,
 a fifth of the step); a greedy request needs only the argmax. The head's GGUF Q8_0 codes
 (quantized at load, 30 MB) give approximate logits; the exact error of the codes is known per
-vocabulary row (|w_j - what_j|, measured at load), so csrc/linear.cpp's greedy_tokens bounds
+vocabulary row (|w_j - what_j|, measured at load), so csrc/greedy_head.cpp's greedy_tokens bounds
 every approximate logit, computes only the rows that could still be the maximum with the full
 product's own arithmetic (the panel kernel's FMA chain, then its rounding to the head's dtype),
 and returns the token argmax over the full logits would give, bit for bit. It runs at every ISA

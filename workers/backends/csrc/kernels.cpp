@@ -7,6 +7,7 @@
 #include "linear_pairs.cpp"
 #include "linear.cpp"
 #include "linear_amx.cpp"
+#include "greedy_head.cpp"
 #include "fused.cpp"
 #include "quant.cpp"
 #include "layer_stack.cpp"

@@ -1,0 +1,190 @@
+// Exact greedy tokens of an LM head without its full product (workers/backends/greedy.py):
+// approximate logits from the head's Q8_0 codes, bounded per vocabulary row, and the full
+// product's own arithmetic for the rows that could still be the maximum. The columns are read
+// from the head's panels (panels.h; bf16 pair panels through linear_pairs.cpp), so the token
+// is the one argmax over linear_f32 / linear_half's logits gives, bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "panels.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace tierserve {
+namespace {
+
+template <typename W, int L>
+void exact_columns(const float* x, const W* packed, int64_t k, const int64_t* cols, float* out) {
+  // L independent chains, each the FMA chain linear_f32 (or linear_half) runs for its column.
+  float acc[L] = {};
+  const W* base[L];
+  for (int l = 0; l < L; ++l)
+    base[l] = packed + (cols[l] / kPanel) * k * kPanel + cols[l] % kPanel;
+  for (int64_t i = 0; i < k; ++i)
+    for (int l = 0; l < L; ++l)
+      acc[l] = std::fma(x[i], static_cast<float>(base[l][i * kPanel]), acc[l]);
+  for (int l = 0; l < L; ++l) out[l] = acc[l];
+}
+
+// A logit as the full product stores it: fp32, or rounded once to the weight's half type.
+template <typename W>
+inline float stored(float v) {
+  if constexpr (std::is_same_v<W, float>) {
+    return v;
+  } else {
+    return static_cast<float>(static_cast<W>(v));
+  }
+}
+
+// Exact greedy tokens of y = x W^T (W in panels of W's type, fp32 math, each logit rounded once
+// to W's type) from an approximation of y.
+//
+// approx [M, N] fp32 is x What^T by an fp32 FMA chain over k, What a rebuilt approximation of W
+// (GGUF Q8_0 codes, exact in fp32), dev_j >= |w_j - what_j| and norms_j >= |w_j| (Euclidean).
+// Both chains err by at most gamma = K u / (1 - K u) times sum_k |x_k w_k| (Higham), so
+//   |approx_j - y_j| <= e_j = |x| (dev_j + gamma (2 norms_j + dev_j)) + flush_j,
+// flush_j = 2^-126 (sqrt(K) (|x| + norms_j) + K) covering subnormals flushed on the way. Every
+// j that could be the argmax has approx_j + e_j >= best = max_i (approx_i - e_i); with a
+// half-precision output, every j whose rounded logit could equal the rounded maximum, which is
+// within two units in the last place of it: approx_j + e_j >= best - 2^-(bits - 2) |best|.
+// Only those candidates are computed, with the full product's arithmetic (one FMA chain over k
+// in order, from 0, then the rounding), and the first index of their maximum is the row's
+// token: the token argmax_rows(linear(x, W)) gives, bit for bit. A row whose x or approx holds
+// a non-finite value gets -1 (the caller takes the full path).
+template <typename W>
+int64_t greedy_row(const float* approx, const float* x, const W* packed, const float* norms,
+                   const float* devs, int64_t n, int64_t k, float gamma, int out_bits,
+                   bool pairs, std::vector<int64_t>& cand) {
+  double sq = 0;
+  for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
+  const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
+  if (!std::isfinite(xn)) return -1;
+  constexpr float kTiny = 1.1754944e-38f;  // 2^-126
+  const float slack = 1.0f + 1e-5f;  // the bound's own fp32 arithmetic
+  const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k) * 1.01f;
+  // e_j = a dev_j + b norms_j + c.
+  const float a = xn * slack * (1.0f + gamma);
+  const float b = xn * slack * 2.0f * gamma + kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
+  const Vec av = splat(a), bv = splat(b);
+  auto err = [&](int64_t j) { return av * load(devs + j) + bv * load(norms + j) + c; };
+  auto err1 = [&](int64_t j) { return a * devs[j] + b * norms[j] + c; };
+  // Pass 1: the best lower bound.
+  Vec lo = splat(-INFINITY), bad = Vec{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec v = load(approx + j);
+    const Vec low = v - err(j);
+    lo = lo > low ? lo : low;
+    bad += v - v;  // NaN for a NaN or infinite v
+  }
+  float best = -INFINITY, nan_check = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    best = std::max(best, lo[l]);
+    nan_check += bad[l];
+  }
+  for (; j < n; ++j) {
+    nan_check += approx[j] - approx[j];
+    best = std::max(best, approx[j] - err1(j));
+  }
+  if (nan_check != 0 || !std::isfinite(best)) return -1;
+  if (out_bits > 0) best -= std::ldexp(std::fabs(best), -(out_bits - 2)) + kTiny;
+  // Pass 2: the candidates, in index order.
+  cand.clear();
+  for (j = 0; j + kLanes <= n; j += kLanes) {
+    const Vec high = load(approx + j) + err(j);
+    if (hmax(high) >= best)
+      for (int l = 0; l < kLanes; ++l)
+        if (high[l] >= best) cand.push_back(j + l);
+  }
+  for (; j < n; ++j)
+    if (approx[j] + err1(j) >= best) cand.push_back(j);
+  // The column that set `best` is always a candidate (its upper bound is at least its lower);
+  // should rounding ever say otherwise, the full path decides.
+  if (cand.empty()) return -1;
+  constexpr int kGroup = 8;
+  while (cand.size() % kGroup) cand.push_back(cand.back());  // repeats do not change the argmax
+  int64_t arg = -1;
+  float top = -INFINITY;
+  float vals[kGroup];
+  for (size_t i = 0; i < cand.size(); i += kGroup) {
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+      if (pairs)
+        exact_pair_columns<kGroup>(x, packed, k, cand.data() + i, vals);
+      else
+        exact_columns<W, kGroup>(x, packed, k, cand.data() + i, vals);
+    } else {
+      exact_columns<W, kGroup>(x, packed, k, cand.data() + i, vals);
+    }
+    for (int l = 0; l < kGroup; ++l) {
+      const float v = stored<W>(vals[l]);
+      if (v > top || arg < 0) {
+        top = v;
+        arg = cand[i + l];
+      }
+    }
+  }
+  return std::isfinite(top) ? arg : -1;
+}
+
+at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& norms, const at::Tensor& devs, int64_t n,
+                         double gamma) {
+  const char* op = "greedy_tokens: ";
+  check_panel_shapes(op, x, packed, n);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              "x must be a contiguous float32 [M, K] tensor");
+  const auto wt = packed.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
+              "the weight must be float32, bfloat16 or float16");
+  for (const at::Tensor* t : {&approx, &norms, &devs})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                op, "approx, norms and devs must be contiguous float32 CPU tensors");
+  TORCH_CHECK(approx.dim() == 2 && approx.size(0) == x.size(0) && approx.size(1) == n, op,
+              "approx must be [", x.size(0), ", ", n, "]");
+  TORCH_CHECK(norms.numel() == n && devs.numel() == n, op, "norms and devs must be [n]");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
+  const bool pairs = pair_layout(packed);
+  TORCH_CHECK(!pairs || bf16_pairs(), op, "bf16 pair panels need a CPU with AVX512_BF16");
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = approx.data_ptr<float>() + r * n;
+      const float* xr = x.data_ptr<float>() + r * k;
+      const float* nr = norms.data_ptr<float>();
+      const float* dv = devs.data_ptr<float>();
+      const float g = static_cast<float>(gamma);
+      if (wt == at::kFloat)
+        o[r] = greedy_row(a, xr, packed.data_ptr<float>(), nr, dv, n, k, g, out_bits, false,
+                          cand);
+      else if (wt == at::kBFloat16)
+        o[r] = greedy_row(a, xr, packed.data_ptr<c10::BFloat16>(), nr, dv, n, k, g, out_bits,
+                          pairs, cand);
+      else
+        o[r] = greedy_row(a, xr, packed.data_ptr<c10::Half>(), nr, dv, n, k, g, out_bits, false,
+                          cand);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace tierserve
+
+TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
+  m.def("greedy_tokens(Tensor approx, Tensor x, Tensor packed, Tensor norms, Tensor devs, "
+        "int n, float gamma) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
+  m.impl("greedy_tokens", &tierserve::greedy_tokens);
+}
