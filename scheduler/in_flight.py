@@ -15,7 +15,7 @@ __all__ = ["InFlight"]
 
 
 class InFlight:
-    __slots__ = ("steps", "suspects")
+    __slots__ = ("steps", "suspects", "_extra", "extra_tokens")
 
     def __init__(self) -> None:
         # The Request objects each step in flight scheduled, in its order (ids may be reused
@@ -23,19 +23,33 @@ class InFlight:
         self.steps: dict[int, list[Request]] = {}
         # Sequence ids in a step in flight at the last loss, not yet through a step since.
         self.suspects: set[str] = set()
+        # Per step in flight, its tokens beyond one per sequence (prefill chunks and drafts:
+        # work a decode step does not have); extra_tokens is their sum, an int that another
+        # thread may read while the step loop changes the dict.
+        self._extra: dict[int, int] = {}
+        self.extra_tokens = 0
 
     def __len__(self) -> int:
         return len(self.steps)
 
-    def add(self, step_id: int, scheduled: list[Request]) -> None:
+    def add(self, step_id: int, scheduled: list[Request], extra_tokens: int = 0) -> None:
         self.steps[step_id] = scheduled
+        self._extra[step_id] = extra_tokens
+        self.extra_tokens += extra_tokens
 
     def pop(self, step_id: int) -> list[Request] | tuple[()]:
         """The requests of a step whose reply (or failure) came; () for an unknown step."""
+        self.extra_tokens -= self._extra.pop(step_id, 0)
         return self.steps.pop(step_id, ())
 
     def clear(self) -> None:
         self.steps.clear()
+        self._extra.clear()
+        self.extra_tokens = 0
+
+    def check_integrity(self) -> None:
+        assert self._extra.keys() == self.steps.keys()
+        assert self.extra_tokens == sum(self._extra.values()) >= 0
 
     def computed(self, req: Request) -> None:
         """A step of the current workers computed the sequence: it is cleared."""
@@ -57,5 +71,5 @@ class InFlight:
         poisoned = [sid for sid in dict.fromkeys(in_flight) if sid in self.suspects]
         if in_flight:  # a loss with nothing in flight (idle, a failed restart) blames nobody
             self.suspects = set(in_flight) - set(poisoned)
-        self.steps.clear()
+        self.clear()
         return poisoned

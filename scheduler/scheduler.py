@@ -196,7 +196,8 @@ class Scheduler:
         out = build_output(plan, self._updates, self.tiers)
         scheduled = plan.commit(self.async_scheduling)
         if scheduled:
-            self._in_flight.add(out.step_id, scheduled)
+            self._in_flight.add(out.step_id, scheduled,
+                                sum(n - 1 for n in out.num_scheduled_tokens))
         return out
 
     def _prefill_limit(self) -> int | None:
@@ -296,8 +297,11 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: of a waiting request, those past the prefix its
         admission would find cached on the device now (a chat turn's history mostly is); of a
-        running one, those not computed yet (a decode's last token aside)."""
-        queued = sum(r.num_tokens - self.kv.get_computed_blocks(r)[1] for r in self.waiting)
+        running one, those not computed yet (a decode's last token aside); and those of the
+        steps in flight, which scheduling counted as computed before they ran (with async
+        scheduling a step is in flight whenever the load is read)."""
+        queued = self._in_flight.extra_tokens
+        queued += sum(r.num_tokens - self.kv.get_computed_blocks(r)[1] for r in self.waiting)
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens - 1
             if left > 0:
@@ -352,6 +356,7 @@ class Scheduler:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
         assert self.suspects <= set(self.requests), "a finished sequence is still suspect"
+        self._in_flight.check_integrity()
         in_flight = len(self._in_flight)
         assert in_flight <= (2 if self.async_scheduling else 1), "steps lost in flight"
         for req in self.requests.values():

@@ -123,6 +123,25 @@ def test_the_next_step_schedules_the_placeholder_before_the_token_is_known():
     assert driver.mirror.token_steps == 3
 
 
+def test_queued_prefill_tokens_count_the_chunk_in_flight():
+    """Scheduling counts a prefill chunk as computed before it runs; with async scheduling a
+    step is in flight whenever a router reads the load, so its chunk still counts as queued
+    prefill until its reply."""
+    sched = make_scheduler(num_blocks=32, block_size=BS, async_scheduling=True)
+    prompt = list(range(5, 25))
+    sched.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=3), eos_token_id=EOS)
+    assert sched.queued_prefill_tokens() == len(prompt)
+    driver = AsyncDriver(sched)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == [len(prompt)]
+    assert sched.queued_prefill_tokens() == len(prompt) - 1  # the last token samples
+    sched.check_integrity()
+    driver.in_flight.append((first, driver.mirror.apply(first)))
+    driver.collect()
+    assert sched.queued_prefill_tokens() == 0
+    sched.check_integrity()
+
+
 def test_a_stop_learnt_a_step_late_drops_the_token_in_flight():
     prompt = [3, 1, 4, 1, 5]
     ref = reference(prompt, 8, 64)
