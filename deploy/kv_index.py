@@ -207,6 +207,11 @@ class KVIndex:
         cpu = sum(1 for b in bits if b & 2 and not b & 1)
         return Match(device, cpu, len(run) - device - cpu)
 
+    def device_blocks(self, replica: int) -> int:
+        """How many blocks the replica's device pool holds, as indexed."""
+        stream = self.replicas.get(replica)
+        return len(stream.tiers[KVTier.DEVICE]) if stream is not None else 0
+
     def tiers_of(self, block_hash: bytes) -> dict[int, list[KVTier]]:
         """Which replicas hold the hash, and in which tiers."""
         m = self._masks.get(block_hash, 0)

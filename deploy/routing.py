@@ -14,7 +14,8 @@ request's decode), the prefill rate is the replicas' measured mean, and the bloc
 are those it needs beyond the replica's free ones (they wait for running requests to finish).
 A replica may take a request only while its outstanding requests stay within `load_bound` x
 the mean or `LOAD_SLACK` above it, whichever is looser (bounded loads), so a hot prefix spreads
-once its replica is that far ahead.
+once its replica is that far ahead. Estimates within NEAR_TIE of the least tie, and a tie goes
+to the replica whose pool holds the fewest blocks (the turns to come follow the history).
 `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the approximate policy of
 SGLang's and Ray Serve's routers: a tree of the prompts each replica was sent (never told of
 evictions, tiers or salts), for comparison.
@@ -38,7 +39,7 @@ from tierserve.scheduler.kv_events import ReplicaLoad
 
 __all__ = ["RouteQuery", "Candidate", "LoadTracker", "Choice", "Policy", "RoundRobin",
            "LeastLoaded", "KVAware", "PrefixTree", "make_policy", "bounded", "LOAD_BOUND",
-           "LOAD_SLACK"]
+           "LOAD_SLACK", "NEAR_TIE"]
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -55,6 +56,12 @@ _SSD_BLOCK_SHARE = 0.25
 # history (seconds of prefill) over a difference of two decodes (a few % of a step).
 LOAD_BOUND = 1.5
 LOAD_SLACK = 2
+# Estimates within this factor of the least count as a tie, which goes to the replica whose
+# pool holds the fewest blocks. Later turns follow a conversation's history, so the blocks a
+# replica holds stand for the turns still to come to it: a new conversation (its prompt
+# cached nowhere, so its estimates differ by the load of the moment alone) then balances the
+# work to come, not only the work queued now.
+NEAR_TIE = 1.25
 
 
 class RouteQuery(msgspec.Struct, **_WIRE):
@@ -210,7 +217,10 @@ class KVAware:
         turn, n = next(self._turn), len(eligible)
         scored = [(self.estimate(c.load, matches[c.replica], len(tokens), rate),
                    c.load.outstanding, (i - turn) % n, i) for i, c in enumerate(eligible)]
-        best = eligible[min(scored)[-1]]
+        fastest = min(scored)[0]
+        near = [s for s in scored if s[0] <= fastest * NEAR_TIE]
+        held = {c.replica: self.index.device_blocks(c.replica) for c in eligible}
+        best = eligible[min(near, key=lambda s: (held[eligible[s[-1]].replica], s[1], s[2]))[-1]]
         m = matches[best.replica]
         return Choice(best.replica, len(tokens) - m.blocks * self.block_size, m.blocks)
 

@@ -212,6 +212,25 @@ def test_kv_policy_keeps_a_conversation_with_its_history_a_few_requests_apart():
         assert bounded(cands, slack=0) == cands[1:]
 
 
+def test_kv_policy_sends_a_new_conversation_where_fewer_blocks_are_held():
+    """A prompt cached nowhere, on replicas of about equal load, goes to the replica whose pool
+    holds fewer blocks (fewer conversations whose later turns will come back to it); a clearly
+    shorter queue elsewhere still wins."""
+    hasher = BlockHasher(BS)
+    other = hasher.hash_blocks(list(range(500, 541)), 0, None)[0]  # another conversation's
+    policy = KVAware(_index_with({0: [other, [], []], 1: [[], [], []]}), hasher, 64)
+    assert policy.index.device_blocks(0) == len(other) and policy.index.device_blocks(1) == 0
+    prompt = list(range(1, 42))
+    assert [policy.pick(RouteQuery(prompt), _cands(2)).replica for _ in range(4)] == [1] * 4
+    # Two running decodes add a few tokens to each step: still a tie.
+    decoding = [Candidate(0, LoadTracker()),
+                Candidate(1, LoadTracker(ReplicaLoad(num_running=2)))]
+    assert policy.pick(RouteQuery(prompt), decoding).replica == 1
+    queued = [Candidate(0, LoadTracker()),
+              Candidate(1, LoadTracker(ReplicaLoad(queued_prefill_tokens=200)))]
+    assert policy.pick(RouteQuery(prompt), queued).replica == 0
+
+
 def test_kv_policy_weighs_blocks_the_holder_lacks():
     """A prefix holder whose pool has no free blocks for its queue and the request makes them
     wait for running requests to finish: with free blocks it wins, without it loses to an idle
