@@ -8,6 +8,7 @@ tokens) and their step counts; then `<phase>_<op>_ms`, milliseconds per step of 
 of each profiled phase, and `<phase>_step_ms`, the profiled steps' mean total self CPU time.
 
 Usage: python bench/step_profile.py [--json] [--dtype float32] [--top 8]
+                                    [--model default|dense-noise|PATH]
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from decode_step import model_path
 from offline_throughput import NEW_TOKENS, NUM_PROMPTS, make_chat_prompts
 from report import emit
 from tierserve import LLM, SamplingParams
@@ -88,12 +90,15 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--model", default="default", help="default (the GGUF), dense-noise "
+                    "(its weights plus 1%% noise, as an HF folder) or a path")
     args = ap.parse_args()
+    path = model_path(args.model)
     torch.set_num_threads(os.cpu_count() or 1)
     clock = StepClock()
     clock.install()
     try:
-        with LLM(dtype=args.dtype) as llm:
+        with LLM(path, dtype=args.dtype) as llm:
             prompts = make_chat_prompts(llm.tokenizer)
             llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             clock.active = True
@@ -102,7 +107,7 @@ def main() -> None:
             llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
         clock.profiling = True
-        with LLM(dtype=args.dtype) as llm:
+        with LLM(path, dtype=args.dtype) as llm:
             # Long enough that every sequence is still decoding in the profiled decode steps
             # (the first ones start decoding during the other prompts' prefill steps).
             few = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
