@@ -2,7 +2,8 @@
 
 SmolLM2-135M shapes: 64 decode sequences of 40-330 tokens (seeded), 9 query heads over 3 KV
 heads, head_dim 64, block_size 16, block ids scattered over the pool. Each of 30 layers has its
-own pool, as in a real step, so one step's K/V does not sit in cache from the previous layer;
+own pool (on huge pages, as the engine's), as in a real step, so one step's K/V does not sit in
+cache from the previous layer;
 a step is `paged_attention` over all 30 layers (the pools already hold the step's K/V),
 reported per layer. Median of --steps steps per run, then the median over --repeats runs.
 --single N times one sequence of N tokens instead (a lone decode: the kernel splits its context
@@ -35,6 +36,7 @@ from tierserve.workers.backends.base import Backend
 from tierserve.workers.backends.cpu import kernel_backend
 from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.backends.host_memory import mapped_zeros
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 64, 9, 3, 64, 16, 30
 
@@ -63,10 +65,16 @@ def metadata(lens, tables, slots) -> AttentionMetadata:
                                    block_size=BLOCK_SIZE)
 
 
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random K or V rows on huge pages where the kernel allows, as the engine places its
+    pools (workers/backends/host_memory.py): on 4 KiB pages the kernel reads them slower."""
+    return mapped_zeros(shape, dtype).copy_(torch.randn(shape))
+
+
 def make_step(dtype: torch.dtype, single: int = 0):
     lens, tables, slots, num_blocks = make_batch(single=single)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    pools = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+    pools = [(random_pool(shape, dtype), random_pool(shape, dtype)) for _ in range(LAYERS)]
     q = torch.randn(len(lens), HEADS, HEAD_DIM).to(dtype)
     return q, pools, (lens, tables, slots)
 
