@@ -9,9 +9,10 @@
 // front to back. Per KV head, a K row is loaded once for all query heads sharing it, and the
 // lane-wise products of kLanes tokens are summed across lanes together; the tile's V rows are
 // then accumulated into those heads' outputs, held in registers. bf16 rows widen in registers.
-// Every K/V row of the context is read from memory exactly once: an item first pulls its rows
-// into cache with demand loads (pull_rows), and the tile kAhead ahead is prefetched a token at a
-// time meanwhile, into L2. On CPUs with AVX512_BF16, bf16 scores take its dot product
+// Every K/V row of the context is read from memory exactly once: each row a tile scores or
+// accumulates prefetches the row kAhead tokens further on, through the end of the item and on
+// into the next item its thread takes, so that rows arrive while the tile before them computes.
+// On CPUs with AVX512_BF16, bf16 scores take its dot product
 // (vdpbf16ps: pairs of bf16 products summed in fp32) on the stored bf16 query and K rows, then
 // the scale: no widening of either (score_tile_dot).
 // Softmax is online (streaming) over tiles, in fp32 whatever the storage type.
@@ -19,7 +20,7 @@
 // (Mistral's: keys j with q - W < j <= q); tiles start at the window's first token.
 //
 // decode_plan.h holds a call's checked arguments and its items, decode_tiles.h the work on one
-// tile; this file runs the items: pulls and prefetches, an item's tiles in turn, and the
+// tile; this file runs the items: prefetches, an item's tiles in turn, and the
 // merge of a split context's parts.
 
 #include <ATen/ATen.h>
@@ -44,7 +45,9 @@
 namespace tierserve {
 namespace {
 
-constexpr int kAhead = 2;   // tiles between a prefetch and the use
+// Tokens between a row's prefetch and its use. Each prefetch holds one of the core's few miss
+// buffers until its line arrives; rows far ahead queue behind them and arrive no sooner.
+constexpr int kAhead = 8;
 
 // Per-thread scratch for one work item's query heads (at most all of them), sized once per
 // thread rather than per item.
@@ -62,7 +65,7 @@ struct Scratch {
 
 // Addresses of the rows of KV head h0 of tokens t0 .. t0 + n - 1 in the K and V pools (a
 // token's rows of all heads follow each other). Tokens walk their block table without a
-// division per token. Rows past n are null.
+// division per token.
 template <typename T>
 void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int64_t D, int t0,
                    int n, const T** krows, const T** vrows) {
@@ -76,7 +79,6 @@ void row_addresses(const DecodeArgs<T>& a, const int32_t* table, int64_t h0, int
       ++bi;
     }
   }
-  for (int j = n; j < kTile; ++j) krows[j] = vrows[j] = nullptr;
 }
 
 // Whether an item of T rows of D values scores by score_tile_dot.
@@ -103,41 +105,34 @@ void score_by_dot(Scratch& s, float scale, int64_t span, int64_t group, const T*
   TORCH_CHECK(false, "paged_decode_attention: no bf16 dot product for this row");
 }
 
-// The rows of tile `tile` of an item (kTile tokens from its first), for prefetching; null
-// rows past its end.
-template <typename T, int D>
-void tile_rows(const DecodeArgs<T>& a, const Item& it, int tile, const T** krows,
-               const T** vrows) {
-  const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
-  const int t0 = it.t_begin + tile * kTile;
-  row_addresses<T>(a, table, it.h0, D, t0, std::clamp(it.t_end - t0, 0, kTile), krows, vrows);
+template <typename T>
+inline const int32_t* table_of(const DecodeArgs<T>& a, const Item& it) {
+  return a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
 }
 
-// Demand loads of the K and V rows of an item's first tiles (up to kPullBytes): a load per cache
-// line, independent of each other, so the core keeps as many misses in flight as it tracks.
-// Prefetches a row at a time alone leave the scoring waiting on memory (bench/decode_step.py
-// with a long context shows the difference); the rows then wait in L2 for the scoring.
-constexpr int64_t kPullBytes = 256 << 10;
-
-template <typename T>
-void pull_rows(const DecodeArgs<T>& a, const Item& it, const int32_t* table, int64_t D,
-               int bytes) {
-  const int tiles = static_cast<int>(std::min<int64_t>(
-      num_tiles(it), std::max<int64_t>(1, kPullBytes / (2 * kTile * int64_t{bytes}))));
-  const T* krows[kTile];
-  const T* vrows[kTile];
-  uint8_t sink = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int t0 = it.t_begin + t * kTile, n = std::min(kTile, it.t_end - t0);
-    row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
-    for (int j = 0; j < n; ++j) {
-      const auto* k = reinterpret_cast<const volatile uint8_t*>(krows[j]);
-      const auto* v = reinterpret_cast<const volatile uint8_t*>(vrows[j]);
-      for (int b = 0; b < bytes; b += 64) sink ^= k[b] ^ v[b];
-      sink ^= k[bytes - 1] ^ v[bytes - 1];  // a row that starts mid-line ends in one more
+// The rows to prefetch beside a tile: those of kTile tokens from token `from` of the item
+// (counted from its first), running on into `next` (null: none) past the item's end; null past
+// both.
+template <typename T, int D>
+void ahead_rows(const DecodeArgs<T>& a, const Item& it, const Item* next, int from,
+                const T** krows, const T** vrows) {
+  const int len = it.t_end - it.t_begin;
+  int filled = 0;
+  if (from < len) {
+    filled = std::min(kTile, len - from);
+    row_addresses<T>(a, table_of(a, it), it.h0, D, it.t_begin + from, filled, krows, vrows);
+  }
+  if (next != nullptr && filled < kTile) {
+    const int skip = std::max(0, from - len);
+    const int n = std::min(kTile - filled, next->t_end - next->t_begin - skip);
+    if (n > 0) {
+      row_addresses<T>(a, table_of(a, *next), next->h0, D, next->t_begin + skip, n,
+                       krows + filled, vrows + filled);
+      filled += n;
     }
   }
-  asm volatile("" : : "r"(sink));
+  std::fill(krows + filled, krows + kTile, nullptr);
+  std::fill(vrows + filled, vrows + kTile, nullptr);
 }
 
 // The item's scaled queries into s, its outputs and running (max, sum) reset.
@@ -161,44 +156,33 @@ void start_item(const DecodeArgs<T>& a, const Item& it, Scratch& s, bool dot) {
 
 // Scores an item's tokens, online softmax over tiles. Tiles are the outer loop, so the item's KV
 // heads consume each tile of blocks together while it is in cache. Leaves the unnormalised
-// outputs and the running (max, sum) in s. The prefetches run kAhead tiles ahead through the
-// item, then on into `next` (the item this thread takes next, or null), so that an item starts
-// on rows already on their way; the first `ready` tiles of this one were prefetched so.
-// Returns how many tiles of `next` it prefetched.
+// outputs and the running (max, sum) in s. Prefetches run kAhead tokens ahead through the item
+// and on into `next` (the item this thread takes next, or null); unless `started`, the item's
+// own first kAhead tokens were not prefetched by the item before it, and are first.
 template <typename T, int D>
-int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, Scratch& s) {
+void attend(const DecodeArgs<T>& a, const Item& it, const Item* next, bool started, Scratch& s) {
   const int64_t group = a.group, span = it.h1 - it.h0, heads = span * group;
-  const int32_t* table = a.block_tables + (a.rows ? a.rows[it.seq] : it.seq) * a.table_stride;
   const bool dot = scores_by_dot<T, D>();
   start_item<T, D>(a, it, s, dot);
   // A token's rows of the item's KV heads are contiguous: prefetched as one span. Every item
   // has the same span.
   const int bytes = static_cast<int>(span * D * sizeof(T));
-  const int tiles = num_tiles(it), next_tiles = next ? num_tiles(*next) : 0;
-  pull_rows<T>(a, it, table, D, bytes);
   const T* krows[kTile];
   const T* vrows[kTile];
   const T* kpf[kTile];
   const T* vpf[kTile];
-  for (int t = ready; t < kAhead && t < tiles; ++t) {
-    tile_rows<T, D>(a, it, t, kpf, vpf);
-    for (int j = 0; j < kTile; ++j) {
+  if (!started) {
+    ahead_rows<T, D>(a, it, nullptr, 0, kpf, vpf);
+    for (int j = 0; j < kAhead; ++j) {
       prefetch_row(kpf[j], bytes);
       prefetch_row(vpf[j], bytes);
     }
   }
-  int next_ready = 0;
+  const int32_t* table = table_of(a, it);
+  const int tiles = num_tiles(it);
   for (int t = 0; t < tiles; ++t) {
     const int t0 = it.t_begin + t * kTile, n = std::min(kTile, it.t_end - t0);
-    if (t + kAhead < tiles) {
-      tile_rows<T, D>(a, it, t + kAhead, kpf, vpf);
-    } else if (t + kAhead - tiles < next_tiles) {
-      tile_rows<T, D>(a, *next, t + kAhead - tiles, kpf, vpf);
-      next_ready = t + kAhead - tiles + 1;
-    } else {
-      std::fill_n(kpf, kTile, nullptr);
-      std::fill_n(vpf, kTile, nullptr);
-    }
+    ahead_rows<T, D>(a, it, next, t * kTile + kAhead, kpf, vpf);
     row_addresses<T>(a, table, it.h0, D, t0, n, krows, vrows);
     if (dot)
       score_by_dot<T, D>(s, a.scale, span, group, krows, n, kpf, bytes);
@@ -207,7 +191,6 @@ int attend(const DecodeArgs<T>& a, const Item& it, const Item* next, int ready, 
     softmax_update<D>(heads, s.p.data(), s.m.data(), s.l.data(), s.acc.data());
     accumulate_tile<T, D>(span, group, s.p.data(), vrows, n, s.acc.data(), vpf, bytes);
   }
-  return next_ready;
 }
 
 // Partial results of the parts of split contexts: per part and query head, m, l, then D
@@ -280,12 +263,12 @@ void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(plan.heads_per_item * a.group, D);
     // A thread claims its next item before finishing the current one, to prefetch into it.
-    int ready = 0;
+    bool started = false;
     for (int64_t i = next.fetch_add(1); i < count;) {
       const int64_t following = next.fetch_add(1);
       const Item& it = items[i];
-      ready = attend<T, D>(a, it, following < count ? &items[following] : nullptr, ready,
-                           scratch);
+      attend<T, D>(a, it, following < count ? &items[following] : nullptr, started, scratch);
+      started = true;
       i = following;
       if (it.part < 0) {
         write_out<T, D>(a, it, scratch);
