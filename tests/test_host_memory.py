@@ -103,9 +103,9 @@ def _thp_mode() -> str | None:
 
 @huge_pages
 def test_huge_pages_are_told_apart_from_small_ones():
-    """on_huge_pages (which decides whether a KV pool needs a prefault thread) reads what the
-    kernel did: a mapping without the advice is on small pages where THP is `madvise`; with
-    it, on huge pages where THP is `madvise` or `always`. The tensor's values are kept."""
+    """on_huge_pages reads what the kernel did: a mapping without the advice is on small pages
+    where THP is `madvise`; with it, on huge pages where THP is `madvise` or `always`. The
+    tensor's values are kept."""
     mode = _thp_mode()
     small = mapped_zeros((4 << 20,), torch.uint8, huge=False)
     small[0] = 7

@@ -22,10 +22,7 @@ from tests.checkpoints import (
     write_llama_gguf,
 )
 from tierserve.workers.attention import AttentionMetadata
-from tierserve.workers.kv_pool import (
-    _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
-    on_huge_pages,
-)
+from tierserve.workers.kv_pool import _Prefaulter, allocate_kv_cache, kv_cache_bytes_per_block
 from tierserve.workers.model.loader import (
     default_model_path,
     iter_weights,
@@ -261,29 +258,6 @@ def test_cpu_pools_are_zero_and_faulted_in_at_allocation():
     assert all(k.eq(0).all() and v.eq(0).all() for k, v in pools)
     pools[3][1][1023, 15].fill_(-2.0)
     assert pools[3][1][1023, 15].eq(-2.0).all() and pools[3][1][1023, :15].eq(0).all()
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
-def test_cpu_pools_fault_in_behind_a_serving_engine():
-    """A worker's pool is faulted in on a background thread while the engine serves; what a
-    step writes meanwhile stays, and a stopped prefault leaves the pool whole. Pools the
-    kernel backs with huge pages are left to the steps, which fault 2 MiB at a time."""
-    before = _rss_bytes()
-    pools = allocate_kv_cache(4, 1024, 16, 4, 64, torch.float32, "cpu", prefault=False)
-    prefault = prefault_in_background(pools)
-    huge = on_huge_pages(pools[0][0])
-    assert huge == (prefault is None) or not _Prefaulter.supported
-    pools[0][0][0, 0].fill_(3.0)
-    if prefault is not None:
-        prefault.wait()
-    pool_bytes = 4 * 2 * 1024 * 16 * 4 * 64 * 4
-    if _Prefaulter.supported and not huge:
-        assert _rss_bytes() - before >= pool_bytes * 9 // 10
-    assert pools[0][0][0, 0].eq(3.0).all() and pools[0][0][1:].eq(0).all()
-    stopped = prefault_in_background(allocate_kv_cache(1, 64, 16, 4, 64, torch.float32, "cpu",
-                                                       prefault=False))
-    if stopped is not None:
-        stopped.stop()
 
 
 # ---------------------------------------------------------------------------- GGUF

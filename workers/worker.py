@@ -24,9 +24,7 @@ from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.kernels import KernelLibrary, kernel_library
 from tierserve.workers.backends.select import select_backend
 from tierserve.workers.fault_injection import injected_crashes, stall_if_asked
-from tierserve.workers.kv_pool import (
-    allocate_kv_cache, kv_cache_bytes_per_block, prefault_in_background,
-)
+from tierserve.workers.kv_pool import allocate_kv_cache, kv_cache_bytes_per_block
 from tierserve.workers.model.loader import load_model, resolve_dtype
 from tierserve.workers.model_runner import ModelRunner
 from tierserve.workers.tier_setup import attach_tiers
@@ -61,8 +59,6 @@ class Worker:
         self.backend: Backend | None = None
         # Seconds spent in each part of the start: kernels, weights, kv_pool.
         self.startup: dict[str, float] = {}
-        # The KV pool's background prefault (kv_pool.prefault_in_background), if running.
-        self._prefault = None
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -192,7 +188,6 @@ class Worker:
     def reset(self, num_blocks: int) -> TierReport:
         """A fresh runner (input batch, KV pool) and tiers, as a new rank would start them, for
         an engine whose step failed here; the weights stay loaded."""
-        self._stop_prefault()
         if self.runner is not None and self.runner.tiers is not None:
             self.runner.tiers.close()
         self.runner = None  # the old pool goes before the new one is allocated
@@ -202,8 +197,7 @@ class Worker:
         cfg = self.model.config
         kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, self.spec.block_size,
                                self.model.kv_heads_per_rank, cfg.head_dim, self.dtype,
-                               self.device, prefault=False)
-        self._prefault = prefault_in_background(kv)
+                               self.device)
         return ModelRunner(self.model, kv, self.spec.block_size, self.device,
                            is_driver=self.rank == 0, seed=self.spec.seed,
                            max_num_seqs=self.spec.max_num_seqs,
@@ -220,13 +214,7 @@ class Worker:
         process of its own replaces this to exit at once."""
         raise RuntimeError(reason)
 
-    def _stop_prefault(self) -> None:
-        if self._prefault is not None:  # it writes to the pool's pages: end it first
-            self._prefault.stop()
-            self._prefault = None
-
     def shutdown(self) -> None:
-        self._stop_prefault()
         if self.runner is not None:
             self.runner.tiers.close()
         self.runner = None
