@@ -279,20 +279,27 @@ def _greedy_backend(kernels):
     return kernels
 
 
+@pytest.mark.parametrize("route", ["q8_0", "int8"])
 @pytest.mark.parametrize("m", [1, 13, 64, 160])
 @pytest.mark.parametrize("vocab,k,dtype,layout", [
     (1000, 64, torch.float32, "widen"), (3001, 576, torch.float32, "widen"),
     (3001, 576, torch.bfloat16, "widen"), (3001, 576, torch.bfloat16, "pairs"),
     (1000, 64, torch.float16, "widen")])
-def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype, layout):
+def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype, layout, route):
     """Bit for bit the token argmax over the panel kernel's logits gives (first index on ties;
     half-precision logits rounded as the kernel rounds them), on random rows, rows aimed at
-    tied or near-tied vocabulary rows, and all-zero rows (every column a candidate)."""
+    tied or near-tied vocabulary rows, and all-zero rows (every column a candidate); from the
+    Q8_0 pass and from the int8 pass, each at every size."""
     kernels = _half_layout(_greedy_backend(kernels), dtype, layout)
     w = _lm_head_case(vocab, k, seed=m + vocab).to(dtype)
     panel = PanelWeight(w, kernels)
     head = GreedyHead(panel, w, kernels)
-    head.max_rows = kernels.panel_max_rows  # the route itself, at every size it could take
+    if route == "int8":
+        if head.int8 is None:
+            pytest.skip(f"the {kernels.name} backend has no int8 pass on this CPU")
+        head.max_rows = 0  # every size to the int8 pass
+    else:
+        head.max_rows = kernels.panel_max_rows  # the Q8_0 pass, at every size it could take
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
     x[0] = w[4].float() * 50
@@ -325,20 +332,61 @@ def test_greedy_head_defers_to_full_logits(kernels):
 
 
 def test_an_fp32_head_takes_the_route_for_few_rows_only(kernels):
-    """An fp32 head's full product wins from FP32_MAX_ROWS rows on (the route rebuilds its Q8_0
-    blocks in fp32, the panel kernel loads fp32 as it is); a half-precision head keeps the
-    route up to the panel kernel's rows."""
+    """An fp32 head's full product wins from FP32_MAX_ROWS rows on over the Q8_0 pass (which
+    rebuilds its blocks in fp32, where the panel kernel loads fp32 as it is); a half-precision
+    head keeps that pass up to the panel kernel's rows. Where the CPU has the int8 pass, it
+    takes every head's batches past FP32_MAX_ROWS instead."""
     from tierserve.workers.backends.greedy import FP32_MAX_ROWS
 
     kernels = _greedy_backend(kernels)
     w = _lm_head_case(500, 64, seed=2)
     fp32 = GreedyHead(PanelWeight(w, kernels), w, kernels)
-    assert fp32.tokens(torch.randn(FP32_MAX_ROWS, 64)) is not None
-    assert fp32.tokens(torch.randn(FP32_MAX_ROWS + 1, 64)) is None
     half = w.to(torch.bfloat16)
     bf16 = GreedyHead(PanelWeight(half, kernels), half, kernels)
-    assert bf16.max_rows == kernels.panel_max_rows
-    assert bf16.tokens(torch.randn(FP32_MAX_ROWS + 1, 64).to(torch.bfloat16)) is not None
+    assert fp32.max_rows == FP32_MAX_ROWS
+    assert fp32.tokens(torch.randn(FP32_MAX_ROWS, 64)) is not None
+    batch = torch.randn(FP32_MAX_ROWS + 1, 64)
+    if kernels.int8_head:
+        assert fp32.int8 is not None and bf16.max_rows == FP32_MAX_ROWS
+        assert fp32.tokens(batch) is not None and bf16.tokens(batch.bfloat16()) is not None
+    else:
+        assert fp32.int8 is None and fp32.tokens(batch) is None
+        assert bf16.max_rows == kernels.panel_max_rows
+        assert bf16.tokens(batch.bfloat16()) is not None
+
+
+def test_int8_pass_matches_its_arithmetic_in_float64(kernels):
+    """int8_head_logits: each row quantized per block of 32 (scale max|x| / 127, codes rounded
+    to nearest even), its logits sum_b dx_b d_b (codes . codes) to within fp32 rounding of the
+    float64 value, and x_err at least (and barely above) ||x - xhat||; a row holding a
+    non-finite value gets x_err = inf and the head defers to the full product."""
+    kernels = _greedy_backend(kernels)
+    if not kernels.int8_head:
+        pytest.skip(f"the {kernels.name} backend has no int8 pass on this CPU")
+    vocab, k, m = 1001, 576, 11
+    w = _lm_head_case(vocab, k, seed=3)
+    head = GreedyHead(PanelWeight(w, kernels), w, kernels)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]
+    x[3, 64:96] = 0  # a block of zeros: scale 0
+    approx, x_err = kernels.int8_head_logits(x, *head.int8, vocab)
+    codes, d, _ = head.approx.reference_codes()
+    blocks = x.view(m, k // 32, 32)
+    dx = blocks.abs().amax(-1) / 127
+    q = torch.where(dx[..., None] > 0, torch.round(blocks / dx[..., None]), 0).clamp(-127, 127)
+    xhat = (q.double() * dx.double()[..., None]).view(m, k)
+    what = (codes.double() * d.double()[..., None]).view(vocab, k)
+    want = xhat @ what.T
+    scale = xhat.abs() @ what.abs().T
+    assert approx.shape == (m, vocab)
+    assert bool(((approx.double() - want).abs() <= 1e-5 * scale + 1e-30).all())
+    true_err = (x.double() - xhat).norm(dim=1)
+    assert bool((x_err.double() >= true_err).all())
+    assert bool((x_err.double() <= true_err * (1 + 1e-4) + 1e-30).all())
+    x[5, 7] = float("inf")
+    assert kernels.int8_head_logits(x, *head.int8, vocab)[1][5] == float("inf")
+    head.max_rows = 0
+    assert head.tokens(x) is None
 
 
 def test_bf16_pair_panels_where_the_cpu_has_the_dot_product(kernels):

@@ -61,6 +61,8 @@ class CpuKernelBackend(TorchBackend):
     panel_width: int = 0
     # bf16 weights of an even K packed in k pairs for AVX512_BF16's dot product (PanelWeight).
     bf16_pairs: bool = False
+    # The greedy head's batches take AVX512_VNNI's int8 dot product (greedy.py).
+    int8_head: bool = False
     head_dims: frozenset = frozenset()
     # Where the weights the kernels stream are placed: huge pages (host_memory.py).
     arena: HugePageArena = field(default_factory=HugePageArena, repr=False)
@@ -75,7 +77,7 @@ class CpuKernelBackend(TorchBackend):
                                f"{', '.join(features.isas) or 'none of ' + ', '.join(ISAS)}")
         return cls(isa, features, half_linear_plan(features, isa), "cpu", ops,
                    quant_linear=quant_linear, panel_width=int(ops.panel_width()),
-                   bf16_pairs=bool(ops.bf16_pairs()),
+                   bf16_pairs=bool(ops.bf16_pairs()), int8_head=bool(ops.int8_dot()),
                    head_dims=frozenset(ops.decode_head_dims()), **cls.level_paths(features, ops))
 
     @classmethod
@@ -92,7 +94,7 @@ class CpuKernelBackend(TorchBackend):
         flags = {"attention": self.attention_kernel, "fused": self.fused,
                  "fp32_linear": self.fp32_linear, "amx_linear": self.amx_linear,
                  "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear,
-                 "bf16_pairs": self.bf16_pairs}
+                 "bf16_pairs": self.bf16_pairs, "int8_head": self.int8_head}
         return [name for name, on in flags.items() if on]
 
     def fuses(self, x: torch.Tensor) -> bool:
@@ -230,12 +232,21 @@ class CpuKernelBackend(TorchBackend):
         """linear_f32's product on AMX, to fp32 accuracy (csrc/linear_amx.cpp)."""
         return self.ops.linear_amx(x, panels, bias, out_features)
 
-    def greedy_tokens(self, approx, x, panels, norms, devs, out_features: int, gamma: float):
+    def greedy_tokens(self, approx, x, panels, norms, devs, out_features: int, gamma: float,
+                      x_err=None):
         """The first index of each row's maximum of the panel product of x [M, K] (fp32) and
         panels (fp32, or half precision rounded once), from approx [M, N] fp32, whose rows
-        deviate by at most devs from the weight's (see csrc/greedy_head.cpp) -> long[M]; -1 for
+        deviate by at most devs from the weight's and, where x_err [M] is given, were computed
+        from x quantized to within x_err of it (see csrc/greedy_head.cpp) -> long[M]; -1 for
         rows with non-finite values."""
-        return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma)
+        return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma,
+                                      x_err)
+
+    def int8_head_logits(self, x, codes, scales, sums, out_features: int):
+        """(approx [M, N] fp32, x_err [M]): x [M, K] quantized to 8 bits per block of 32 against
+        a head's Q8_0 codes in int8_head.cpp's layout, and how far the quantized rows are from
+        x."""
+        return self.ops.int8_head_logits(x, codes, scales, sums, out_features)
 
 
 class Avx2Backend(CpuKernelBackend):

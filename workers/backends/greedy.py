@@ -8,7 +8,9 @@ every approximate logit, computes only the rows that could still be the maximum 
 product's own arithmetic (the panel kernel's FMA chain, then its rounding to the head's dtype),
 and returns the token argmax over the full logits would give, bit for bit. It runs at every ISA
 level, for fp32, bf16 and fp16 heads. Greedy rows without penalties or logprobs need no more
-(SamplingBatch.plain_greedy).
+(SamplingBatch.plain_greedy). Past FP32_MAX_ROWS rows, where the CPU has AVX512_VNNI, the
+approximate logits come from the same codes against the rows quantized to 8 bits
+(csrc/int8_head.cpp), and the bound widens by how far the quantized rows are from x.
 """
 from __future__ import annotations
 
@@ -32,22 +34,42 @@ def _row_norms(w: torch.Tensor) -> torch.Tensor:
 # bytes, which wins while the product is bound by memory, but it rebuilds every weight block in
 # fp32 on the way, which costs more than the panel kernel's plain loads once it is bound by
 # FMAs (bench/linear_kernels.py's head rows show the crossover). A half-precision head's full
-# product widens its weights too, and the route wins at every size.
+# product widens its weights too, and the route wins at every size. Past these rows, the int8
+# pass (where the CPU has it) takes every head's batches: it multiplies the codes as they are.
 FP32_MAX_ROWS = 8
+
+
+def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes [2P, B, 8, 16, 4]
+    (per 16 features, each feature's 4 consecutive codes side by side), scales [2P, B, 16] and
+    128 x the codes' sums per block [2P, B, 16] int32."""
+    codes, scales = approx.codes, approx.scales
+    panels, blocks, inputs, width = codes.shape
+    assert inputs == 32 and width == 32, "int8 layout from 32-feature Q8_0 panels"
+    c = codes.view(panels, blocks, 8, 4, 2, 16).permute(0, 4, 1, 2, 5, 3)
+    sums = codes.sum(dim=2, dtype=torch.int32) * 128
+    halves = lambda t: t.view(panels, blocks, 2, 16).permute(0, 2, 1, 3)  # noqa: E731
+    return (c.reshape(2 * panels, blocks, 8, 16, 4).contiguous(),
+            halves(scales).reshape(2 * panels, blocks, 16).contiguous(),
+            halves(sums).reshape(2 * panels, blocks, 16).contiguous())
 
 
 class GreedyHead:
     MAX_K = 1 << 16
 
-    __slots__ = ("panel", "approx", "norms", "devs", "backend", "max_rows")
+    __slots__ = ("panel", "approx", "int8", "norms", "devs", "backend", "max_rows")
 
     def __init__(self, panel: PanelWeight, weight: torch.Tensor, backend) -> None:
         self.panel = panel
         self.backend = backend
-        self.max_rows = backend.panel_max_rows if weight.dtype != torch.float32 \
-            else min(backend.panel_max_rows, FP32_MAX_ROWS)
         w = weight.detach().float()
         self.approx = QuantPanelWeight.quantize(w, "q8_0", backend)
+        # The int8 pass's copy of the codes, where the CPU runs it.
+        self.int8 = _int8_layout(self.approx) if getattr(backend, "int8_head", False) else None
+        # Rows up to which the Q8_0 pass runs; past them, the int8 pass up to panel_max_rows.
+        self.max_rows = backend.panel_max_rows \
+            if weight.dtype != torch.float32 and self.int8 is None \
+            else min(backend.panel_max_rows, FP32_MAX_ROWS)
         rebuilt = self.approx.weight()
         self.norms = _row_norms(w)
         self.devs = _row_norms(w - rebuilt)
@@ -66,22 +88,29 @@ class GreedyHead:
                 and bool(torch.isfinite(weight).all()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*self.approx.tensors(), self.norms, self.devs)
+        return (*self.approx.tensors(), *(self.int8 or ()), self.norms, self.devs)
 
     def place(self, arena) -> "GreedyHead":
         """The first pass's codes into `arena` (the head's panels are its linear method's)."""
         self.approx.place(arena)
+        if self.int8 is not None:
+            self.int8 = tuple(arena.adopt(t) for t in self.int8)
         return self
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] in the head's dtype -> long[M], or None where the full product must
         decide: more rows than the panel kernel takes (larger inputs go through AMX or MKL,
-        which round differently) or than the route gains on (FP32_MAX_ROWS), or non-finite
-        values."""
-        if x.shape[0] > self.max_rows:
+        which round differently) or than the route gains on (FP32_MAX_ROWS, without the int8
+        pass), or non-finite values."""
+        m, n = x.shape[0], self.panel.out_features
+        if m <= self.max_rows:
+            x = x.float().contiguous()
+            approx, x_err = self.approx.linear(x, None), None
+        elif self.int8 is not None and m <= self.backend.panel_max_rows:
+            x = x.float().contiguous()
+            approx, x_err = self.backend.int8_head_logits(x, *self.int8, n)
+        else:
             return None
-        x = x.float().contiguous()
-        approx = self.approx.linear(x, None)
-        ids = self.backend.greedy_tokens(approx, x, self.panel.panels, self.norms, self.devs,
-                                         self.panel.out_features, self.gamma(x.shape[1]))
+        ids = self.backend.greedy_tokens(approx, x, self.panel.panels, self.norms, self.devs, n,
+                                         self.gamma(x.shape[1]), x_err)
         return None if bool((ids < 0).any()) else ids

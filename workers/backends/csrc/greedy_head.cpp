@@ -46,11 +46,15 @@ inline float stored(float v) {
 // Exact greedy tokens of y = x W^T (W in panels of W's type, fp32 math, each logit rounded once
 // to W's type) from an approximation of y.
 //
-// approx [M, N] fp32 is x What^T by an fp32 FMA chain over k, What a rebuilt approximation of W
-// (GGUF Q8_0 codes, exact in fp32), dev_j >= |w_j - what_j| and norms_j >= |w_j| (Euclidean).
-// Both chains err by at most gamma = K u / (1 - K u) times sum_k |x_k w_k| (Higham), so
-//   |approx_j - y_j| <= e_j = |x| (dev_j + gamma (2 norms_j + dev_j)) + flush_j,
-// flush_j = 2^-126 (sqrt(K) (|x| + norms_j) + K) covering subnormals flushed on the way. Every
+// approx [M, N] fp32 is xhat What^T in fp32 arithmetic, What a rebuilt approximation of W (GGUF
+// Q8_0 codes, exact in fp32), dev_j >= |w_j - what_j| and norms_j >= |w_j| (Euclidean), and
+// xhat either x itself (an FMA chain over k) or x quantized (int8_head.cpp: a sum over blocks),
+// with xe >= |x - xhat| (0 for x itself). Each chain errs by at most gamma = K u / (1 - K u)
+// times the sum of its |products| (Higham), so with |xhat| <= |x| + xe,
+//   |approx_j - y_j| <= e_j = (|x| + xe)(1 + gamma) dev_j + (xe + gamma (2 |x| + xe)) norms_j
+//                             + flush_j,
+// flush_j = 2^-126 (sqrt(K) (|x| + norms_j) + K) covering subnormals flushed on the way (for a
+// quantized x also its block scales' products, each of at most 2^-126 times 32 x 127^2). Every
 // j that could be the argmax has approx_j + e_j >= best = max_i (approx_i - e_i); with a
 // half-precision output, every j whose rounded logit could equal the rounded maximum, which is
 // within two units in the last place of it: approx_j + e_j >= best - 2^-(bits - 2) |best|.
@@ -59,19 +63,21 @@ inline float stored(float v) {
 // token: the token argmax_rows(linear(x, W)) gives, bit for bit. A row whose x or approx holds
 // a non-finite value gets -1 (the caller takes the full path).
 template <typename W>
-int64_t greedy_row(const float* approx, const float* x, const W* packed, const float* norms,
-                   const float* devs, int64_t n, int64_t k, float gamma, int out_bits,
-                   bool pairs, std::vector<int64_t>& cand) {
+int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe,
+                   const W* packed, const float* norms, const float* devs, int64_t n, int64_t k,
+                   float gamma, int out_bits, bool pairs, std::vector<int64_t>& cand) {
   double sq = 0;
   for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
   const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
-  if (!std::isfinite(xn)) return -1;
+  if (!std::isfinite(xn) || !std::isfinite(xe)) return -1;
   constexpr float kTiny = 1.1754944e-38f;  // 2^-126
   const float slack = 1.0f + 1e-5f;  // the bound's own fp32 arithmetic
-  const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k) * 1.01f;
+  const float scaled = quantized ? k * (127.0f * 127.0f) : 0.0f;  // k / 32 blocks of 32 x 127^2
+  const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k + scaled) * 1.01f;
   // e_j = a dev_j + b norms_j + c.
-  const float a = xn * slack * (1.0f + gamma);
-  const float b = xn * slack * 2.0f * gamma + kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
+  const float a = (xn + xe) * slack * (1.0f + gamma);
+  const float b = (xe + gamma * (2.0f * xn + xe)) * slack +
+                  kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
   const Vec av = splat(a), bv = splat(b);
   auto err = [&](int64_t j) { return av * load(devs + j) + bv * load(norms + j) + c; };
   auto err1 = [&](int64_t j) { return a * devs[j] + b * norms[j] + c; };
@@ -135,7 +141,7 @@ int64_t greedy_row(const float* approx, const float* x, const W* packed, const f
 
 at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
                          const at::Tensor& norms, const at::Tensor& devs, int64_t n,
-                         double gamma) {
+                         double gamma, const std::optional<at::Tensor>& x_err) {
   const char* op = "greedy_tokens: ";
   check_panel_shapes(op, x, packed, n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op,
@@ -149,6 +155,10 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
   TORCH_CHECK(approx.dim() == 2 && approx.size(0) == x.size(0) && approx.size(1) == n, op,
               "approx must be [", x.size(0), ", ", n, "]");
   TORCH_CHECK(norms.numel() == n && devs.numel() == n, op, "norms and devs must be [n]");
+  TORCH_CHECK(!x_err || (x_err->device().is_cpu() && x_err->scalar_type() == at::kFloat &&
+                         x_err->is_contiguous() && x_err->numel() == x.size(0)),
+              op, "x_err must be a contiguous float32 [M] CPU tensor");
+  const float* xe = x_err ? x_err->data_ptr<float>() : nullptr;
   const int64_t m = x.size(0), k = x.size(1);
   const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
   const bool pairs = pair_layout(packed);
@@ -162,16 +172,17 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
       const float* xr = x.data_ptr<float>() + r * k;
       const float* nr = norms.data_ptr<float>();
       const float* dv = devs.data_ptr<float>();
-      const float g = static_cast<float>(gamma);
+      const float g = static_cast<float>(gamma), e = xe ? xe[r] : 0.0f;
+      const bool quantized = xe != nullptr;
       if (wt == at::kFloat)
-        o[r] = greedy_row(a, xr, packed.data_ptr<float>(), nr, dv, n, k, g, out_bits, false,
-                          cand);
+        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<float>(), nr, dv, n, k, g,
+                          out_bits, false, cand);
       else if (wt == at::kBFloat16)
-        o[r] = greedy_row(a, xr, packed.data_ptr<c10::BFloat16>(), nr, dv, n, k, g, out_bits,
-                          pairs, cand);
+        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<c10::BFloat16>(), nr, dv, n, k,
+                          g, out_bits, pairs, cand);
       else
-        o[r] = greedy_row(a, xr, packed.data_ptr<c10::Half>(), nr, dv, n, k, g, out_bits, false,
-                          cand);
+        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<c10::Half>(), nr, dv, n, k, g,
+                          out_bits, false, cand);
     }
   });
   return out;
@@ -182,7 +193,7 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("greedy_tokens(Tensor approx, Tensor x, Tensor packed, Tensor norms, Tensor devs, "
-        "int n, float gamma) -> Tensor");
+        "int n, float gamma, Tensor? x_err=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {

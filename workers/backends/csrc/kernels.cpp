@@ -8,6 +8,7 @@
 #include "linear.cpp"
 #include "linear_amx.cpp"
 #include "greedy_head.cpp"
+#include "int8_head.cpp"
 #include "fused.cpp"
 #include "quant.cpp"
 #include "layer_stack.cpp"
