@@ -25,7 +25,9 @@ Then the LM head (49152 x 576) for 1, 8, 16 and 64 rows:
 `head_full_m<M>_ms`, linear_f32's logits plus argmax_rows; `head_greedy_m<M>_ms`,
 greedy.GreedyHead's exact route (Q8_0 approximation, bound, fp32 candidates), with the suffix
 `_unused` past the rows the engine takes it for (greedy.FP32_MAX_ROWS);
-`head_greedy_equal_m<M>`, 1 when both give the same tokens.
+`head_int8_m<M>_ms`, the same route from the int8 pass (where the CPU has AVX512_VNNI),
+`_unused` up to those rows; `head_greedy_equal_m<M>` and `head_int8_equal_m<M>`, 1 when the
+route gives the full product's tokens.
 
 Usage: python bench/linear_kernels.py [--json] [--rows 1,16,64,161,512,2048] [--repeats 5]
            [--dtypes float32,bfloat16] [--cpu-isa avx2|avx512|amx]
@@ -140,9 +142,17 @@ def bench_head(backend: CpuKernelBackend, repeats: int) -> dict[str, float]:
         greedy = lambda: head.tokens(x)  # noqa: E731
         result[f"head_full_m{m}_ms"] = best_of(full, repeats) * 1e3
         head.max_rows = max(m, limit)  # timed past its limit too, to show the crossover
-        unused = "_unused" if m > limit else ""  # the engine takes the full product there
+        # Past its limit the engine takes the int8 pass where there is one, else the full
+        # product.
+        unused = "_unused" if m > limit else ""
         result[f"head_greedy_m{m}_ms{unused}"] = best_of(greedy, repeats) * 1e3
         result[f"head_greedy_equal_m{m}"] = int(torch.equal(full(), greedy()))
+        if head.int8 is not None:
+            head.max_rows = 0  # every size to the int8 pass
+            unused = "_unused" if m <= limit else ""  # the Q8_0 pass takes these rows
+            result[f"head_int8_m{m}_ms{unused}"] = best_of(greedy, repeats) * 1e3
+            result[f"head_int8_equal_m{m}"] = int(torch.equal(full(), greedy()))
+        head.max_rows = limit
     return result
 
 

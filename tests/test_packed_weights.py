@@ -355,11 +355,27 @@ def test_an_fp32_head_takes_the_route_for_few_rows_only(kernels):
         assert bf16.tokens(batch.bfloat16()) is not None
 
 
+def _quantize_twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_head.cpp's rows in float64: per block of 32, codes at scale max|v| / 127 (rounded
+    to fp32), rounded to nearest even, then the remainder the same way -> (xhat, the
+    elementwise sum of both passes' absolute values)."""
+    m, k = x.shape
+    v = x.double().view(m, k // 32, 32)
+    passes = []
+    for _ in range(2):
+        d = (v.abs().amax(-1, keepdim=True) / 127).float().double()
+        q = torch.where(d > 0, torch.round(v / d), torch.zeros_like(v)).clamp(-127, 127)
+        passes.append(q * d)
+        v = v - q * d
+    return (passes[0] + passes[1]).view(m, k), (passes[0].abs() + passes[1].abs()).view(m, k)
+
+
 def test_int8_pass_matches_its_arithmetic_in_float64(kernels):
-    """int8_head_logits: each row quantized per block of 32 (scale max|x| / 127, codes rounded
-    to nearest even), its logits sum_b dx_b d_b (codes . codes) to within fp32 rounding of the
-    float64 value, and x_err at least (and barely above) ||x - xhat||; a row holding a
-    non-finite value gets x_err = inf and the head defers to the full product."""
+    """int8_head_logits: each row quantized per block of 32 in two passes (the codes, then
+    their remainder's), its logits sum_b d_b (dx_b q . c + er_b s . c) to within fp32 rounding
+    of the float64 value; x_err per row at least (and barely above) ||x - xhat|| and the norm
+    of both passes' absolute values; a row holding a non-finite value gets inf, and the head
+    defers to the full product."""
     kernels = _greedy_backend(kernels)
     if not kernels.int8_head:
         pytest.skip(f"the {kernels.name} backend has no int8 pass on this CPU")
@@ -371,22 +387,38 @@ def test_int8_pass_matches_its_arithmetic_in_float64(kernels):
     x[3, 64:96] = 0  # a block of zeros: scale 0
     approx, x_err = kernels.int8_head_logits(x, *head.int8, vocab)
     codes, d, _ = head.approx.reference_codes()
-    blocks = x.view(m, k // 32, 32)
-    dx = blocks.abs().amax(-1) / 127
-    q = torch.where(dx[..., None] > 0, torch.round(blocks / dx[..., None]), 0).clamp(-127, 127)
-    xhat = (q.double() * dx.double()[..., None]).view(m, k)
+    xhat, terms = _quantize_twice(x)
     what = (codes.double() * d.double()[..., None]).view(vocab, k)
     want = xhat @ what.T
-    scale = xhat.abs() @ what.abs().T
-    assert approx.shape == (m, vocab)
-    assert bool(((approx.double() - want).abs() <= 1e-5 * scale + 1e-30).all())
-    true_err = (x.double() - xhat).norm(dim=1)
-    assert bool((x_err.double() >= true_err).all())
-    assert bool((x_err.double() <= true_err * (1 + 1e-4) + 1e-30).all())
+    assert approx.shape == (m, vocab) and x_err.shape == (m, 2)
+    assert bool(((approx.double() - want).abs() <= 1e-5 * (terms @ what.abs().T) + 1e-30).all())
+    for got, true in ((x_err[:, 0], (x.double() - xhat).norm(dim=1)), (x_err[:, 1],
+                                                                        terms.norm(dim=1))):
+        assert bool((got.double() >= true).all())
+        assert bool((got.double() <= true * (1 + 1e-4) + 1e-30).all())
+    assert bool((x_err[:, 0] <= 1e-4 * x.norm(dim=1)).all())  # two passes: about 2^-16 of x
     x[5, 7] = float("inf")
-    assert kernels.int8_head_logits(x, *head.int8, vocab)[1][5] == float("inf")
+    assert kernels.int8_head_logits(x, *head.int8, vocab)[1][5, 0] == float("inf")
     head.max_rows = 0
     assert head.tokens(x) is None
+
+
+def test_crowded_rows_take_their_own_full_product(kernels):
+    """A row whose bound leaves more than MAX_CANDIDATES columns (here every column: an
+    all-zero row, whose logits all tie) is decided by its own full product, beside rows the
+    route decides."""
+    from tierserve.workers.backends import greedy
+
+    kernels = _greedy_backend(kernels)
+    w = _lm_head_case(600, 64, seed=5)
+    head = GreedyHead(PanelWeight(w, kernels), w, kernels)
+    x = torch.randn(3, 64)
+    x[1] = 0
+    want = kernels.argmax_rows(head.panel.linear(x, None))
+    raw = kernels.greedy_tokens(head.approx.linear(x, None), x, head.panel.panels, head.norms,
+                                head.devs, 600, head.gamma(64), None, greedy.MAX_CANDIDATES)
+    assert raw[1] == -2 and raw[0] == want[0] and raw[2] == want[2]
+    assert torch.equal(head.tokens(x), want) and want[1] == 0
 
 
 def test_bf16_pair_panels_where_the_cpu_has_the_dot_product(kernels):

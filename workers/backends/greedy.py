@@ -39,6 +39,12 @@ def _row_norms(w: torch.Tensor) -> torch.Tensor:
 FP32_MAX_ROWS = 8
 
 
+# Candidates past which a row's exact columns (read across the panels, a cache line per
+# weight) cost more than its share of the full product: such a row (a flat distribution, whose
+# approximate logits leave many columns within the bound of the best) takes the full product.
+MAX_CANDIDATES = 256
+
+
 def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes [2P, B, 8, 16, 4]
     (per 16 features, each feature's 4 consecutive codes side by side), scales [2P, B, 16] and
@@ -103,14 +109,18 @@ class GreedyHead:
         which round differently) or than the route gains on (FP32_MAX_ROWS, without the int8
         pass), or non-finite values."""
         m, n = x.shape[0], self.panel.out_features
+        xf = x.float().contiguous()
         if m <= self.max_rows:
-            x = x.float().contiguous()
-            approx, x_err = self.approx.linear(x, None), None
+            approx, x_err = self.approx.linear(xf, None), None
         elif self.int8 is not None and m <= self.backend.panel_max_rows:
-            x = x.float().contiguous()
-            approx, x_err = self.backend.int8_head_logits(x, *self.int8, n)
+            approx, x_err = self.backend.int8_head_logits(xf, *self.int8, n)
         else:
             return None
-        ids = self.backend.greedy_tokens(approx, x, self.panel.panels, self.norms, self.devs, n,
-                                         self.gamma(x.shape[1]), x_err)
-        return None if bool((ids < 0).any()) else ids
+        ids = self.backend.greedy_tokens(approx, xf, self.panel.panels, self.norms, self.devs,
+                                         n, self.gamma(xf.shape[1]), x_err, MAX_CANDIDATES)
+        if bool((ids == -1).any()):
+            return None
+        crowded = ids == -2
+        if bool(crowded.any()):  # rows of a flat distribution: their own full product
+            ids[crowded] = self.backend.argmax_rows(self.panel.linear(x[crowded], None))
+        return ids

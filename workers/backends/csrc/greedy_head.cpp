@@ -48,35 +48,40 @@ inline float stored(float v) {
 //
 // approx [M, N] fp32 is xhat What^T in fp32 arithmetic, What a rebuilt approximation of W (GGUF
 // Q8_0 codes, exact in fp32), dev_j >= |w_j - what_j| and norms_j >= |w_j| (Euclidean), and
-// xhat either x itself (an FMA chain over k) or x quantized (int8_head.cpp: a sum over blocks),
-// with xe >= |x - xhat| (0 for x itself). Each chain errs by at most gamma = K u / (1 - K u)
-// times the sum of its |products| (Higham), so with |xhat| <= |x| + xe,
-//   |approx_j - y_j| <= e_j = (|x| + xe)(1 + gamma) dev_j + (xe + gamma (2 |x| + xe)) norms_j
+// xhat either x itself (an FMA chain over k) or x quantized (int8_head.cpp: sums over blocks
+// of two passes of codes), with xe >= |x - xhat| (0 for x itself) and xa >= the norm of the
+// elementwise sum of the absolute values of xhat's terms (|x| for x itself). Each chain errs by
+// at most gamma = K u / (1 - K u) times the sum of its |products| (Higham), so
+//   |approx_j - y_j| <= e_j = (|x| + xe + gamma xa) dev_j + (xe + gamma (|x| + xa)) norms_j
 //                             + flush_j,
 // flush_j = 2^-126 (sqrt(K) (|x| + norms_j) + K) covering subnormals flushed on the way (for a
-// quantized x also its block scales' products, each of at most 2^-126 times 32 x 127^2). Every
+// quantized x also its block scales' products, 2^-126 times 32 x 127^2 each at most). Every
 // j that could be the argmax has approx_j + e_j >= best = max_i (approx_i - e_i); with a
 // half-precision output, every j whose rounded logit could equal the rounded maximum, which is
 // within two units in the last place of it: approx_j + e_j >= best - 2^-(bits - 2) |best|.
 // Only those candidates are computed, with the full product's arithmetic (one FMA chain over k
 // in order, from 0, then the rounding), and the first index of their maximum is the row's
 // token: the token argmax_rows(linear(x, W)) gives, bit for bit. A row whose x or approx holds
-// a non-finite value gets -1 (the caller takes the full path).
+// a non-finite value gets -1 (the caller takes the full path); one with more than max_cand
+// candidates (0: no limit), -2 (the caller takes that row's full product).
 template <typename W>
-int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe,
+int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe, float xa,
                    const W* packed, const float* norms, const float* devs, int64_t n, int64_t k,
-                   float gamma, int out_bits, bool pairs, std::vector<int64_t>& cand) {
+                   float gamma, int out_bits, bool pairs, int64_t max_cand,
+                   std::vector<int64_t>& cand) {
   double sq = 0;
   for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
   const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
-  if (!std::isfinite(xn) || !std::isfinite(xe)) return -1;
+  if (!quantized) xa = xn;
+  if (!std::isfinite(xn) || !std::isfinite(xe) || !std::isfinite(xa)) return -1;
   constexpr float kTiny = 1.1754944e-38f;  // 2^-126
   const float slack = 1.0f + 1e-5f;  // the bound's own fp32 arithmetic
-  const float scaled = quantized ? k * (127.0f * 127.0f) : 0.0f;  // k / 32 blocks of 32 x 127^2
+  // Two passes of k / 32 blocks, each product of scales of at most 32 x 127^2 times its value.
+  const float scaled = quantized ? 2.0f * k * (127.0f * 127.0f) : 0.0f;
   const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k + scaled) * 1.01f;
   // e_j = a dev_j + b norms_j + c.
-  const float a = (xn + xe) * slack * (1.0f + gamma);
-  const float b = (xe + gamma * (2.0f * xn + xe)) * slack +
+  const float a = (xn + xe + gamma * xa) * slack;
+  const float b = (xe + gamma * (xn + xa)) * slack +
                   kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
   const Vec av = splat(a), bv = splat(b);
   auto err = [&](int64_t j) { return av * load(devs + j) + bv * load(norms + j) + c; };
@@ -114,6 +119,9 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
   // The column that set `best` is always a candidate (its upper bound is at least its lower);
   // should rounding ever say otherwise, the full path decides.
   if (cand.empty()) return -1;
+  // Past max_cand candidates, their columns (read across the panels, a line per weight) cost
+  // more than the row's own full product (the weights streamed once): the caller runs that.
+  if (max_cand > 0 && static_cast<int64_t>(cand.size()) > max_cand) return -2;
   constexpr int kGroup = 8;
   while (cand.size() % kGroup) cand.push_back(cand.back());  // repeats do not change the argmax
   int64_t arg = -1;
@@ -141,7 +149,8 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
 
 at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
                          const at::Tensor& norms, const at::Tensor& devs, int64_t n,
-                         double gamma, const std::optional<at::Tensor>& x_err) {
+                         double gamma, const std::optional<at::Tensor>& x_err,
+                         int64_t max_candidates) {
   const char* op = "greedy_tokens: ";
   check_panel_shapes(op, x, packed, n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op,
@@ -156,8 +165,8 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
               "approx must be [", x.size(0), ", ", n, "]");
   TORCH_CHECK(norms.numel() == n && devs.numel() == n, op, "norms and devs must be [n]");
   TORCH_CHECK(!x_err || (x_err->device().is_cpu() && x_err->scalar_type() == at::kFloat &&
-                         x_err->is_contiguous() && x_err->numel() == x.size(0)),
-              op, "x_err must be a contiguous float32 [M] CPU tensor");
+                         x_err->is_contiguous() && x_err->numel() == 2 * x.size(0)),
+              op, "x_err must be a contiguous float32 [M, 2] CPU tensor");
   const float* xe = x_err ? x_err->data_ptr<float>() : nullptr;
   const int64_t m = x.size(0), k = x.size(1);
   const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
@@ -172,17 +181,18 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
       const float* xr = x.data_ptr<float>() + r * k;
       const float* nr = norms.data_ptr<float>();
       const float* dv = devs.data_ptr<float>();
-      const float g = static_cast<float>(gamma), e = xe ? xe[r] : 0.0f;
+      const float g = static_cast<float>(gamma), e = xe ? xe[2 * r] : 0.0f;
+      const float ea = xe ? xe[2 * r + 1] : 0.0f;
       const bool quantized = xe != nullptr;
       if (wt == at::kFloat)
-        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<float>(), nr, dv, n, k, g,
-                          out_bits, false, cand);
+        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<float>(), nr, dv, n, k,
+                          g, out_bits, false, max_candidates, cand);
       else if (wt == at::kBFloat16)
-        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<c10::BFloat16>(), nr, dv, n, k,
-                          g, out_bits, pairs, cand);
+        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<c10::BFloat16>(), nr, dv,
+                          n, k, g, out_bits, pairs, max_candidates, cand);
       else
-        o[r] = greedy_row(a, xr, quantized, e, packed.data_ptr<c10::Half>(), nr, dv, n, k, g,
-                          out_bits, false, cand);
+        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<c10::Half>(), nr, dv, n,
+                          k, g, out_bits, false, max_candidates, cand);
     }
   });
   return out;
@@ -193,7 +203,7 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("greedy_tokens(Tensor approx, Tensor x, Tensor packed, Tensor norms, Tensor devs, "
-        "int n, float gamma, Tensor? x_err=None) -> Tensor");
+        "int n, float gamma, Tensor? x_err=None, int max_candidates=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
