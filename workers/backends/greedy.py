@@ -71,7 +71,7 @@ class GreedyHead:
         w = weight.detach().float()
         self.approx = QuantPanelWeight.quantize(w, "q8_0", backend)
         # The int8 pass's copy of the codes, where the CPU runs it.
-        self.int8 = _int8_layout(self.approx) if getattr(backend, "int8_head", False) else None
+        self.int8 = _int8_layout(self.approx) if backend.int8_head else None
         # Rows up to which the Q8_0 pass runs; past them, the int8 pass up to panel_max_rows.
         self.max_rows = backend.panel_max_rows \
             if weight.dtype != torch.float32 and self.int8 is None \
@@ -109,13 +109,14 @@ class GreedyHead:
         which round differently) or than the route gains on (FP32_MAX_ROWS, without the int8
         pass), or non-finite values."""
         m, n = x.shape[0], self.panel.out_features
+        int8 = m > self.max_rows
+        if int8 and (self.int8 is None or m > self.backend.panel_max_rows):
+            return None
         xf = x.float().contiguous()
-        if m <= self.max_rows:
-            approx, x_err = self.approx.linear(xf, None), None
-        elif self.int8 is not None and m <= self.backend.panel_max_rows:
+        if int8:
             approx, x_err = self.backend.int8_head_logits(xf, *self.int8, n)
         else:
-            return None
+            approx, x_err = self.approx.linear(xf, None), None
         ids = self.backend.greedy_tokens(approx, xf, self.panel.panels, self.norms, self.devs,
                                          n, self.gamma(xf.shape[1]), x_err, MAX_CANDIDATES)
         if bool((ids == -1).any()):
