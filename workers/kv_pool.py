@@ -30,10 +30,10 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
     """Zeroed pools: stale slots are read (then masked) by padded gathers, so they must not be
     NaN/Inf, which an additive mask cannot cancel. On CPU they are anonymous mappings advised
     for huge pages (a decode step streams each sequence's K/V; host_memory.py), faulted in by
-    the kernel before they serve (_Prefaulter). Left to the steps,
-    the first write to each fresh 2 MiB costs its step the kernel's zeroing of it while the
-    step's other threads wait at their next barrier, and since block ids are the same in every
-    layer, a step that opens a fresh 2 MiB of one pool opens it in all of them."""
+    the kernel before they serve (_Prefaulter). Left to the steps, the first write to each
+    fresh 2 MiB costs its step the kernel's zeroing of it while the step's other threads wait at
+    their next barrier, and since block ids are the same in every layer, a step that opens a
+    fresh 2 MiB of one pool opens it in all of them."""
     shape = (num_blocks, block_size, kv_heads_per_rank, head_dim)
     if torch.device(device).type == "cpu":
         pools = [(mapped_zeros(shape, dtype), mapped_zeros(shape, dtype))

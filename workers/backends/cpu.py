@@ -236,17 +236,17 @@ class CpuKernelBackend(TorchBackend):
                       x_err=None, max_candidates: int = 0):
         """The first index of each row's maximum of the panel product of x [M, K] (fp32) and
         panels (fp32, or half precision rounded once), from approx [M, N] fp32, whose rows
-        deviate by at most devs from the weight's and, where x_err [M] is given, were computed
-        from x quantized to within x_err of it (see csrc/greedy_head.cpp) -> long[M]; -1 for
-        rows with non-finite values, -2 for rows with more than max_candidates (if > 0)
-        columns left to compute."""
+        deviate by at most devs from the weight's and, where x_err [M, 2] is given, were
+        computed from x quantized (int8_head_logits' x_err; see csrc/greedy_head.cpp) ->
+        long[M]; -1 for rows with non-finite values, -2 for rows with more than max_candidates
+        (if > 0) columns left to compute."""
         return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma,
                                       x_err, max_candidates)
 
     def int8_head_logits(self, x, codes, scales, sums, out_features: int):
-        """(approx [M, N] fp32, x_err [M]): x [M, K] quantized to 8 bits per block of 32 against
-        a head's Q8_0 codes in int8_head.cpp's layout, and how far the quantized rows are from
-        x."""
+        """(approx [M, N] fp32, x_err [M, 2]): x [M, K] quantized to 8 bits per block of 32 in
+        two passes against a head's Q8_0 codes in int8_head.cpp's layout; per row, how far the
+        quantized row is from x and the norm of its passes' absolute values."""
         return self.ops.int8_head_logits(x, codes, scales, sums, out_features)
 
 
