@@ -9,7 +9,7 @@ import mmap
 import pytest
 import torch
 
-from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros, on_huge_pages
+from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros
 from tierserve.workers.backends.linear import PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
 from tierserve.workers.kv_pool import allocate_kv_cache
@@ -24,6 +24,30 @@ def _advice_supported() -> bool:
         return False
     finally:
         m.close()
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the kernel backs CPU tensor `t` (starting on a 2 MiB boundary) with huge pages:
+    its first element is written with its own value, which faults its page in, then
+    /proc/self/smaps is asked about the mapping holding it. False where that cannot be told."""
+    if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() % (2 << 20):
+        return False
+    first = t.view(-1)[:1]
+    first.copy_(first.clone())
+    address = t.data_ptr()
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _vm_flags(address: int) -> set[str]:

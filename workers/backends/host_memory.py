@@ -15,7 +15,7 @@ import mmap
 
 import torch
 
-__all__ = ["HugePageArena", "mapped_zeros", "on_huge_pages"]
+__all__ = ["HugePageArena", "mapped_zeros"]
 
 _HUGE = 2 << 20
 _ALIGN = 64  # a cache line: the kernels' vector loads want no more
@@ -43,30 +43,6 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) 
     its first write or a populate)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return _chunk(max(nbytes, 1), huge)[:nbytes].view(dtype).view(shape)
-
-
-def on_huge_pages(t: torch.Tensor) -> bool:
-    """Whether the kernel backs CPU tensor `t` (starting on a 2 MiB boundary) with huge pages:
-    its first element is written with its own value, which faults its page in, then
-    /proc/self/smaps is asked about the mapping holding it. False where that cannot be told."""
-    if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() % _HUGE:
-        return False
-    first = t.view(-1)[:1]
-    first.copy_(first.clone())
-    address = t.data_ptr()
-    try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= address < hi
-                elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1]) > 0
-    except (OSError, ValueError):
-        pass
-    return False
 
 
 class HugePageArena:
