@@ -79,13 +79,19 @@ try:
     holder = out["holders"][0][0]
     rng = __import__("random").Random(0)
     out["tiers_seen"] = []
+    # The states asserted below: in the CPU tier and off the device; then on SSD alone.
+    wanted = (lambda m: m[0] == 0 and m[1] == 8, lambda m: list(m) == [0, 0, 8])
     for tier in (1, 2):  # CPU, then SSD only
-        for _ in range(60):
+        for _ in range(200):
             found = ray.get(router.explain.remote(RouteQuery(target + [380])))
-            if found[holder][tier] == 8 and not found[holder][0]:
+            if wanted[tier - 1](found[holder]):
                 break
-            asyncio.run(many([[rng.randrange(1, 380) for _ in range(33)]], short))
-            time.sleep(0.2)
+            # Off the device, a push of one block demotes one: the target then stays in the
+            # CPU tier (32 slots) for many polls, where 8-block pushes left it a few. To
+            # reach SSD alone it takes the 8-block pushes that fill the CPU tier.
+            length = 5 if tier == 1 and not found[holder][0] else 33
+            asyncio.run(many([[rng.randrange(1, 380) for _ in range(length)]], short))
+            time.sleep(0.1)
         others = [m for r, m in found.items() if r != holder]
         out["tiers_seen"].append([found[holder], others])
         toks, cached = asyncio.run(collect(target + [370 + tier], short))
