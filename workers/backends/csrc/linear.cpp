@@ -42,8 +42,13 @@ constexpr int64_t kKC = 256;
 constexpr int64_t kLine = 64;  // bytes per cache line
 
 // c[MR][kNR] (row stride ldc) = (first ? 0 : c) + a[MR][kc] (row stride lda) . b[kc][kNR].
-// Meanwhile asks for pf_lines cache lines from pf on into L2: the weight slice that comes next.
-template <typename W, int MR>
+// Meanwhile prefetches pf_lines cache lines from pf on: the weight slice that comes next. A
+// Streaming kernel is a caller's only row tile, which reads that slice once, right after this
+// one: it takes all of it (at most two lines a k step), with a non-temporal hint, since a
+// decode step's weights are read once a step and should not displace what the step reads
+// again (bench/decode_step.py times the step); other tiles share the slice out, a line a k step
+// into L2, where the row tiles after them find it.
+template <typename W, int MR, bool Streaming>
 void microkernel(int64_t kc, const float* __restrict a, int64_t lda, const W* __restrict b,
                  float* __restrict c, int64_t ldc, bool first, const char* pf, int64_t pf_lines) {
   Vec lo[MR], hi[MR];
@@ -52,7 +57,12 @@ void microkernel(int64_t kc, const float* __restrict a, int64_t lda, const W* __
     hi[r] = first ? Vec{} : load(c + r * ldc + kLanes);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if (k < pf_lines) __builtin_prefetch(pf + k * kLine, 0, 2);
+    if constexpr (Streaming) {
+      if (k < pf_lines) __builtin_prefetch(pf + k * kLine, 0, 0);
+      if (k + kc < pf_lines) __builtin_prefetch(pf + (k + kc) * kLine, 0, 0);
+    } else if (k < pf_lines) {
+      __builtin_prefetch(pf + k * kLine, 0, 2);
+    }
     const Vec b0 = load_as_float(b + k * kNR), b1 = load_as_float(b + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
       const Vec av = splat(a[r * lda + k]);
@@ -70,12 +80,15 @@ template <typename W>
 using Micro = void (*)(int64_t, const float*, int64_t, const W*, float*, int64_t, bool,
                        const char*, int64_t);
 
-template <typename W, int... MR>
+template <typename W, bool Streaming, int... MR>
 constexpr auto micro_table(std::integer_sequence<int, MR...>) {
-  return std::array<Micro<W>, sizeof...(MR)>{&microkernel<W, MR + 1>...};
+  static_assert(kNR * sizeof(W) <= 2 * kLine, "a streaming kernel prefetches two lines a step");
+  return std::array<Micro<W>, sizeof...(MR)>{&microkernel<W, MR + 1, Streaming>...};
 }
 template <typename W>
-constexpr auto kMicro = micro_table<W>(std::make_integer_sequence<int, kMaxMR>{});
+constexpr auto kStreamMicro = micro_table<W, true>(std::make_integer_sequence<int, kMaxMR>{});
+template <typename W>
+constexpr auto kMicro = micro_table<W, false>(std::make_integer_sequence<int, kMaxMR>{});
 
 // Two adjacent panels at once (64 output features on AVX-512): 4 accumulators a row, so a k step
 // loads four weight Vecs and one input per row for 4 FMAs a row, against two and one for 2
@@ -150,8 +163,8 @@ void run_full_panels(const float* x, int64_t ldx, const W* packed, float* out, i
                                      kc == 0, next + t * share * kLine,
                                      next2 + t * share * kLine, share);
       else
-        kMicro<W>[tile_rows(t) - 1](kn, a, ldx, panel + kc * kNR, c, n, kc == 0,
-                                    next + t * share * kLine, share);
+        (tiles == 1 ? kStreamMicro<W> : kMicro<W>)[tile_rows(t) - 1](
+            kn, a, ldx, panel + kc * kNR, c, n, kc == 0, next + t * share * kLine, share);
     }
   }
 }
