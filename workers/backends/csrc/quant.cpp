@@ -85,15 +85,37 @@ inline Vec fma_vec(Vec a, Vec b, Vec c) {
 #endif
 }
 
-// out[MR][width] (row stride ldo) = x[MR][K] (row stride ldx) . one panel's weights.
+// Prefetches, non-temporally, block b of the panel after the one at codes / d / m (panels
+// follow each other: codes panel_bytes apart, scales and offsets blocks * kQNR apart). Always
+// inlined: GCC finds a separate copy free of side effects (a prefetch is none) and deletes its
+// calls.
+template <bool Q4>
+__attribute__((always_inline)) inline void prefetch_next_block(const char* codes, const float* d,
+                                                               const float* m, int64_t blocks,
+                                                               int64_t b) {
+  constexpr int64_t block_bytes = kQBlock * (Q4 ? kQNR / 2 : kQNR);
+  const char* next = codes + blocks * block_bytes + b * block_bytes;
+  for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(next + at, 0, 0);
+  for (const float* v : {d, m}) {
+    if (v == nullptr) continue;
+    const char* row = reinterpret_cast<const char*>(v + (blocks + b) * kQNR);
+    for (int64_t at = 0; at < kQNR * static_cast<int64_t>(sizeof(float)); at += 64)
+      __builtin_prefetch(row + at, 0, 0);
+  }
+}
+
+// out[MR][width] (row stride ldo) = x[MR][K] (row stride ldx) . one panel's weights. With
+// `next`, block by block, the panel after this one is prefetched: a thread streams its run of
+// panels once, and the hardware prefetchers alone leave part of each panel to arrive on demand.
 template <bool Q4, int MR>
 void quant_tile(const float* __restrict x, int64_t ldx, const void* codes, const float* d,
                 const float* m, int64_t blocks, float* __restrict out, int64_t ldo,
-                int64_t width) {
+                int64_t width, bool next) {
   constexpr int64_t row_bytes = Q4 ? kQNR / 2 : kQNR;
   Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
   for (int64_t b = 0; b < blocks; ++b) {
+    if (next) prefetch_next_block<Q4>(static_cast<const char*>(codes), d, m, blocks, b);
     const Vec d0 = load(d + b * kQNR), d1 = load(d + b * kQNR + kLanes);
     const Vec m0 = Q4 ? load(m + b * kQNR) : Vec{}, m1 = Q4 ? load(m + b * kQNR + kLanes) : Vec{};
     const char* block = static_cast<const char*>(codes) + b * kQBlock * row_bytes;
@@ -127,7 +149,7 @@ void quant_tile(const float* __restrict x, int64_t ldx, const void* codes, const
 
 template <bool Q4>
 using QuantTile = void (*)(const float*, int64_t, const void*, const float*, const float*,
-                           int64_t, float*, int64_t, int64_t);
+                           int64_t, float*, int64_t, int64_t, bool);
 
 template <bool Q4, int... MR>
 constexpr auto quant_table(std::integer_sequence<int, MR...>) {
@@ -244,7 +266,8 @@ at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::
           const int64_t mr = std::min<int64_t>(kQMR, rows - r0);
           const auto tile = q4 ? kQuantTile<true>[mr - 1] : kQuantTile<false>[mr - 1];
           tile(xp + r0 * ldx, ldx, cp + p * panel_bytes, dp + p * blocks * kQNR,
-               q4 ? mp + p * blocks * kQNR : nullptr, blocks, op_ + r0 * n + col, n, width);
+               q4 ? mp + p * blocks * kQNR : nullptr, blocks, op_ + r0 * n + col, n, width,
+               p + 1 < p1);  // rows <= kQMR: one row tile, the panel's only reader
         }
       }
     });
