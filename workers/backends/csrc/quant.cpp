@@ -86,7 +86,7 @@ inline Vec fma_vec(Vec a, Vec b, Vec c) {
 }
 
 // Prefetches, non-temporally, block b of the panel after the one at codes / d / m (panels
-// follow each other: codes panel_bytes apart, scales and offsets blocks * kQNR apart). Always
+// follow each other: codes blocks * block_bytes apart, scales and offsets blocks * kQNR). Always
 // inlined: GCC finds a separate copy free of side effects (a prefetch is none) and deletes its
 // calls.
 template <bool Q4>
