@@ -148,12 +148,14 @@ def test_inputs_past_the_panel_limit_take_amx_or_mkl(kernels, monkeypatch):
 
 
 # n: panels one by one, and groups of them (a single row runs 4 or 8 full panels at once).
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("k,n", [(600, 200), (576, 600)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_rows_do_not_depend_on_the_batch(kernels, threads, k, n, dtype):
     """Every output element is one fixed-order chain over k, whatever the batch size, the row's
-    place in it and the thread count: the same request gets bitwise the same result."""
+    place in it and the thread count: the same request gets bitwise the same result. A single
+    half-precision row's panels are claimed by the threads, which take over each other's last
+    ones (three threads: uneven runs, taken from two others)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

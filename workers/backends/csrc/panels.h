@@ -11,7 +11,9 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 
 namespace tierserve {
@@ -40,22 +42,69 @@ inline void check_panel_shapes(const char* op, const at::Tensor& x, const at::Te
               " does not match ", panels, " panels");
 }
 
-// A single input row through `panels` panels, the first `full` of them whole: each thread
-// takes an equal run of panels (within one), its whole ones `group` at a time
-// (whole(first, count)), then the partial last panel (partial(p)) where its run holds it.
-// Whole groups as work items would leave one thread most of a weight whose panels are few
-// (576 outputs are 18 panels on AVX-512).
+// Items [0, count) over the threads: each owns an equal run (within one) and claims it from
+// the front, at most `most` items a claim and fewer as the run ends (half of what is left, at
+// least kStolenItems); a thread done with its run takes kStolenItems at a time from the backs
+// of the others'. The bandwidth each core gets differs from one product to the next, and with
+// fixed shares the faster thread waits at the join for the other's last items.
+constexpr int64_t kStolenItems = 2;
+
+struct alignas(64) ItemRun {
+  std::atomic<uint64_t> ends;  // unclaimed items [front, back): front low 32 bits, back high
+};
+
+inline uint64_t pack_ends(int64_t front, int64_t back) {
+  return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+}
+
+// Claims items [from, from + n) of run r, from its front (owner) or its back; returns n, 0
+// when none are left.
+inline int64_t claim_items(ItemRun& r, bool owner, int64_t most, int64_t& from) {
+  uint64_t ends = r.ends.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t front = static_cast<int64_t>(ends & 0xffffffffu);
+    const int64_t back = static_cast<int64_t>(ends >> 32), left = back - front;
+    if (left <= 0) return 0;
+    const int64_t n = std::min(left, owner ? std::clamp(left / 2, kStolenItems, most)
+                                           : kStolenItems);
+    const uint64_t after = owner ? pack_ends(front + n, back) : pack_ends(front, back - n);
+    if (r.ends.compare_exchange_weak(ends, after, std::memory_order_relaxed)) {
+      from = owner ? front : back - n;
+      return n;
+    }
+  }
+}
+
+// Calls work(begin, end) on claims of items [0, count) as above (count < 2^31, most >= 2).
+template <typename Work>
+void balanced_runs(int64_t count, int64_t most, Work&& work) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  std::unique_ptr<ItemRun[]> runs(new ItemRun[std::max<int64_t>(threads, 1)]);
+  for (int64_t t = 0; t < threads; ++t)
+    runs[t].ends.store(pack_ends(count * t / threads, count * (t + 1) / threads),
+                       std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = 0; i < threads; ++i) {
+        int64_t from = 0;
+        for (int64_t n; (n = claim_items(runs[(t + i) % threads], i == 0, most, from)) > 0;)
+          work(from, from + n);
+      }
+  });
+}
+
+// A single input row through `panels` panels, the first `full` of them whole, claimed as
+// balanced_runs deals them (at most `group` a claim): whole(first, count) for whole ones,
+// partial(p) for the partial last panel. The runs are of panels, not of whole groups: those
+// would leave one thread most of a weight whose panels are few (576 outputs are 18 panels on
+// AVX-512).
 template <typename Whole, typename Partial>
 void single_row_panels(int64_t panels, int64_t full, int64_t group, Whole&& whole,
                        Partial&& partial) {
-  const int64_t chunks = std::min<int64_t>(at::get_num_threads(), panels);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p0 = panels * t / chunks, p1 = panels * (t + 1) / chunks;
-      const int64_t last = std::min(p1, full);
-      for (int64_t p = p0; p < last; p += group) whole(p, std::min(group, last - p));
-      if (p1 > full) partial(full);
-    }
+  balanced_runs(panels, group, [&](int64_t p0, int64_t p1) {
+    const int64_t last = std::min(p1, full);
+    if (p0 < last) whole(p0, last - p0);
+    if (p1 > full) partial(full);
   });
 }
 
