@@ -125,21 +125,31 @@ void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* 
   });
 }
 
-// Returns (norm(x + residual), x + residual), or (norm(x), x) without a residual.
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                            const at::Tensor& weight, double eps) {
+// An output buffer's checks: the kernels write out's rows through raw pointers.
+void check_out(const at::Tensor& out, int64_t rows, int64_t width, const at::Tensor& like,
+               const char* op) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == width && out.scalar_type() == like.scalar_type() &&
+                  out.device().is_cpu(),
+              op, "out must be a contiguous [", rows, ", ", width, "] CPU tensor of x's dtype");
+}
+
+// norm(x + residual) into out and x + residual into res_out, which it returns; without a
+// residual, norm(x) into out, and x is returned (res_out untouched).
+at::Tensor rms_norm_into(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                         const at::Tensor& weight, double eps, at::Tensor& out,
+                         at::Tensor& res_out) {
   const char* op = "rms_norm: ";
   check_rows(x, "x", op);
   const int64_t rows = x.size(0), width = x.size(1);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == width, op, "weight must be a contiguous [", width, "] tensor of x's dtype");
-  at::Tensor out = at::empty({rows, width}, x.options());
-  at::Tensor res_out = x;
+  check_out(out, rows, width, x, op);
   if (residual.has_value()) {
     check_rows(*residual, "residual", op);
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), op,
                 "residual must match x");
-    res_out = at::empty({rows, width}, x.options());
+    check_out(res_out, rows, width, x, op);
   }
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
@@ -154,7 +164,17 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::opti
                      residual ? residual->stride(0) : 0, weight.data_ptr<B>(), out.data_ptr<B>(),
                      residual ? res_out.data_ptr<B>() : nullptr, rows, width, e);
   }
-  return {out, res_out};
+  return residual.has_value() ? res_out : x;
+}
+
+// Returns (norm(x + residual), x + residual), or (norm(x), x) without a residual.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  check_rows(x, "x", "rms_norm: ");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor res_out = residual.has_value() ? at::empty(x.sizes(), x.options()) : x;
+  at::Tensor stream = rms_norm_into(x, residual, weight, eps, out, res_out);
+  return {out, stream};
 }
 
 // ---------------------------------------------------------------- SiLU and mul
@@ -177,17 +197,23 @@ void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t rows, int64_t d) {
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
   const char* op = "silu_and_mul: ";
   check_rows(x, "x", op);
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, op, "width ", x.size(1), " must be even");
-  at::Tensor out = at::empty({rows, d}, x.options());
+  check_out(out, rows, d, x, op);
   if (x.scalar_type() == at::kFloat)
     silu_mul_rows<float>(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, d);
   else
     silu_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0),
                                  out.data_ptr<c10::BFloat16>(), rows, d);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x", "silu_and_mul: ");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_into(x, out);
   return out;
 }
 
@@ -231,12 +257,12 @@ void rotary_rows(const T* qkv, int64_t ld, const T* cos, const T* sin, int64_t l
 }
 
 // qkv [T, (heads + 2 kv_heads) D], cos/sin [T, D/2] in qkv's dtype, pools [blocks, block_size,
-// kv_heads, D], slot_mapping int64 [T] -> (q [T, heads, D], k [T, kv_heads, D]) rotated; the
-// rotated K and the V of every token are written to their pool slots.
-std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                   const at::Tensor& sin, const at::Tensor& k_cache,
-                                                   const at::Tensor& v_cache,
-                                                   const at::Tensor& slot_mapping, int64_t heads) {
+// kv_heads, D], slot_mapping int64 [T] -> q [T, heads, D] and k [T, kv_heads, D] rotated, into
+// q and k (contiguous); the rotated K and the V of every token are written to their pool slots.
+void rotary_write_kv_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping, int64_t heads, at::Tensor& q,
+                          at::Tensor& k) {
   const char* op = "rotary_write_kv: ";
   check_rows(qkv, "qkv", op);
   check_rows(cos, "cos", op);
@@ -261,8 +287,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const 
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, op, "slot ", slots[t], " is outside the pool");
-  at::Tensor q = at::empty({tokens, heads, d}, qkv.options());
-  at::Tensor k = at::empty({tokens, kv_heads, d}, qkv.options());
+  TORCH_CHECK(q.is_contiguous() && q.numel() == tokens * heads * d && q.scalar_type() == dtype &&
+                  k.is_contiguous() && k.numel() == tokens * kv_heads * d &&
+                  k.scalar_type() == dtype, op, "q and k must be contiguous [", tokens,
+              ", heads, ", d, "] tensors of qkv's dtype");
   if (dtype == at::kFloat) {
     rotary_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
                        sin.data_ptr<float>(), cos.stride(0), q.data_ptr<float>(), k.data_ptr<float>(),
@@ -274,6 +302,19 @@ std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const 
                    cos.stride(0), q.data_ptr<B>(), k.data_ptr<B>(), k_cache.data_ptr<B>(),
                    v_cache.data_ptr<B>(), slots, tokens, heads, kv_heads, d);
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                   const at::Tensor& sin, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache,
+                                                   const at::Tensor& slot_mapping, int64_t heads) {
+  check_rows(qkv, "qkv", "rotary_write_kv: ");
+  TORCH_CHECK(k_cache.dim() == 4, "rotary_write_kv: k_cache must be a [blocks, block_size, "
+              "kv_heads, D] pool");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), d = k_cache.size(3);
+  at::Tensor q = at::empty({tokens, heads, d}, qkv.options());
+  at::Tensor k = at::empty({tokens, kv_heads, d}, qkv.options());
+  rotary_write_kv_into(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, q, k);
   return {q, k};
 }
 

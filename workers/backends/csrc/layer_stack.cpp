@@ -1,6 +1,7 @@
 // A step's decoder layers in one call: per layer the same kernels, in the same order, on the
 // same inputs as the model's Python path (workers/model/llama.py), so its results are bitwise
-// those of that path; what goes is the ~10 Python-level op calls per layer between them.
+// those of that path; what goes is the ~10 Python-level op calls per layer between them, and
+// each op's allocation of its output (StackBuffers).
 //
 // Per layer l: norm(hidden [+ residual]) -> qkv -> rotary + K/V into the pool -> paged
 // attention -> o_proj -> norm(+ residual) -> gate_up -> SiLU-and-mul -> down. Returns the last
@@ -17,25 +18,60 @@ namespace {
 
 enum LinearKind : int64_t { kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3 };
 
-at::Tensor stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
-                        const c10::List<std::optional<at::Tensor>>& weights, int64_t slot,
-                        const std::optional<at::Tensor>& bias) {
+void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
+                  const c10::List<std::optional<at::Tensor>>& weights, int64_t slot,
+                  const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const std::optional<at::Tensor> w0 = weights.get(3 * slot);
   TORCH_CHECK(w0.has_value(), "layer_stack: linear ", slot, " has no weight");
   switch (kind) {
     case kPanelF32:
-      return linear_f32(x, *w0, bias, n);
+      return linear_f32_into(x, *w0, bias, n, out);
     case kPanelHalf:
-      return linear_half(x, *w0, bias, n);
+      return linear_half_into(x, *w0, bias, n, out);
     case kQ8_0:
-      return linear_q8_0(x, *w0, *weights.get(3 * slot + 1), bias, n);
+      return quant_linear_into("linear_q8_0: ", false, x, *w0, *weights.get(3 * slot + 1),
+                               *weights.get(3 * slot + 1), bias, n, out);
     case kQ4_1:
-      return linear_q4_1(x, *w0, *weights.get(3 * slot + 1), *weights.get(3 * slot + 2), bias,
-                         n);
+      return quant_linear_into("linear_q4_1: ", true, x, *w0, *weights.get(3 * slot + 1),
+                               *weights.get(3 * slot + 2), bias, n, out);
     default:
       TORCH_CHECK(false, "layer_stack: unknown linear kind ", kind);
   }
 }
+
+// The activations a call's layers write, each a buffer of its own.
+enum Buffer : int {
+  kNormed, kResidualA, kResidualB, kQkv, kQ, kK, kAttention, kO, kGateUp, kAct, kHidden, kBuffers
+};
+
+// A call's activations, allocated once and rewritten by every layer (with a step's few rows,
+// allocations are a visible share of an op's time). Each buffer holds `tokens` rows of the
+// widest width asked of it; the residual stream alternates between two, since a norm reads
+// one while it writes the other.
+class StackBuffers {
+ public:
+  StackBuffers(int64_t tokens, const at::TensorOptions& options)
+      : tokens_(tokens), options_(options) {}
+
+  // Buffer `which` as a contiguous [rows, width] tensor (rows <= tokens), the view made again
+  // only when the shape changes.
+  at::Tensor& view(Buffer which, int64_t rows, int64_t width) {
+    Slot& s = slots_[which];
+    if (!s.flat.defined() || s.flat.numel() < tokens_ * width)
+      s.flat = at::empty({tokens_ * width}, options_);
+    if (!s.view.defined() || s.view.size(0) != rows || s.view.size(1) != width)
+      s.view = s.flat.narrow(0, 0, rows * width).view({rows, width});
+    return s.view;
+  }
+
+ private:
+  struct Slot {
+    at::Tensor flat, view;
+  };
+  int64_t tokens_;
+  at::TensorOptions options_;
+  Slot slots_[kBuffers];
+};
 
 std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -51,30 +87,52 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
                   kinds.size() == 4 * windows.size() && widths.size() == kinds.size() &&
                   biases.size() == kinds.size() && weights.size() == 3 * kinds.size(),
               "layer_stack: per-layer lists disagree on the number of layers");
+  TORCH_CHECK(hidden_in.dim() == 2 && kv[0].dim() == 4, "layer_stack: hidden must be [T, H] and "
+              "the pools [blocks, block_size, kv_heads, D]");
+  const int64_t tokens = hidden_in.size(0), width = hidden_in.size(1);
+  const int64_t kv_heads = kv[0].size(2), d = kv[0].size(3);
+  StackBuffers buf(tokens, hidden_in.options());
   at::Tensor hidden = hidden_in;
   std::optional<at::Tensor> residual;  // the first layer's norm starts the residual stream
-  const int64_t tokens = hidden.size(0);
+  Buffer next_residual = kResidualA;
+  auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
+    at::Tensor& out = buf.view(kNormed, x.size(0), width);
+    at::Tensor& res = buf.view(next_residual, x.size(0), width);
+    residual = rms_norm_into(x, residual, w, eps, out, res);
+    if (residual->is_same(res))
+      next_residual = next_residual == kResidualA ? kResidualB : kResidualA;
+    return out;
+  };
   const std::optional<at::Tensor> table_rows = rows;
+  // Every layer's rotary and attention outputs have the same shapes: one view each.
+  at::Tensor q = buf.view(kQ, tokens, heads * d).view({tokens, heads, d});
+  at::Tensor k = buf.view(kK, tokens, kv_heads * d);
+  const at::Tensor att_rows = buf.view(kAttention, tokens, heads * d);
+  at::Tensor att_heads = att_rows.view({tokens, heads, d});
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t s = 4 * l;
-    auto [h, r] = rms_norm(hidden, residual, norms[2 * l], eps);
-    at::Tensor qkv = stack_linear(h, kinds[s], widths[s], weights, s, biases.get(s));
-    auto [q, k] = rotary_write_kv(qkv, cos, sin, kv[2 * l], kv[2 * l + 1], slot_mapping, heads);
-    at::Tensor att = paged_decode_attention(q, kv[2 * l], kv[2 * l + 1], block_tables, seq_lens,
-                                            scale, windows[l], table_rows);
-    at::Tensor att_rows = att.view({tokens, -1});
+    const at::Tensor h = norm(hidden, norms[2 * l]);
+    at::Tensor& qkv = buf.view(kQkv, tokens, widths[s]);
+    stack_linear(h, kinds[s], widths[s], weights, s, biases.get(s), qkv);
+    rotary_write_kv_into(qkv, cos, sin, kv[2 * l], kv[2 * l + 1], slot_mapping, heads, q, k);
+    paged_decode_attention_into(q, kv[2 * l], kv[2 * l + 1], block_tables, seq_lens, scale,
+                                windows[l], table_rows, att_heads);
+    at::Tensor att = att_rows;
     if (keep.has_value() && l == layers - 1) {
-      att_rows = att_rows.index_select(0, *keep);
-      r = r.index_select(0, *keep);
+      att = att.index_select(0, *keep);
+      residual = residual->index_select(0, *keep);
     }
-    at::Tensor o = stack_linear(att_rows, kinds[s + 1], widths[s + 1], weights, s + 1,
-                                biases.get(s + 1));
-    auto [h2, r2] = rms_norm(o, r, norms[2 * l + 1], eps);
-    at::Tensor gate_up = stack_linear(h2, kinds[s + 2], widths[s + 2], weights, s + 2,
-                                      biases.get(s + 2));
-    hidden = stack_linear(silu_and_mul(gate_up), kinds[s + 3], widths[s + 3], weights, s + 3,
-                          biases.get(s + 3));
-    residual = r2;
+    const int64_t out_rows = att.size(0);
+    at::Tensor& o = buf.view(kO, out_rows, widths[s + 1]);
+    stack_linear(att, kinds[s + 1], widths[s + 1], weights, s + 1, biases.get(s + 1), o);
+    const at::Tensor h2 = norm(o, norms[2 * l + 1]);
+    at::Tensor& gate_up = buf.view(kGateUp, out_rows, widths[s + 2]);
+    stack_linear(h2, kinds[s + 2], widths[s + 2], weights, s + 2, biases.get(s + 2), gate_up);
+    at::Tensor& act = buf.view(kAct, out_rows, widths[s + 2] / 2);
+    silu_and_mul_into(gate_up, act);
+    at::Tensor& down = buf.view(kHidden, out_rows, widths[s + 3]);
+    stack_linear(act, kinds[s + 3], widths[s + 3], weights, s + 3, biases.get(s + 3), down);
+    hidden = down;
   }
   return {hidden, *residual};
 }

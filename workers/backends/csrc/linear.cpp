@@ -272,12 +272,19 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   });
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
-                      const std::optional<at::Tensor>& bias, int64_t n) {
+// An output buffer's checks: the kernels write out's rows through raw pointers.
+void check_linear_out(const char* op, const at::Tensor& out, const at::Tensor& x, int64_t n) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == n && out.scalar_type() == x.scalar_type() && out.device().is_cpu(),
+              op, "out must be a contiguous [", x.size(0), ", ", n, "] CPU tensor of x's dtype");
+}
+
+void linear_f32_into(const at::Tensor& x, const at::Tensor& packed,
+                     const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
+  check_linear_out("linear_f32: ", out, x, n);
   const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
+  if (m == 0) return;
   float* op = out.data_ptr<float>();
   panel_product(x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), packed.size(0),
                 op, n);
@@ -286,6 +293,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < n; ++j) op[r * n + j] += b[j];
     });
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "linear_f32: x must be [M, K] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  linear_f32_into(x, packed, bias, n, out);
   return out;
 }
 
@@ -329,8 +343,8 @@ void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, i
   finish_half(acc.get(), bias, m, n, out);
 }
 
-at::Tensor linear_half(const at::Tensor& x, const at::Tensor& packed,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
+void linear_half_into(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const char* op = "linear_half: ";
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, op, "bfloat16 or float16 only");
@@ -339,13 +353,20 @@ at::Tensor linear_half(const at::Tensor& x, const at::Tensor& packed,
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n, op,
                 "bias must be a contiguous [n] tensor of x's dtype");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0) return out;
+  check_linear_out(op, out, x, n);
+  if (x.size(0) == 0) return;
   if (dtype == at::kBFloat16)
     half_linear<c10::BFloat16>(x, packed, bias ? bias->data_ptr<c10::BFloat16>() : nullptr, n,
                                out);
   else
     half_linear<c10::Half>(x, packed, bias ? bias->data_ptr<c10::Half>() : nullptr, n, out);
+}
+
+at::Tensor linear_half(const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "linear_half: x must be [M, K] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  linear_half_into(x, packed, bias, n, out);
   return out;
 }
 

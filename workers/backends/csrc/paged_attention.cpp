@@ -300,10 +300,11 @@ std::vector<int64_t> decode_head_dims() {
 #undef TIERSERVE_ITEM
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window,
-                                  const std::optional<at::Tensor>& rows_in) {
+// Into out, contiguous of q's shape and dtype.
+void paged_decode_attention_into(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double scale, int64_t window,
+                                 const std::optional<at::Tensor>& rows_in, at::Tensor& out) {
   check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, rows_in);
   TORCH_CHECK(window >= 0 && window < (int64_t{1} << 31), "paged_decode_attention: window ",
               window, " must be in [0, 2^31)");
@@ -313,7 +314,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   // Rows of q may be strided (a slice of the fused qkv projection); each head's D values must
   // be contiguous.
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+                  out.scalar_type() == q.scalar_type() && out.device().is_cpu(),
+              "paged_decode_attention: out must be a contiguous CPU tensor of q's shape and dtype");
   if (q.scalar_type() == at::kFloat)
     dispatch_head_dim(
         make_args<float>(q, k_cache, v_cache, block_tables, rows, seq_lens, scale, window, out),
@@ -322,6 +325,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     dispatch_head_dim(make_args<c10::BFloat16>(q, k_cache, v_cache, block_tables, rows, seq_lens,
                                                scale, window, out),
                       q.size(0), head_dim);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& rows_in) {
+  TORCH_CHECK(q_in.dim() == 3, "paged_decode_attention: q must be [num_decodes, heads, "
+              "head_dim], got ", q_in.sizes());
+  at::Tensor out = at::empty(q_in.sizes(), q_in.options());
+  paged_decode_attention_into(q_in, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                              rows_in, out);
   return out;
 }
 

@@ -242,15 +242,15 @@ void run_quant_panel(const float* x, int64_t ldx, const char* codes, const float
 // one rebuild per k-slice (run_quant_panel). Both give the same bits.
 constexpr int64_t kQDirectRows = kQMR;
 
-at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::Tensor& codes,
-                        const at::Tensor& d, const at::Tensor& m,
-                        const std::optional<at::Tensor>& bias, int64_t n) {
+void quant_linear_into(const char* op, bool q4, const at::Tensor& x, const at::Tensor& codes,
+                       const at::Tensor& d, const at::Tensor& m,
+                       const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const float* b = check_quant(op, x, codes, d, m, q4, bias, n);
+  check_linear_out(op, out, x, n);
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kQBlock;
   const int64_t panels = (n + kQNR - 1) / kQNR;
   const int64_t panel_bytes = blocks * kQBlock * (q4 ? kQNR / 2 : kQNR);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
+  if (rows == 0) return;
   const float* xp = x.data_ptr<float>();
   const char* cp = static_cast<const char*>(codes.data_ptr());
   const float* dp = d.data_ptr<float>();
@@ -295,6 +295,14 @@ at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < n; ++j) op_[r * n + j] += b[j];
     });
+}
+
+at::Tensor quant_linear(const char* op, bool q4, const at::Tensor& x, const at::Tensor& codes,
+                        const at::Tensor& d, const at::Tensor& m,
+                        const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, op, "x must be a float32 [M, K] tensor");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  quant_linear_into(op, q4, x, codes, d, m, bias, n, out);
   return out;
 }
 
