@@ -322,14 +322,21 @@ template <typename T>
 void half_linear(const at::Tensor& x, const at::Tensor& packed, const T* bias, int64_t n,
                  at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
-  // fp32 copies of x ([M, K]: a Vec of inputs per splat) and of the product, in plain buffers:
-  // for a lone decode row, tensor allocations and conversions through the dispatcher cost a
-  // good part of a small weight's product.
-  std::unique_ptr<float[]> acc(new float[m * n]);
   const T* xp = x.data_ptr<T>();
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (pair_layout(packed)) {
       TORCH_CHECK(bf16_pairs(), "linear_half: bf16 pair panels need a CPU with AVX512_BF16");
+      if (m == 1)
+        return pair_row_half(xp, k, packed.data_ptr<T>(), packed.size(0), bias,
+                             out.data_ptr<T>(), n);
+    }
+  }
+  // fp32 copies of x ([M, K]: a Vec of inputs per splat) and of the product, in plain buffers:
+  // for a lone decode row, tensor allocations and conversions through the dispatcher cost a
+  // good part of a small weight's product.
+  std::unique_ptr<float[]> acc(new float[m * n]);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pair_layout(packed)) {
       pair_product(xp, ldx, m, k, packed.data_ptr<T>(), packed.size(0), acc.get(), n);
       return finish_half(acc.get(), bias, m, n, out);
     }

@@ -177,6 +177,33 @@ void pair_product(const c10::BFloat16* xp, int64_t ldx, int64_t m, int64_t k,
   });
 }
 
+// out[1, n] bf16 = round(x[1, K] W^T + b) (b null: + 0, as finish_half adds it) through the pair
+// panels: each claim's chains into a scratch tile, rounded there by the thread that ran them,
+// so that one row needs no fp32 product of its own and no pass over it after the join. The
+// partial last panel runs whole (its padding weights are zero): the same chain per column.
+void pair_row_half(const c10::BFloat16* xp, int64_t k, const c10::BFloat16* wp, int64_t panels,
+                   const c10::BFloat16* bias, c10::BFloat16* out, int64_t n) {
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(xp);
+  const int64_t k2 = k / 2;
+  auto finish = [&](const float* tile, int64_t col, int64_t width) {
+    for (int64_t j = 0; j < width; ++j)
+      out[col + j] = static_cast<c10::BFloat16>(
+          tile[j] + (bias != nullptr ? static_cast<float>(bias[col + j]) : 0.0f));
+  };
+  single_row_panels(
+      panels, n / kPanel, kPairGroup,
+      [&](int64_t p, int64_t count) {
+        alignas(64) float tile[kPairGroup * kPanel];
+        row_pair_panels_n(count, k2, a, wp + p * k * kPanel, tile);
+        finish(tile, p * kPanel, count * kPanel);
+      },
+      [&](int64_t p) {
+        alignas(64) float tile[kPanel];
+        row_pair_panels<1>(k2, a, wp + p * k * kPanel, tile);
+        finish(tile, p * kPanel, n - p * kPanel);
+      });
+}
+
 // out[L] = columns cols[L] of x W^T, each by the chain pair_product runs for it (the same
 // instruction, a lane per column); x holds bf16 values in fp32.
 template <int L>
@@ -211,6 +238,11 @@ inline bool cpu_bf16_dot() { return false; }
 
 inline void pair_product(const c10::BFloat16*, int64_t, int64_t, int64_t, const c10::BFloat16*,
                          int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "pair panels need an AVX-512 build");
+}
+
+inline void pair_row_half(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                          const c10::BFloat16*, c10::BFloat16*, int64_t) {
   TORCH_CHECK(false, "pair panels need an AVX-512 build");
 }
 
