@@ -49,8 +49,9 @@ namespace {
 // buffers until its line arrives; rows far ahead queue behind them and arrive no sooner.
 constexpr int kAhead = 8;
 
-// Per-thread scratch for one work item's query heads (at most all of them), sized once per
-// thread rather than per item.
+// Per-thread scratch for one work item's query heads (at most all of them), kept by each
+// thread across calls and grown as needed: a step makes one call per layer. Every field is
+// written by an item before it is read (start_item, the tiles' scores).
 struct Scratch {
   std::vector<float> q;       // [heads, D] scaled queries
   std::vector<float> acc;     // [heads, D] unnormalised outputs
@@ -58,9 +59,23 @@ struct Scratch {
   std::vector<float> m, l;    // [heads] running max and running sum of exp
   std::vector<Vec> part;      // [heads, kTile] lane-wise products of q and each K row
   std::vector<c10::BFloat16> qb;  // [heads, D] unscaled bf16 queries (score_tile_dot)
-  Scratch(int64_t heads, int D)
-      : q(heads * D), acc(heads * D), p(heads * kTile), m(heads), l(heads), part(heads * kTile),
-        qb(heads * D) {}
+
+  // This thread's scratch, sized for `heads` query heads of D values.
+  static Scratch& of_thread(int64_t heads, int D) {
+    thread_local Scratch s;
+    const int64_t h = std::max<int64_t>(heads, s.m.size());
+    const int64_t w = std::max<int64_t>(heads * D, s.q.size());
+    if (h > static_cast<int64_t>(s.m.size()) || w > static_cast<int64_t>(s.q.size())) {
+      s.q.resize(w);
+      s.acc.resize(w);
+      s.qb.resize(w);
+      s.p.resize(h * kTile);
+      s.m.resize(h);
+      s.l.resize(h);
+      s.part.resize(h * kTile);
+    }
+    return s;
+  }
 };
 
 // Addresses of the rows of KV head h0 of tokens t0 .. t0 + n - 1 in the K and V pools (a
@@ -261,7 +276,7 @@ void run_decode(const DecodeArgs<T>& a, int64_t num_seqs) {
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch scratch(plan.heads_per_item * a.group, D);
+    Scratch& scratch = Scratch::of_thread(plan.heads_per_item * a.group, D);
     // A thread claims its next item before finishing the current one, to prefetch into it.
     bool started = false;
     for (int64_t i = next.fetch_add(1); i < count;) {
