@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "panels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -125,15 +126,6 @@ void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* 
   });
 }
 
-// An output buffer's checks: the kernels write out's rows through raw pointers.
-void check_out(const at::Tensor& out, int64_t rows, int64_t width, const at::Tensor& like,
-               const char* op) {
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
-                  out.size(1) == width && out.scalar_type() == like.scalar_type() &&
-                  out.device().is_cpu(),
-              op, "out must be a contiguous [", rows, ", ", width, "] CPU tensor of x's dtype");
-}
-
 // norm(x + residual) into out and x + residual into res_out, which it returns; without a
 // residual, norm(x) into out, and x is returned (res_out untouched).
 at::Tensor rms_norm_into(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -144,12 +136,12 @@ at::Tensor rms_norm_into(const at::Tensor& x, const std::optional<at::Tensor>& r
   const int64_t rows = x.size(0), width = x.size(1);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == width, op, "weight must be a contiguous [", width, "] tensor of x's dtype");
-  check_out(out, rows, width, x, op);
+  check_out_rows(op, out, rows, width, x.scalar_type());
   if (residual.has_value()) {
     check_rows(*residual, "residual", op);
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), op,
                 "residual must match x");
-    check_out(res_out, rows, width, x, op);
+    check_out_rows(op, res_out, rows, width, x.scalar_type());
   }
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
@@ -202,7 +194,7 @@ void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
   check_rows(x, "x", op);
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, op, "width ", x.size(1), " must be even");
-  check_out(out, rows, d, x, op);
+  check_out_rows(op, out, rows, d, x.scalar_type());
   if (x.scalar_type() == at::kFloat)
     silu_mul_rows<float>(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, d);
   else

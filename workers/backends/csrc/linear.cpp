@@ -272,17 +272,10 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
   });
 }
 
-// An output buffer's checks: the kernels write out's rows through raw pointers.
-void check_linear_out(const char* op, const at::Tensor& out, const at::Tensor& x, int64_t n) {
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == n && out.scalar_type() == x.scalar_type() && out.device().is_cpu(),
-              op, "out must be a contiguous [", x.size(0), ", ", n, "] CPU tensor of x's dtype");
-}
-
 void linear_f32_into(const at::Tensor& x, const at::Tensor& packed,
                      const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
-  check_linear_out("linear_f32: ", out, x, n);
+  check_out_rows("linear_f32: ", out, x.size(0), n, x.scalar_type());
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
   float* op = out.data_ptr<float>();
@@ -360,7 +353,7 @@ void linear_half_into(const at::Tensor& x, const at::Tensor& packed,
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n, op,
                 "bias must be a contiguous [n] tensor of x's dtype");
-  check_linear_out(op, out, x, n);
+  check_out_rows(op, out, x.size(0), n, x.scalar_type());
   if (x.size(0) == 0) return;
   if (dtype == at::kBFloat16)
     half_linear<c10::BFloat16>(x, packed, bias ? bias->data_ptr<c10::BFloat16>() : nullptr, n,

@@ -108,6 +108,14 @@ void single_row_panels(int64_t panels, int64_t full, int64_t group, Whole&& whol
   });
 }
 
+// Checks an op's output buffer, which its kernel writes through raw pointers.
+inline void check_out_rows(const char* op, const at::Tensor& out, int64_t rows, int64_t width,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == width && out.scalar_type() == dtype && out.device().is_cpu(),
+              op, "out must be a contiguous [", rows, ", ", width, "] CPU tensor of x's dtype");
+}
+
 // Checks an fp32 y = x W^T + b's inputs; returns b's data (or nullptr).
 inline const float* check_panel_linear(const char* op, const at::Tensor& x,
                                        const at::Tensor& packed,

@@ -246,7 +246,7 @@ void quant_linear_into(const char* op, bool q4, const at::Tensor& x, const at::T
                        const at::Tensor& d, const at::Tensor& m,
                        const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const float* b = check_quant(op, x, codes, d, m, q4, bias, n);
-  check_linear_out(op, out, x, n);
+  check_out_rows(op, out, x.size(0), n, x.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kQBlock;
   const int64_t panels = (n + kQNR - 1) / kQNR;
   const int64_t panel_bytes = blocks * kQBlock * (q4 ? kQNR / 2 : kQNR);
