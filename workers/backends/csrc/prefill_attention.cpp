@@ -51,9 +51,35 @@ struct PrefillArgs {
 
 struct PrefillScratch {
   std::vector<float> q, p, acc, m, l;
+  std::vector<char> seen;  // per row: whether the current key tile holds a key it sees
   explicit PrefillScratch(int64_t rows, int D)
-      : q(rows * D), p(rows * kKTile), acc(rows * D), m(rows), l(rows) {}
+      : q(rows * D), p(rows * kKTile), acc(rows * D), m(rows), l(rows), seen(rows) {}
 };
+
+// Rows of a head dim's sums accumulated at once: their sums and a V row fill about half the
+// vector registers (one row of 256 values on AVX-512, or of 64 on AVX2).
+template <int D>
+constexpr int64_t kRowsAtOnce = std::max(1, (kVecRegs / 2) / (D / kLanes));
+
+// acc[i] += sum_j p[i][j] v[j] for R rows (p rows kKTile apart, acc rows D apart) over the
+// tile's nk keys, V rows v_tok apart: each row's chain in key order, its sums in registers.
+template <typename T, int D, int R>
+inline void accumulate_rows(const float* p, const T* v, int64_t v_tok, int64_t nk, float* acc) {
+  constexpr int kVecs = D / kLanes;
+  Vec row[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < kVecs; ++c) row[i][c] = load(acc + i * D + c * kLanes);
+  for (int64_t j = 0; j < nk; ++j, v += v_tok) {
+    Vec x[kVecs];
+    for (int c = 0; c < kVecs; ++c) x[c] = load_as_float(v + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec w = splat(p[i * kKTile + j]);
+      for (int c = 0; c < kVecs; ++c) row[i][c] += w * x[c];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < kVecs; ++c) store(acc + i * D + c * kLanes, row[i][c]);
+}
 
 // p[r][0..kKTile) <- q[r] . K[k0 + j] for rows [0, rows), four rows at a time in registers.
 template <int D>
@@ -121,6 +147,7 @@ void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, Pre
         }
       }
     }
+    // The tile's softmax, row by row: probabilities into p, the sums so far rescaled.
     for (int64_t r = 0; r < rows; ++r) {
       float* pr = s.p.data() + r * kKTile;
       Vec sc[kKVecs];
@@ -130,7 +157,8 @@ void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, Pre
         top = top > sc[i] ? top : sc[i];
       }
       const float new_max = std::max(s.m[r], hmax(top));
-      if (new_max == kMasked) continue;  // nothing visible to this row yet
+      s.seen[r] = new_max != kMasked;
+      if (!s.seen[r]) continue;  // nothing visible to this row yet
       Vec sum{};
       for (int i = 0; i < kKVecs; ++i) {
         const Vec e = exp_nonpositive(sc[i] - new_max);
@@ -138,17 +166,29 @@ void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, Pre
         sum += e;
       }
       float* ar = s.acc.data() + r * D;
-      Vec row[kVecs];
       const float alpha = s.m[r] == kMasked ? 0.0f : exp_nonpositive(s.m[r] - new_max);
-      for (int c = 0; c < kVecs; ++c) row[c] = load(ar + c * kLanes) * alpha;
+      for (int c = 0; c < kVecs; ++c) store(ar + c * kLanes, load(ar + c * kLanes) * alpha);
       s.l[r] = s.l[r] * alpha + hsum(sum);
       s.m[r] = new_max;
-      const T* vrow = a.v + k0 * a.v_tok + g * a.v_head;
-      for (int64_t j = 0; j < nk; ++j, vrow += a.v_tok) {
-        const Vec w = splat(pr[j]);
-        for (int c = 0; c < kVecs; ++c) row[c] += w * load_as_float(vrow + c * kLanes);
+    }
+    // Then the V rows into the sums, kRowsAtOnce<D> rows at a time where all of them see the
+    // tile (each row's chain over the keys is unchanged; the rows only share the V loads).
+    const T* vrows = a.v + k0 * a.v_tok + g * a.v_head;
+    constexpr int64_t kRows = kRowsAtOnce<D>;
+    for (int64_t r = 0; r < rows;) {
+      const bool all = r + kRows <= rows &&
+                       std::all_of(s.seen.begin() + r, s.seen.begin() + r + kRows,
+                                   [](char x) { return x != 0; });
+      if (all) {
+        accumulate_rows<T, D, kRows>(s.p.data() + r * kKTile, vrows, a.v_tok, nk,
+                                     s.acc.data() + r * D);
+        r += kRows;
+      } else {
+        if (s.seen[r])
+          accumulate_rows<T, D, 1>(s.p.data() + r * kKTile, vrows, a.v_tok, nk,
+                                   s.acc.data() + r * D);
+        ++r;
       }
-      for (int c = 0; c < kVecs; ++c) store(ar + c * kLanes, row[c]);
     }
   }
   for (int64_t t = t0; t < t1; ++t)
