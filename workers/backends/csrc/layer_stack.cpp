@@ -46,8 +46,7 @@ enum Buffer : int {
 
 // A call's activations, allocated once and rewritten by every layer (with a step's few rows,
 // allocations are a visible share of an op's time). Each buffer holds `tokens` rows of the
-// widest width asked of it; the residual stream alternates between two, since a norm reads
-// one while it writes the other.
+// widest width asked of it; the residual stream alternates between two (ResidualStream).
 class StackBuffers {
  public:
   StackBuffers(int64_t tokens, const at::TensorOptions& options)
@@ -73,6 +72,40 @@ class StackBuffers {
   Slot slots_[kBuffers];
 };
 
+// The residual stream: the first layer's norm starts it (as the layer's input itself); each
+// norm after that writes x + residual into the buffer the stream is not in.
+class ResidualStream {
+ public:
+  // norm(x [+ residual]) into the kNormed buffer, which it returns; the stream moves on.
+  at::Tensor norm(StackBuffers& buf, const at::Tensor& x, const at::Tensor& w, double eps) {
+    at::Tensor& out = buf.view(kNormed, x.size(0), x.size(1));
+    at::Tensor& res = buf.view(next_, x.size(0), x.size(1));
+    stream_ = rms_norm_into(x, stream_, w, eps, out, res);
+    if (stream_->is_same(res)) next_ = next_ == kResidualA ? kResidualB : kResidualA;
+    return out;
+  }
+  // Keeps the rows `keep` alone (the last layer's projected rows).
+  void select(const at::Tensor& keep) { stream_ = stream_->index_select(0, keep); }
+  const at::Tensor& tensor() const { return *stream_; }
+
+ private:
+  std::optional<at::Tensor> stream_;
+  Buffer next_ = kResidualA;
+};
+
+void check_stack(const at::Tensor& hidden, at::TensorList norms,
+                 const c10::List<std::optional<at::Tensor>>& weights,
+                 const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
+                 at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows) {
+  TORCH_CHECK(!windows.empty(), "layer_stack: no layers");
+  TORCH_CHECK(norms.size() == 2 * windows.size() && kv.size() == 2 * windows.size() &&
+                  kinds.size() == 4 * windows.size() && widths.size() == kinds.size() &&
+                  biases.size() == kinds.size() && weights.size() == 3 * kinds.size(),
+              "layer_stack: per-layer lists disagree on the number of layers");
+  TORCH_CHECK(hidden.dim() == 2 && kv[0].dim() == 4, "layer_stack: hidden must be [T, H] and "
+              "the pools [blocks, block_size, kv_heads, D]");
+}
+
 std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -81,28 +114,12 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
     at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows, int64_t heads,
     double scale, double eps) {
-  const int64_t layers = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(layers > 0, "layer_stack: no layers");
-  TORCH_CHECK(norms.size() == 2 * windows.size() && kv.size() == 2 * windows.size() &&
-                  kinds.size() == 4 * windows.size() && widths.size() == kinds.size() &&
-                  biases.size() == kinds.size() && weights.size() == 3 * kinds.size(),
-              "layer_stack: per-layer lists disagree on the number of layers");
-  TORCH_CHECK(hidden_in.dim() == 2 && kv[0].dim() == 4, "layer_stack: hidden must be [T, H] and "
-              "the pools [blocks, block_size, kv_heads, D]");
-  const int64_t tokens = hidden_in.size(0), width = hidden_in.size(1);
+  check_stack(hidden_in, norms, weights, biases, kinds, widths, kv, windows);
+  const int64_t layers = static_cast<int64_t>(windows.size()), tokens = hidden_in.size(0);
   const int64_t kv_heads = kv[0].size(2), d = kv[0].size(3);
   StackBuffers buf(tokens, hidden_in.options());
+  ResidualStream residual;
   at::Tensor hidden = hidden_in;
-  std::optional<at::Tensor> residual;  // the first layer's norm starts the residual stream
-  Buffer next_residual = kResidualA;
-  auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
-    at::Tensor& out = buf.view(kNormed, x.size(0), width);
-    at::Tensor& res = buf.view(next_residual, x.size(0), width);
-    residual = rms_norm_into(x, residual, w, eps, out, res);
-    if (residual->is_same(res))
-      next_residual = next_residual == kResidualA ? kResidualB : kResidualA;
-    return out;
-  };
   const std::optional<at::Tensor> table_rows = rows;
   // Every layer's rotary and attention outputs have the same shapes: one view each.
   at::Tensor q = buf.view(kQ, tokens, heads * d).view({tokens, heads, d});
@@ -111,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
   at::Tensor att_heads = att_rows.view({tokens, heads, d});
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t s = 4 * l;
-    const at::Tensor h = norm(hidden, norms[2 * l]);
+    const at::Tensor h = residual.norm(buf, hidden, norms[2 * l], eps);
     at::Tensor& qkv = buf.view(kQkv, tokens, widths[s]);
     stack_linear(h, kinds[s], widths[s], weights, s, biases.get(s), qkv);
     rotary_write_kv_into(qkv, cos, sin, kv[2 * l], kv[2 * l + 1], slot_mapping, heads, q, k);
@@ -120,12 +137,12 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     at::Tensor att = att_rows;
     if (keep.has_value() && l == layers - 1) {
       att = att.index_select(0, *keep);
-      residual = residual->index_select(0, *keep);
+      residual.select(*keep);
     }
     const int64_t out_rows = att.size(0);
     at::Tensor& o = buf.view(kO, out_rows, widths[s + 1]);
     stack_linear(att, kinds[s + 1], widths[s + 1], weights, s + 1, biases.get(s + 1), o);
-    const at::Tensor h2 = norm(o, norms[2 * l + 1]);
+    const at::Tensor h2 = residual.norm(buf, o, norms[2 * l + 1], eps);
     at::Tensor& gate_up = buf.view(kGateUp, out_rows, widths[s + 2]);
     stack_linear(h2, kinds[s + 2], widths[s + 2], weights, s + 2, biases.get(s + 2), gate_up);
     at::Tensor& act = buf.view(kAct, out_rows, widths[s + 2] / 2);
@@ -134,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     stack_linear(act, kinds[s + 3], widths[s + 3], weights, s + 3, biases.get(s + 3), down);
     hidden = down;
   }
-  return {hidden, *residual};
+  return {hidden, residual.tensor()};
 }
 
 }  // namespace
