@@ -114,10 +114,62 @@ void prefill_scores(const float* q, int64_t rows, const float* kt, int64_t s_pad
   }
 }
 
+// One key tile's scores in s.p folded into each row's online softmax: probabilities into p,
+// the running sums rescaled to the new max; s.seen says which rows see a key of the tile.
+template <int D>
+void fold_softmax(PrefillScratch& s, int64_t rows) {
+  constexpr int kVecs = D / kLanes;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = s.p.data() + r * kKTile;
+    Vec sc[kKVecs];
+    Vec top = sc[0] = load(pr);
+    for (int i = 1; i < kKVecs; ++i) {
+      sc[i] = load(pr + i * kLanes);
+      top = top > sc[i] ? top : sc[i];
+    }
+    const float new_max = std::max(s.m[r], hmax(top));
+    s.seen[r] = new_max != kMasked;
+    if (!s.seen[r]) continue;  // nothing visible to this row yet
+    Vec sum{};
+    for (int i = 0; i < kKVecs; ++i) {
+      const Vec e = exp_nonpositive(sc[i] - new_max);
+      store(pr + i * kLanes, e);
+      sum += e;
+    }
+    float* ar = s.acc.data() + r * D;
+    const float alpha = s.m[r] == kMasked ? 0.0f : exp_nonpositive(s.m[r] - new_max);
+    for (int c = 0; c < kVecs; ++c) store(ar + c * kLanes, load(ar + c * kLanes) * alpha);
+    s.l[r] = s.l[r] * alpha + hsum(sum);
+    s.m[r] = new_max;
+  }
+}
+
+// The tile's nk V rows (vrows, v_tok apart) into the rows' sums by their probabilities,
+// kRowsAtOnce<D> rows at a time where all of them see the tile (each row's chain over the keys
+// is unchanged; the rows only share the V loads).
+template <typename T, int D>
+void accumulate_tile(const T* vrows, int64_t v_tok, int64_t nk, int64_t rows,
+                     PrefillScratch& s) {
+  constexpr int64_t kRows = kRowsAtOnce<D>;
+  for (int64_t r = 0; r < rows;) {
+    const bool all = r + kRows <= rows &&
+                     std::all_of(s.seen.begin() + r, s.seen.begin() + r + kRows,
+                                 [](char x) { return x != 0; });
+    if (all) {
+      accumulate_rows<T, D, kRows>(s.p.data() + r * kKTile, vrows, v_tok, nk,
+                                   s.acc.data() + r * D);
+      r += kRows;
+    } else {
+      if (s.seen[r])
+        accumulate_rows<T, D, 1>(s.p.data() + r * kKTile, vrows, v_tok, nk, s.acc.data() + r * D);
+      ++r;
+    }
+  }
+}
+
 // One item: query tokens [t0, t1) of the chunk, the query heads of KV head g.
 template <typename T, int D>
 void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, PrefillScratch& s) {
-  constexpr int kVecs = D / kLanes;
   const int64_t G = a.group, rows = (t1 - t0) * G, offset = a.S - a.L;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < G; ++h) {
@@ -147,49 +199,8 @@ void attend_tile(const PrefillArgs<T>& a, int64_t g, int64_t t0, int64_t t1, Pre
         }
       }
     }
-    // The tile's softmax, row by row: probabilities into p, the sums so far rescaled.
-    for (int64_t r = 0; r < rows; ++r) {
-      float* pr = s.p.data() + r * kKTile;
-      Vec sc[kKVecs];
-      Vec top = sc[0] = load(pr);
-      for (int i = 1; i < kKVecs; ++i) {
-        sc[i] = load(pr + i * kLanes);
-        top = top > sc[i] ? top : sc[i];
-      }
-      const float new_max = std::max(s.m[r], hmax(top));
-      s.seen[r] = new_max != kMasked;
-      if (!s.seen[r]) continue;  // nothing visible to this row yet
-      Vec sum{};
-      for (int i = 0; i < kKVecs; ++i) {
-        const Vec e = exp_nonpositive(sc[i] - new_max);
-        store(pr + i * kLanes, e);
-        sum += e;
-      }
-      float* ar = s.acc.data() + r * D;
-      const float alpha = s.m[r] == kMasked ? 0.0f : exp_nonpositive(s.m[r] - new_max);
-      for (int c = 0; c < kVecs; ++c) store(ar + c * kLanes, load(ar + c * kLanes) * alpha);
-      s.l[r] = s.l[r] * alpha + hsum(sum);
-      s.m[r] = new_max;
-    }
-    // Then the V rows into the sums, kRowsAtOnce<D> rows at a time where all of them see the
-    // tile (each row's chain over the keys is unchanged; the rows only share the V loads).
-    const T* vrows = a.v + k0 * a.v_tok + g * a.v_head;
-    constexpr int64_t kRows = kRowsAtOnce<D>;
-    for (int64_t r = 0; r < rows;) {
-      const bool all = r + kRows <= rows &&
-                       std::all_of(s.seen.begin() + r, s.seen.begin() + r + kRows,
-                                   [](char x) { return x != 0; });
-      if (all) {
-        accumulate_rows<T, D, kRows>(s.p.data() + r * kKTile, vrows, a.v_tok, nk,
-                                     s.acc.data() + r * D);
-        r += kRows;
-      } else {
-        if (s.seen[r])
-          accumulate_rows<T, D, 1>(s.p.data() + r * kKTile, vrows, a.v_tok, nk,
-                                   s.acc.data() + r * D);
-        ++r;
-      }
-    }
+    fold_softmax<D>(s, rows);
+    accumulate_tile<T, D>(a.v + k0 * a.v_tok + g * a.v_head, a.v_tok, nk, rows, s);
   }
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < G; ++h) {
