@@ -23,8 +23,8 @@ from tierserve.runtime import envs
 from tierserve.runtime.config import EngineConfig
 from tierserve.workers.worker import resolve_device
 
-__all__ = ["replica_uid", "replica_pg_name", "replica_config", "start_replica",
-           "stop_replica", "kill_replica", "node_of"]
+__all__ = ["replica_uid", "replica_pg_name", "replica_config", "replica_log_path",
+           "start_replica", "stop_replica", "kill_replica", "node_of"]
 
 log = logging.getLogger("tierserve.replicas")
 
@@ -36,6 +36,13 @@ def replica_uid(deployment_uid: str, replica: int) -> str:
 def replica_pg_name(name: str | None, replica: int) -> str:
     """A named deployment's replica placement group name ("" for an anonymous one)."""
     return f"tierserve-pg-{name}+r{replica}" if name is not None else ""
+
+
+def replica_log_path(path: str, replica: int) -> str:
+    """Replica r's request log: PATH with `.replica<r>` before its extension, since two
+    writers of one file would interleave their frames and rotate each other's files."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.replica{replica}{ext}"
 
 
 def _alive_nodes() -> list[dict]:
@@ -96,6 +103,9 @@ def start_replica(config: EngineConfig, uid: str, name: str | None, replica: int
         pg = make_placement_group(config.tensor_parallel_size, device, strategy,
                                   config.cpus_per_worker, detached=name is not None,
                                   name=replica_pg_name(name, replica), target_node=target)
+    if config.request_log_path is not None:
+        config = config.replace(request_log_path=replica_log_path(config.request_log_path,
+                                                                  replica))
     try:
         actor = start_engine_actor(config, pg, replica_uid(uid, replica), namespace,
                                    detached=name is not None)

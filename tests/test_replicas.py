@@ -9,6 +9,7 @@ import tempfile
 
 from tests.checkpoints import make_tiny_llama
 from tierserve import LLM, SamplingParams
+from tierserve.runtime.request_log import read_log
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 121))]
@@ -23,8 +24,8 @@ from tierserve import SamplingParams
 from tierserve.deploy.cli import main as cli
 from tierserve.deploy.routing import RouteQuery
 
-path, prompts, greedy, ssd = (sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]),
-                              sys.argv[4])
+path, prompts, greedy, ssd, request_log = (sys.argv[1], json.loads(sys.argv[2]),
+                                           json.loads(sys.argv[3]), sys.argv[4], sys.argv[5])
 cluster = Cluster(initialize_head=True, head_node_args={
     "num_cpus": 1, "include_dashboard": False, "object_store_memory": 96 * 1024 * 1024})
 cluster.add_node(num_cpus=1, object_store_memory=96 * 1024 * 1024)
@@ -35,7 +36,8 @@ try:
     # a 48-block pool, 32 CPU slots, SSD below.
     h = tierserve.serve("rep", model=path, block_size=4, data_parallel_size=2,
                         max_num_batched_tokens=64, num_kv_blocks=48,
-                        kv_offload_cpu_bytes=32 * 1536, kv_offload_ssd_path=ssd)
+                        kv_offload_cpu_bytes=32 * 1536, kv_offload_ssd_path=ssd,
+                        request_log_path=request_log)
     router = h.engine.router
     view = h.engine.describe()["replicas"]
     out["nodes"] = [r["node"] for r in view.values()]
@@ -199,7 +201,8 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
             PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)]
     ray_tmp = tempfile.mkdtemp(prefix="ts-rep-", dir="/tmp")
     run = subprocess.run([sys.executable, "-c", SCRIPT, path, json.dumps(PROMPTS),
-                          json.dumps(GREEDY), str(tmp_path / "ssd")], env=_env(ray_tmp),
+                          json.dumps(GREEDY), str(tmp_path / "ssd"),
+                          str(tmp_path / "requests.tslog")], env=_env(ray_tmp),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     out = json.loads(next(line for line in reversed(run.stdout.splitlines())
@@ -236,3 +239,9 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     assert out["router_killed"] == ref and out["after_router_restart"] == ref
     assert out["adopted"] == [["live", 0], ["live", 0]], out["adopted"]
     assert out["stopped"] and out["left"] == [], out["left"]
+    # Each replica wrote a request log of its own.
+    for r in range(2):
+        log_file = tmp_path / f"requests.replica{r}.tslog"
+        header, records = read_log(str(log_file))
+        assert header.block_size == 4 and list(records), r
+    assert not (tmp_path / "requests.tslog").exists()
