@@ -21,13 +21,14 @@ from tierserve.deploy.dataplane import DataPlaneServer, DataPlaneTimeout
 from tierserve.deploy.executor_restart import RankRestart
 from tierserve.deploy.executor_steps import StepDispatch
 from tierserve.deploy.placement import worker_names
-from tierserve.deploy.worker_actor import WorkerActor, bind_address, restore_priority
+from tierserve.deploy.priority import restore_priority
+from tierserve.deploy.worker_actor import WorkerActor, bind_address
 from tierserve.runtime.executor import EngineDeadError, WorkerInfo
 from tierserve.scheduler.messages import ShutdownWorker
 from tierserve.workers.worker import WorkerSpec
 
-# WorkerActor and restore_priority live in deploy/worker_actor.py; the engine's actor imports
-# them from here.
+# WorkerActor lives in deploy/worker_actor.py, restore_priority in deploy/priority.py; the
+# engine's actor imports them from here.
 __all__ = ["RayExecutor", "WorkerActor", "restore_priority"]
 
 log = logging.getLogger("tierserve.ray_executor")

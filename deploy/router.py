@@ -24,6 +24,7 @@ import time
 import ray
 
 from tierserve.deploy.kv_index import KVIndex
+from tierserve.deploy.priority import restore_priority
 from tierserve.deploy.replica_set import DRAIN_TIMEOUT_S, Replica, ReplicaSet
 from tierserve.deploy.replicas import replica_config
 from tierserve.deploy.routing import Candidate, KVAware, RouteQuery, make_policy
@@ -50,6 +51,7 @@ def router_name(name: str) -> str:
 class Router:
     def __init__(self, config: EngineConfig, uid: str, name: str | None,
                  namespace: str | None) -> None:
+        restore_priority()  # routes are on every request's way to its first token
         self.config = replica_config(config)
         self.index = KVIndex()
         hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo,

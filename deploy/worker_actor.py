@@ -17,6 +17,7 @@ import ray
 import torch
 
 from tierserve.deploy.dataplane import DataPlaneClient, Endpoints, RankKeys
+from tierserve.deploy.priority import restore_priority
 from tierserve.runtime import envs
 from tierserve.workers.parallel import listen_socket
 from tierserve.workers.worker import ModelInfo, TierReport, Worker, WorkerSpec
@@ -28,18 +29,6 @@ log = logging.getLogger("tierserve.ray_executor")
 
 _LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915
-
-
-def restore_priority() -> None:
-    """Ray starts worker processes at nice 15. A rank's OpenMP threads stall at every barrier
-    when one of them is preempted, so the whole forward slows whenever any normal-priority
-    process wakes; run ranks and the engine at normal priority where we may."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError as e:  # lowering niceness needs CAP_SYS_NICE
-        log.warning("could not restore normal scheduling priority (%s); ranks may run slower "
-                    "on busy machines", e)
 
 
 def bind_address(one_node: bool) -> str:

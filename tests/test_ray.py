@@ -22,6 +22,24 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3, 1, 4, 1, 5, 9, 2, 6], list(
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _thread_niceness(pid: int) -> dict[int, int]:
+    """Each thread's nice value (field 19 of /proc/PID/task/TID/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended
+            continue
+        out[int(tid)] = int(fields[16])
+    return out
+
+
+def _may_renice() -> bool:
+    import resource
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-ckpt")
@@ -60,6 +78,11 @@ def test_tp_on_ray_equals_tp1_in_process(tiny, reference, name, tp):
         assert tokens(llm, PROMPTS) == reference[name]
         info = llm.engine.info()
         assert len(info["worker_names"]) == tp
+        if _may_renice() and sys.platform == "linux":
+            # Ray starts actors at nice 15; every thread of the engine (its event loop, which
+            # every request and output batch passes through) and of the ranks runs at 0.
+            for pid in [info["pid"], *info["worker_pids"]]:
+                assert set(_thread_niceness(pid).values()) == {0}, (pid, _thread_niceness(pid))
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
