@@ -5,8 +5,9 @@ too. In order, a deployment command uses: the cluster RAY_ADDRESS names (a `ray 
 job's included); the local head an earlier `tierserve serve` started (recorded in a small
 state file under the cache folder); the cluster `ray start` last started on this machine (Ray's
 own record). Only `serve` (and `api-server --name`) may start a head when none is found: `ray
-start --head --block` in a session of its own, with its own temp folder, free ports and the
-machine's CPUs. Stopping the last deployment on such a head stops the head (`stop_head`): its
+start --head --block` in a session of its own (at session niceness 5, so that other
+sessions' threads, its clients', get a core at once: deploy/priority.py), with its own temp
+folder, free ports and the machine's CPUs. Stopping the last deployment on such a head stops the head (`stop_head`): its
 `ray start` process tears down the processes it started.
 
 No torch here: status, stop and generate --name import this module and Ray alone.
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 
+from tierserve.deploy.priority import set_session_niceness
 from tierserve.runtime import envs
 
 __all__ = ["LocalHead", "NoClusterError", "join", "local_head", "start_head", "stop_head",
@@ -45,6 +47,10 @@ _HEAD_STOP_TIMEOUT_S = 30.0
 _PORT_RANGE = (20000, 32000)
 # Ray's object store carries only control messages and output batches here.
 _OBJECT_STORE_BYTES = 256 << 20
+# The head's session (autogroup) yields the cores to other sessions' threads when they wake:
+# its ranks compute whenever a step runs, and the clients (often in another session) must
+# still be answered at once (deploy/priority.py).
+_HEAD_SESSION_NICE = 5
 
 
 class NoClusterError(ValueError):
@@ -218,6 +224,7 @@ def start_head() -> LocalHead:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    set_session_niceness(proc.pid, _HEAD_SESSION_NICE)
     head = LocalHead(f"127.0.0.1:{ports['port']}", proc.pid, temp_dir, log_path, num_cpus)
     try:
         _wait_started(head, proc)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tierserve.deploy.priority import session_niceness
 from tierserve.deploy.ray_cluster import session_pids
 from tierserve.runtime import envs
 
@@ -122,6 +123,9 @@ def test_the_readme_flow_as_a_new_user(fresh_user):
             if line.startswith("tierserve serve"):
                 assert "started a local Ray head" in out.stderr, out.stderr
                 head_pid = json.loads((cache / "ray-head.json").read_text())["pid"]
+                # Its session yields the cores to its clients' (where the kernel has
+                # autogroups, which it shares the cores between first).
+                assert session_niceness(head_pid) in (None, 5)
             if line.startswith("tierserve status smol"):
                 assert all(part in out.stdout for part in ("running", "KV tiers", "backend"))
                 assert "INFO" not in out.stderr, out.stderr  # none of Ray's log lines
