@@ -14,8 +14,9 @@ request's decode), the prefill rate is the replicas' measured mean, and the bloc
 are those it needs beyond the replica's free ones (they wait for running requests to finish).
 A replica may take a request only while its outstanding requests stay within `load_bound` x
 the mean or `LOAD_SLACK` above it, whichever is looser (bounded loads), so a hot prefix spreads
-once its replica is that far ahead. Estimates within NEAR_TIE of the least tie, and a tie goes
-to the replica whose pool holds the fewest blocks (the turns to come follow the history).
+once its replica is that far ahead. Estimates within NEAR_TIE of the least tie when they hold
+as much of the prompt, and a tie goes to the replica whose pool holds the fewest blocks (the
+turns to come follow the history).
 `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the approximate policy of
 SGLang's and Ray Serve's routers: a tree of the prompts each replica was sent (never told of
 evictions, tiers or salts), for comparison.
@@ -53,9 +54,9 @@ _SSD_BLOCK_SHARE = 0.25
 # Bounded loads: a replica takes a request only while its outstanding requests, this one
 # included, stay within LOAD_BOUND x the mean or LOAD_SLACK above it. The slack matters at a
 # few requests a replica, where the ratio alone would send a conversation away from its cached
-# history (seconds of prefill) over a difference of two decodes (a few % of a step).
+# history (seconds of prefill) over a difference of a few decodes (a few % of a step).
 LOAD_BOUND = 1.5
-LOAD_SLACK = 2
+LOAD_SLACK = 3
 # Estimates within this factor of the least count as a tie, which goes to the replica whose
 # pool holds the fewest blocks. Later turns follow a conversation's history, so the blocks a
 # replica holds stand for the turns still to come to it: a new conversation (its prompt
@@ -219,6 +220,11 @@ class KVAware:
                    c.load.outstanding, (i - turn) % n, i) for i, c in enumerate(eligible)]
         fastest = min(scored)[0]
         near = [s for s in scored if s[0] <= fastest * NEAR_TIE]
+        # Of those, the ones holding the most of this prompt: a turn whose history one
+        # replica holds comes near another's estimate only by the holder's queue, and moving
+        # it would recompute the history and leave the holder's copy idle.
+        most = max(matches[eligible[s[-1]].replica].blocks for s in near)
+        near = [s for s in near if matches[eligible[s[-1]].replica].blocks == most]
         held = {c.replica: self.index.device_blocks(c.replica) for c in eligible}
         best = eligible[min(near, key=lambda s: (held[eligible[s[-1]].replica], s[1], s[2]))[-1]]
         m = matches[best.replica]

@@ -9,8 +9,8 @@ import pytest
 from tests.sched_driver import WorkerMirror, make_scheduler, step
 from tierserve.deploy.kv_index import KVIndex
 from tierserve.deploy.routing import (
-    LOAD_BOUND, LOAD_SLACK, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree, RoundRobin,
-    RouteQuery, bounded,
+    LOAD_BOUND, LOAD_SLACK, NEAR_TIE, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree,
+    RoundRobin, RouteQuery, bounded,
 )
 from tierserve.kvcache import BlockHasher, KVEventRecorder, KVTier
 from tierserve.kvcache.hashing import encode_extra_keys
@@ -193,7 +193,8 @@ def test_kv_policy_weighs_the_queue_and_bounds_the_load():
         cands[choice.replica].load.route(choice.uncached_tokens)
         picks.append(choice.replica)
     assert picks[:3] == [0, 0, 0] and 1 in picks
-    assert max(c.load.outstanding for c in cands) <= math.ceil(LOAD_BOUND * 8 / 2)
+    assert max(c.load.outstanding for c in cands) <= max(math.ceil(LOAD_BOUND * 8 / 2),
+                                                          math.floor(8 / 2 + LOAD_SLACK))
     assert len(bounded(cands)) >= 1
 
 
@@ -231,6 +232,21 @@ def test_kv_policy_sends_a_new_conversation_where_fewer_blocks_are_held():
     assert policy.pick(RouteQuery(prompt), queued).replica == 0
 
 
+def test_kv_policy_keeps_a_turn_with_its_history_when_a_queue_makes_estimates_near():
+    """The holder's queue brings its estimate near an empty replica's: the tie among near
+    estimates goes to the replica holding the most of the prompt, not to the emptier pool
+    (which would recompute the history)."""
+    hasher = BlockHasher(BS)
+    prompt = list(range(1, 42))  # 10 blocks cached on replica 0, which holds more besides
+    chain = hasher.hash_blocks(prompt, 0, None)[0]
+    other = hasher.hash_blocks(list(range(500, 541)), 0, None)[0]
+    policy = KVAware(_index_with({0: [chain + other, [], []], 1: [[], [], []]}), hasher, 64)
+    holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=35)))
+    rates = 36, 41  # the work each estimate counts: near (within NEAR_TIE)
+    assert rates[1] <= rates[0] * NEAR_TIE
+    assert policy.pick(RouteQuery(prompt), [holder, Candidate(1, LoadTracker())]).replica == 0
+
+
 def test_kv_policy_weighs_blocks_the_holder_lacks():
     """A prefix holder whose pool has no free blocks for its queue and the request makes them
     wait for running requests to finish: with free blocks it wins, without it loses to an idle
@@ -240,9 +256,9 @@ def test_kv_policy_weighs_blocks_the_holder_lacks():
     chain = hasher.hash_blocks(prompt, 0, None)[0]
     policy = KVAware(_index_with({0: [chain, [], []], 1: [[], [], []]}), hasher, 64)
     idle = Candidate(1, LoadTracker(ReplicaLoad(free_blocks=100, total_blocks=100)))
-    # 20 queued + 1 uncached token need 6 blocks of 4.
-    for free, winner in ((6, 0), (0, 1)):
-        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=20,
+    # 40 queued + 1 uncached token need 11 blocks of 4.
+    for free, winner in ((11, 0), (0, 1)):
+        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=40,
                                                       free_blocks=free, total_blocks=100)))
         assert policy.pick(RouteQuery(prompt), [holder, idle]).replica == winner, free
 
