@@ -2,17 +2,17 @@
 
 Ray starts its worker processes at nice 15, and on Linux niceness belongs to each thread: a
 process that renices only the thread it runs on keeps Ray's threads (an async actor's event
-loop among them) at 15. Against ranks computing at nice 0 such a thread gets a few percent of
-a core, so every request and output batch that passes through it waits behind the forward. And a
-rank's OpenMP threads stall at every barrier while one of them is preempted, so ranks too run
-at normal priority.
+loop among them) at 15. Against ranks computing at nice 0 such a thread gets a few percent
+of a core, so every request and output batch that passes through it waits behind the
+forward. And a rank's OpenMP threads stall at every barrier while one of them is preempted,
+so ranks too run at normal priority.
 
 Where the kernel groups processes by session (autogroup, the default of desktop and many
 server kernels), it shares the cores between sessions first, and nice values count only
-within a session. A Ray head in a session of its own, its ranks always runnable, then kept
+within a session. A Ray head in a session of its own, its ranks always runnable, then keeps
 threads of other sessions (the client that started it, an HTTP server in another terminal,
-kernel workers) from a core for 0.2-1.4 s at a time (`perf sched timehist`, two TP=1 replicas
-on 2 cores); at autogroup nice 5 the longest wait was 25 ms.
+kernel workers) from a core for long stretches, unless its session yields (a positive
+session niceness; README, "Every process of a deployment runs at normal priority").
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ state file under the cache folder); the cluster `ray start` last started on this
 own record). Only `serve` (and `api-server --name`) may start a head when none is found: `ray
 start --head --block` in a session of its own (at session niceness 5, so that other
 sessions' threads, its clients', get a core at once: deploy/priority.py), with its own temp
-folder, free ports and the machine's CPUs. Stopping the last deployment on such a head stops the head (`stop_head`): its
-`ray start` process tears down the processes it started.
+folder, free ports and the machine's CPUs. Stopping the last deployment on such a head stops
+the head (`stop_head`): its `ray start` process tears down the processes it started.
 
 No torch here: status, stop and generate --name import this module and Ray alone.
 """
