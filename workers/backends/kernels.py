@@ -219,13 +219,6 @@ if __name__ == "__main__":
     # Lowest priority: a first run serves through the torch path meanwhile, and a compiler at
     # normal priority on its cores tripled the cold start to the first token on 2 cores.
     os.nice(19)
-    # Its session is its own (it outlives its caller), and where the kernel shares the cores
-    # between sessions first (autogroup), only the session's niceness makes it yield.
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write("19")
-    except OSError:  # no autogroups here
-        pass
     print(compile_locked(sys.argv[1], sys.argv[2]), flush=True)
     if len(sys.argv) > 3:
         Path(sys.argv[3]).unlink(missing_ok=True)
