@@ -12,9 +12,12 @@ there, from the exact KV index (deploy/kv_index.py) and the replica's load:
 where steps = 1 + work / max_num_batched_tokens (each step also carries every running
 request's decode), the prefill rate is the replicas' measured mean, and the blocks work lacks
 are those it needs beyond the replica's free ones (they wait for running requests to finish).
+A replica's score is its estimate plus RECOMPUTE_WEIGHT x the prompt tokens another eligible
+replica holds and it lacks, at the prefill rate: recomputing them is work the cluster does
+twice, and it delays the requests that come after this one there.
 A replica may take a request only while its outstanding requests stay within `load_bound` x
 the mean or `LOAD_SLACK` above it, whichever is looser (bounded loads), so a hot prefix spreads
-once its replica is that far ahead. Estimates within NEAR_TIE of the least tie when they hold
+once its replica is that far ahead. Scores within NEAR_TIE of the least tie when they hold
 as much of the prompt, and a tie goes to the replica whose pool holds the fewest blocks (the
 turns to come follow the history).
 `least_loaded` and `round_robin` ignore the cache; `prefix_tree` is the approximate policy of
@@ -40,7 +43,7 @@ from tierserve.scheduler.kv_events import ReplicaLoad
 
 __all__ = ["RouteQuery", "Candidate", "LoadTracker", "Choice", "Policy", "RoundRobin",
            "LeastLoaded", "KVAware", "PrefixTree", "make_policy", "bounded", "LOAD_BOUND",
-           "LOAD_SLACK", "NEAR_TIE"]
+           "LOAD_SLACK", "NEAR_TIE", "RECOMPUTE_WEIGHT"]
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -63,6 +66,11 @@ LOAD_SLACK = 3
 # cached nowhere, so its estimates differ by the load of the moment alone) then balances the
 # work to come, not only the work queued now.
 NEAR_TIE = 1.25
+# The estimate is this request's own wait; a prefix held elsewhere and recomputed here also
+# costs the requests queued behind it. Counting those tokens once more keeps a conversation
+# with its history until the holder's queue exceeds about twice the recompute: under load, a
+# greedy move at a smaller gap lowers the cluster's hit rate and raises every queue.
+RECOMPUTE_WEIGHT = 1.0
 
 
 class RouteQuery(msgspec.Struct, **_WIRE):
@@ -216,7 +224,10 @@ class KVAware:
                  if c.load.reported.prefill_tokens_per_s > 0]
         rate = sum(rates) / len(rates) if rates else _DEFAULT_PREFILL_TOKENS_PER_S
         turn, n = next(self._turn), len(eligible)
-        scored = [(self.estimate(c.load, matches[c.replica], len(tokens), rate),
+        most_held = max(matches[c.replica].blocks for c in eligible)
+        recompute_s = RECOMPUTE_WEIGHT * self.block_size / rate
+        scored = [(self.estimate(c.load, matches[c.replica], len(tokens), rate)
+                   + (most_held - matches[c.replica].blocks) * recompute_s,
                    c.load.outstanding, (i - turn) % n, i) for i, c in enumerate(eligible)]
         fastest = min(scored)[0]
         near = [s for s in scored if s[0] <= fastest * NEAR_TIE]

@@ -9,8 +9,8 @@ import pytest
 from tests.sched_driver import WorkerMirror, make_scheduler, step
 from tierserve.deploy.kv_index import KVIndex
 from tierserve.deploy.routing import (
-    LOAD_BOUND, LOAD_SLACK, NEAR_TIE, Candidate, KVAware, LeastLoaded, LoadTracker, PrefixTree,
-    RoundRobin, RouteQuery, bounded,
+    LOAD_BOUND, LOAD_SLACK, NEAR_TIE, RECOMPUTE_WEIGHT, Candidate, KVAware, LeastLoaded,
+    LoadTracker, PrefixTree, RoundRobin, RouteQuery, bounded,
 )
 from tierserve.kvcache import BlockHasher, KVEventRecorder, KVTier
 from tierserve.kvcache.hashing import encode_extra_keys
@@ -256,11 +256,27 @@ def test_kv_policy_weighs_blocks_the_holder_lacks():
     chain = hasher.hash_blocks(prompt, 0, None)[0]
     policy = KVAware(_index_with({0: [chain, [], []], 1: [[], [], []]}), hasher, 64)
     idle = Candidate(1, LoadTracker(ReplicaLoad(free_blocks=100, total_blocks=100)))
-    # 40 queued + 1 uncached token need 11 blocks of 4.
-    for free, winner in ((11, 0), (0, 1)):
-        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=40,
+    # 60 queued + 1 uncached token need 16 blocks of 4.
+    for free, winner in ((16, 0), (0, 1)):
+        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=60,
                                                       free_blocks=free, total_blocks=100)))
         assert policy.pick(RouteQuery(prompt), [holder, idle]).replica == winner, free
+
+
+def test_kv_policy_moves_a_prefix_only_for_a_queue_past_its_recompute():
+    """Leaving the holder recomputes its 40 cached tokens elsewhere, which the score counts
+    beyond the other replica's own wait: a holder 80 queued tokens behind stays (the idle
+    replica's estimate alone, 41 tokens, would have won), one 150 behind does not."""
+    hasher = BlockHasher(BS)
+    prompt = list(range(1, 42))  # 40 tokens cached on replica 0, 1 to compute anywhere
+    chain = hasher.hash_blocks(prompt, 0, None)[0]
+    policy = KVAware(_index_with({0: [chain, [], []], 1: [[], [], []]}), hasher, 64)
+    assert RECOMPUTE_WEIGHT == 1.0
+    for queued, winner in ((80, 0), (150, 1)):
+        holder = Candidate(0, LoadTracker(ReplicaLoad(queued_prefill_tokens=queued)))
+        assert (queued + 1 > 41 * NEAR_TIE) and ((queued + 1 > (41 + 40) * NEAR_TIE) == winner)
+        assert policy.pick(RouteQuery(prompt), [holder, Candidate(1, LoadTracker())]).replica \
+            == winner, queued
 
 
 def test_load_tracker_counts_requests_in_transit_until_reported():
