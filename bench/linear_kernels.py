@@ -24,9 +24,9 @@ deviation from float64 on one gate_up product, in units of 1e-6.
 Then the LM head (49152 x 576) for 1, 8, 16 and 64 rows:
 `head_full_m<M>_ms`, linear_f32's logits plus argmax_rows; `head_greedy_m<M>_ms`,
 greedy.GreedyHead's exact route (Q8_0 approximation, bound, fp32 candidates), with the suffix
-`_unused` past the rows the engine takes it for (greedy.FP32_MAX_ROWS);
-`head_int8_m<M>_ms`, the same route from the int8 pass (where the CPU has AVX512_VNNI),
-`_unused` up to those rows; `head_greedy_equal_m<M>` and `head_int8_equal_m<M>`, 1 when the
+`_unused` past the rows the engine takes it for (greedy.FP32_MAX_ROWS, none where the CPU has
+the int8 pass); `head_int8_m<M>_ms`, the same route from the int8 pass (where the CPU has
+AVX512_VNNI: every row count); `head_greedy_equal_m<M>` and `head_int8_equal_m<M>`, 1 when the
 route gives the full product's tokens.
 
 Usage: python bench/linear_kernels.py [--json] [--rows 1,16,64,161,512,2048] [--repeats 5]

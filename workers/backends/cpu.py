@@ -243,11 +243,19 @@ class CpuKernelBackend(TorchBackend):
         return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma,
                                       x_err, max_candidates)
 
-    def int8_head_logits(self, x, codes, scales, sums, out_features: int):
+    def int8_head_logits(self, x, codes, scales, sums, out_features: int, passes: int = 2):
         """(approx [M, N] fp32, x_err [M, 2]): x [M, K] quantized to 8 bits per block of 32 in
-        two passes against a head's Q8_0 codes in int8_head.cpp's layout; per row, how far the
-        quantized row is from x and the norm of its passes' absolute values."""
-        return self.ops.int8_head_logits(x, codes, scales, sums, out_features)
+        one or two passes against a head's Q8_0 codes in int8_head.cpp's layout; per row, how
+        far the quantized row is from x and the norm of its passes' absolute values."""
+        return self.ops.int8_head_logits(x, codes, scales, sums, out_features, passes)
+
+    def int8_greedy_tokens(self, x, codes, scales, sums, panels, norms, devs,
+                           out_features: int, gamma: float, max_candidates: int = 0):
+        """greedy_tokens' answer for x [M, K] (fp32) from the head's codes in int8_head.cpp's
+        layout instead of approximate logits: one pass of x's codes over every column, both
+        over the candidates' panels -> long[M], with -1 and -2 as greedy_tokens gives them."""
+        return self.ops.int8_greedy_tokens(x, codes, scales, sums, panels, norms, devs,
+                                           out_features, gamma, max_candidates)
 
 
 class Avx2Backend(CpuKernelBackend):

@@ -9,8 +9,9 @@ product's own arithmetic (the panel kernel's FMA chain, then its rounding to the
 and returns the token argmax over the full logits would give, bit for bit. It runs at every ISA
 level, for fp32, bf16 and fp16 heads. Greedy rows without penalties or logprobs need no more
 (SamplingBatch.plain_greedy). Past FP32_MAX_ROWS rows, where the CPU has AVX512_VNNI, the
-approximate logits come from the same codes against the rows quantized to 8 bits
-(csrc/int8_head.cpp), and the bound widens by how far the quantized rows are from x.
+approximate logits come from the same codes against the rows quantized to 8 bits, once for
+every column and again for the candidates' panels (csrc/int8_greedy.cpp), and the bound widens
+by how far the quantized rows are from x.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def _row_norms(w: torch.Tensor) -> torch.Tensor:
 # bytes, which wins while the product is bound by memory, but it rebuilds every weight block in
 # fp32 on the way, which costs more than the panel kernel's plain loads once it is bound by
 # FMAs (bench/linear_kernels.py's head rows show the crossover). A half-precision head's full
-# product widens its weights too, and the route wins at every size. Past these rows, the int8
-# pass (where the CPU has it) takes every head's batches: it multiplies the codes as they are.
+# product widens its weights too, and the route wins at every size. Where the CPU has the int8
+# pass, it takes every head's rows, one included: it multiplies the codes as they are.
 FP32_MAX_ROWS = 8
 
 
@@ -73,9 +74,12 @@ class GreedyHead:
         # The int8 pass's copy of the codes, where the CPU runs it.
         self.int8 = _int8_layout(self.approx) if backend.int8_head else None
         # Rows up to which the Q8_0 pass runs; past them, the int8 pass up to panel_max_rows.
-        self.max_rows = backend.panel_max_rows \
-            if weight.dtype != torch.float32 and self.int8 is None \
-            else min(backend.panel_max_rows, FP32_MAX_ROWS)
+        if self.int8 is not None:
+            self.max_rows = 0
+        elif weight.dtype == torch.float32:
+            self.max_rows = min(backend.panel_max_rows, FP32_MAX_ROWS)
+        else:
+            self.max_rows = backend.panel_max_rows
         rebuilt = self.approx.weight()
         self.norms = _row_norms(w)
         self.devs = _row_norms(w - rebuilt)
@@ -113,12 +117,14 @@ class GreedyHead:
         if int8 and (self.int8 is None or m > self.backend.panel_max_rows):
             return None
         xf = x.float().contiguous()
+        gamma = self.gamma(xf.shape[1])
         if int8:
-            approx, x_err = self.backend.int8_head_logits(xf, *self.int8, n)
+            ids = self.backend.int8_greedy_tokens(xf, *self.int8, self.panel.panels, self.norms,
+                                                  self.devs, n, gamma, MAX_CANDIDATES)
         else:
-            approx, x_err = self.approx.linear(xf, None), None
-        ids = self.backend.greedy_tokens(approx, xf, self.panel.panels, self.norms, self.devs,
-                                         n, self.gamma(xf.shape[1]), x_err, MAX_CANDIDATES)
+            ids = self.backend.greedy_tokens(self.approx.linear(xf, None), xf,
+                                             self.panel.panels, self.norms, self.devs, n, gamma,
+                                             None, MAX_CANDIDATES)
         if bool((ids == -1).any()):
             return None
         crowded = ids == -2

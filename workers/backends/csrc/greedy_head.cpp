@@ -49,9 +49,9 @@ inline float stored(float v) {
 // approx [M, N] fp32 is xhat What^T in fp32 arithmetic, What a rebuilt approximation of W (GGUF
 // Q8_0 codes, exact in fp32), dev_j >= |w_j - what_j| and norms_j >= |w_j| (Euclidean), and
 // xhat either x itself (an FMA chain over k) or x quantized (int8_head.cpp: sums over blocks
-// of two passes of codes), with xe >= |x - xhat| (0 for x itself) and xa >= the norm of the
-// elementwise sum of the absolute values of xhat's terms (|x| for x itself). Each chain errs by
-// at most gamma = K u / (1 - K u) times the sum of its |products| (Higham), so
+// of one or two passes of codes), with xe >= |x - xhat| (0 for x itself) and xa >= the norm of
+// the elementwise sum of the absolute values of xhat's terms (|x| for x itself). Each chain errs
+// by at most gamma = K u / (1 - K u) times the sum of its |products| (Higham), so
 //   |approx_j - y_j| <= e_j = (|x| + xe + gamma xa) dev_j + (xe + gamma (|x| + xa)) norms_j
 //                             + flush_j,
 // flush_j = 2^-126 (sqrt(K) (|x| + norms_j) + K) covering subnormals flushed on the way (for a
@@ -61,37 +61,54 @@ inline float stored(float v) {
 // within two units in the last place of it: approx_j + e_j >= best - 2^-(bits - 2) |best|.
 // Only those candidates are computed, with the full product's arithmetic (one FMA chain over k
 // in order, from 0, then the rounding), and the first index of their maximum is the row's
-// token: the token argmax_rows(linear(x, W)) gives, bit for bit. A row whose x or approx holds
-// a non-finite value gets -1 (the caller takes the full path); one with more than max_cand
-// candidates (0: no limit), -2 (the caller takes that row's full product).
-template <typename W>
-int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe, float xa,
-                   const W* packed, const float* norms, const float* devs, int64_t n, int64_t k,
-                   float gamma, int out_bits, bool pairs, int64_t max_cand,
-                   std::vector<int64_t>& cand) {
+// token: the token argmax_rows(linear(x, W)) gives, bit for bit.
+
+// e_j = a dev_j + b norms_j + c for one row.
+struct LogitBound {
+  float a = 0, b = 0, c = 0;
+  const float* norms = nullptr;
+  const float* devs = nullptr;
+
+  float at(int64_t j) const { return a * devs[j] + b * norms[j] + c; }
+  Vec at_vec(int64_t j) const { return splat(a) * load(devs + j) + splat(b) * load(norms + j) + c; }
+};
+
+// The bound for row x [k]; false where x, xe or xa is not finite.
+bool logit_bound(const float* x, int64_t k, bool quantized, float xe, float xa, float gamma,
+                 const float* norms, const float* devs, LogitBound& e) {
   double sq = 0;
   for (int64_t i = 0; i < k; ++i) sq += static_cast<double>(x[i]) * x[i];
   const float xn = static_cast<float>(std::sqrt(sq)) * (1.0f + 1e-6f);
   if (!quantized) xa = xn;
-  if (!std::isfinite(xn) || !std::isfinite(xe) || !std::isfinite(xa)) return -1;
+  if (!std::isfinite(xn) || !std::isfinite(xe) || !std::isfinite(xa)) return false;
   constexpr float kTiny = 1.1754944e-38f;  // 2^-126
   const float slack = 1.0f + 1e-5f;  // the bound's own fp32 arithmetic
-  // Two passes of k / 32 blocks, each product of scales of at most 32 x 127^2 times its value.
+  // At most two passes of k / 32 blocks, each product of scales of at most 32 x 127^2 times
+  // its value.
   const float scaled = quantized ? 2.0f * k * (127.0f * 127.0f) : 0.0f;
-  const float c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k + scaled) * 1.01f;
-  // e_j = a dev_j + b norms_j + c.
-  const float a = (xn + xe + gamma * xa) * slack;
-  const float b = (xe + gamma * (xn + xa)) * slack +
-                  kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
-  const Vec av = splat(a), bv = splat(b);
-  auto err = [&](int64_t j) { return av * load(devs + j) + bv * load(norms + j) + c; };
-  auto err1 = [&](int64_t j) { return a * devs[j] + b * norms[j] + c; };
-  // Pass 1: the best lower bound.
+  e.c = kTiny * (std::sqrt(static_cast<float>(k)) * xn + k + scaled) * 1.01f;
+  e.a = (xn + xe + gamma * xa) * slack;
+  e.b = (xe + gamma * (xn + xa)) * slack + kTiny * std::sqrt(static_cast<float>(k)) * 1.01f;
+  e.norms = norms;
+  e.devs = devs;
+  return true;
+}
+
+// The lowest value a candidate's upper bound may take, from best = max_j (approx_j - e_j): best
+// itself, or for a half-precision output (out_bits > 0) two units in its last place below.
+float widen_floor(float best, int out_bits) {
+  return out_bits > 0 ? best - (std::ldexp(std::fabs(best), -(out_bits - 2)) + 1.1754944e-38f)
+                      : best;
+}
+
+// widen_floor of best = max_j (approx_j - e_j) over approx [n]; NaN where approx holds a
+// non-finite value.
+float candidate_floor(const float* approx, int64_t n, const LogitBound& e, int out_bits) {
   Vec lo = splat(-INFINITY), bad = Vec{};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const Vec v = load(approx + j);
-    const Vec low = v - err(j);
+    const Vec low = v - e.at_vec(j);
     lo = lo > low ? lo : low;
     bad += v - v;  // NaN for a NaN or infinite v
   }
@@ -102,26 +119,48 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
   }
   for (; j < n; ++j) {
     nan_check += approx[j] - approx[j];
-    best = std::max(best, approx[j] - err1(j));
+    best = std::max(best, approx[j] - e.at(j));
   }
-  if (nan_check != 0 || !std::isfinite(best)) return -1;
-  if (out_bits > 0) best -= std::ldexp(std::fabs(best), -(out_bits - 2)) + kTiny;
-  // Pass 2: the candidates, in index order.
+  if (nan_check != 0 || !std::isfinite(best)) return NAN;
+  return widen_floor(best, out_bits);
+}
+
+// The columns j of approx [n] with approx_j + e_j >= cut, in index order, into cand.
+void candidate_columns(const float* approx, int64_t n, const LogitBound& e, float cut,
+                       std::vector<int64_t>& cand) {
   cand.clear();
-  for (j = 0; j + kLanes <= n; j += kLanes) {
-    const Vec high = load(approx + j) + err(j);
-    if (hmax(high) >= best)
+  // A chunk's lanes are read one by one only where its largest upper bound reaches the cut:
+  // one horizontal maximum per chunk (few hold a candidate).
+  constexpr int64_t kChunk = 8 * kLanes;
+  int64_t j = 0;
+  for (; j + kChunk <= n; j += kChunk) {
+    Vec top = splat(-INFINITY);
+    for (int64_t i = j; i < j + kChunk; i += kLanes) {
+      const Vec high = load(approx + i) + e.at_vec(i);
+      top = top > high ? top : high;
+    }
+    if (hmax(top) < cut) continue;
+    for (int64_t i = j; i < j + kChunk; i += kLanes) {
+      const Vec high = load(approx + i) + e.at_vec(i);
       for (int l = 0; l < kLanes; ++l)
-        if (high[l] >= best) cand.push_back(j + l);
+        if (high[l] >= cut) cand.push_back(i + l);
+    }
+  }
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec high = load(approx + j) + e.at_vec(j);
+    if (hmax(high) >= cut)
+      for (int l = 0; l < kLanes; ++l)
+        if (high[l] >= cut) cand.push_back(j + l);
   }
   for (; j < n; ++j)
-    if (approx[j] + err1(j) >= best) cand.push_back(j);
-  // The column that set `best` is always a candidate (its upper bound is at least its lower);
-  // should rounding ever say otherwise, the full path decides.
-  if (cand.empty()) return -1;
-  // Past max_cand candidates, their columns (read across the panels, a line per weight) cost
-  // more than the row's own full product (the weights streamed once): the caller runs that.
-  if (max_cand > 0 && static_cast<int64_t>(cand.size()) > max_cand) return -2;
+    if (approx[j] + e.at(j) >= cut) cand.push_back(j);
+}
+
+// The first of the candidates (in index order, at least one) whose logit, computed as the full
+// product computes and stores it, is the largest; -1 where that logit is not finite.
+template <typename W>
+int64_t exact_argmax(const float* x, const W* packed, int64_t k, bool pairs,
+                     std::vector<int64_t>& cand) {
   constexpr int kGroup = 8;
   while (cand.size() % kGroup) cand.push_back(cand.back());  // repeats do not change the argmax
   int64_t arg = -1;
@@ -145,6 +184,28 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
     }
   }
   return std::isfinite(top) ? arg : -1;
+}
+
+// A row whose x or approx holds a non-finite value gets -1 (the caller takes the full path);
+// one with more than max_cand candidates (0: no limit), -2 (the caller takes that row's full
+// product).
+template <typename W>
+int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe, float xa,
+                   const W* packed, const float* norms, const float* devs, int64_t n, int64_t k,
+                   float gamma, int out_bits, bool pairs, int64_t max_cand,
+                   std::vector<int64_t>& cand) {
+  LogitBound e;
+  if (!logit_bound(x, k, quantized, xe, xa, gamma, norms, devs, e)) return -1;
+  const float cut = candidate_floor(approx, n, e, out_bits);
+  if (std::isnan(cut)) return -1;
+  candidate_columns(approx, n, e, cut, cand);
+  // The column that set `best` is always a candidate (its upper bound is at least its lower);
+  // should rounding ever say otherwise, the full path decides.
+  if (cand.empty()) return -1;
+  // Past max_cand candidates, their columns (read across the panels, a line per weight) cost
+  // more than the row's own full product (the weights streamed once): the caller runs that.
+  if (max_cand > 0 && static_cast<int64_t>(cand.size()) > max_cand) return -2;
+  return exact_argmax(x, packed, k, pairs, cand);
 }
 
 at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,

@@ -9,6 +9,7 @@
 #include "linear_amx.cpp"
 #include "greedy_head.cpp"
 #include "int8_head.cpp"
+#include "int8_greedy.cpp"
 #include "fused.cpp"
 #include "quant.cpp"
 #include "layer_stack.cpp"
