@@ -19,7 +19,9 @@ stream decode tok/s (the median of --decode-repeats) and TTFT (cold, prefix cach
 --output-len shrink the workload. With several dtypes, tierserve's dtype ratio (bf16 / fp32
 decode) comes from --paired-rounds rounds of single-stream decodes of every dtype in one process,
 alternating, so that drift in this machine's bandwidth falls on both; the separate processes'
-ratio is printed beside it.
+ratio is printed beside it. --rounds N runs every engine N times, the order reversed every
+other round: each figure is an engine's median, each ratio to vLLM the median of the rounds'
+own ratios (each pair of runs minutes apart at most), listed round by round beside it.
 
 --engine KEY=VALUE (repeatable) sets an engine option of every tierserve run, e.g.
 `--engine async_scheduling=true` or `--engine quantization=q8_0`; VALUE may be JSON
@@ -46,6 +48,7 @@ Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [
            [--variant NAME:KEY=VALUE ...] [--model dense-noise|PATH]
            [--decode-workload random|chat|edit]
            [--only throughput,decode,ttft,cold_start] [--vllm-first] [--vllm-fresh-cache]
+           [--rounds 1]
            [--prompt-len 512] [--ttft-repeats 3] [--decode-repeats 3] [--paired-rounds 4]
            [--kv-cache-gib 2]
 """
@@ -258,6 +261,9 @@ def parse_args() -> argparse.Namespace:
                     help="the single-stream decode's prompts")
     vs.add_argument("--only", help=f"comma-separated parts of {','.join(side_by_side.PARTS)}")
     vs.add_argument("--vllm-first", action="store_true", help="run vLLM before tierserve")
+    vs.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, the order reversed every other "
+                         "round: medians, and ratios paired round by round")
     vs.add_argument("--vllm-fresh-cache", action="store_true",
                     help="vLLM compiles into an empty cache (a true first start)")
     vs.add_argument("--prompt-len", type=int, default=512, help="decode and TTFT prompts")
@@ -273,9 +279,9 @@ def parse_args() -> argparse.Namespace:
     vs.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     if min(args.num_prompts, args.output_len, args.prompt_len, args.ttft_repeats,
-           args.decode_repeats, args.kv_cache_gib, args.paired_rounds + 1) < 1:
-        ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats, --decode-repeats "
-                 "and --kv-cache-gib must be positive, --paired-rounds not negative")
+           args.decode_repeats, args.kv_cache_gib, args.paired_rounds + 1, args.rounds) < 1:
+        ap.error("--num-prompts, --output-len, --prompt-len, --ttft-repeats, --decode-repeats, "
+                 "--kv-cache-gib and --rounds must be positive, --paired-rounds not negative")
     if args.num_prompts < 2:
         ap.error("--num-prompts must be at least 2 (prompt lengths spread over 20-200 tokens)")
     side = args.against or args.variant

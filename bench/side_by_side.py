@@ -1,6 +1,7 @@
 """`offline_throughput.py --against PYTHON` (and `--variant`): tierserve, variants of it (other
 engine options) and vLLM's `LLM` (in the interpreter PYTHON) on the same workload, one after
-the other, in one table.
+the other, in one table; with --rounds N, N times over, the order reversed every other round
+(run_rounds).
 
 Each engine runs in a fresh process per dtype (tierserve_driver.py, vllm_driver.py) through
 the same sections of engine_driver.py, with the same token ids: the chat prompts of the
@@ -126,8 +127,9 @@ def engines_of(args) -> list[dict]:
 
 
 def run_engines(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
-                engines: list[dict]) -> dict:
-    """{engine label: {dtype: driver result}}, all of one engine's runs before the next's."""
+                engines: list[dict], tag: str = "") -> dict:
+    """{engine label: {dtype: driver result}}, all of one engine's runs before the next's;
+    tag names this round's logs."""
     fresh_cache = tempfile.mkdtemp(prefix="vllm-cache-") if args.vllm_fresh_cache else None
     results: dict[str, dict] = {}
     for entry in engines:
@@ -146,13 +148,42 @@ def run_engines(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
                 argv = [sys.executable, os.path.join(HERE, "tierserve_driver.py")]
                 env = dict(os.environ)
             log = os.path.join(log_dir, f"{engine.replace('[', '-').strip(']')}-"
-                                        f"{SHORT[dtype]}.log")
+                                        f"{SHORT[dtype]}{tag}.log")
             print(f"running {engine} {dtype}: {', '.join(sections) or 'cold start only'} "
                   f"(log {log})", file=sys.stderr, flush=True)
             results[engine][dtype] = run_driver(argv, run_spec, env, log)
             if entry["kind"] == "vllm":
                 results[engine][dtype]["compile_cache_load_failure"] = _cache_load_failure(log)
     return results
+
+
+# The figures --rounds repeats: per engine and dtype, the median over the rounds.
+ROUND_KEYS = ("output_tok_s", "decode_tok_s", "ttft_ms", "ttft_cached_ms", "cold_start_s")
+
+
+def run_rounds(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
+               engines: list[dict]) -> dict:
+    """run_engines --rounds times, the engines' order reversed every other round, so that this
+    machine's drift (its memory bandwidth moves by tens of percent within minutes) falls on
+    every engine alike. Per engine and dtype: the first round's result (its greedy tokens and
+    paired decode among them), each figure of ROUND_KEYS the median over the rounds, and
+    under "rounds" each round's figures, which table_rows pairs round by round."""
+    rounds = [run_engines(args, spec, hf_folder, runs, log_dir,
+                          engines if r % 2 == 0 else engines[::-1],
+                          f"-r{r + 1}" if args.rounds > 1 else "")
+              for r in range(args.rounds)]
+    merged = rounds[0]
+    if len(rounds) == 1:
+        return merged
+    for engine, by_dtype in merged.items():
+        for dtype, result in by_dtype.items():
+            for later in rounds[1:]:
+                later[engine][dtype].pop("throughput_token_ids", None)
+            figures = {k: [r[engine][dtype][k] for r in rounds]
+                       for k in ROUND_KEYS if k in result}
+            result["rounds"] = figures
+            result.update({k: statistics.median(v) for k, v in figures.items()})
+    return merged
 
 
 def _cache_load_failure(log_path: str) -> str | None:
@@ -208,6 +239,7 @@ def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
     variant over tierserve, and the target against vLLM where there is one."""
     labels = list(results)
     variants = [e for e in labels if e.startswith("tierserve[")]
+    by_round = "vllm" in results and any("rounds" in r for r in results["tierserve"].values())
     rows = []
     for dtype in dtypes:
         for key, label, unit, target in _METRICS:
@@ -217,15 +249,34 @@ def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
             row = {"metric": label.format(dtype=SHORT[dtype], prompt_len=prompt_len),
                    "unit": unit, **values}
             t, v = values["tierserve"], values.get("vllm")
+            paired = None
             if "vllm" in results:
                 row["tierserve/vllm"] = t / v if v else None
+                paired = _round_ratios(results, dtype, key) if by_round else None
+                if paired:  # the rounds' own ratios: each pair ran minutes apart at most
+                    row["tierserve/vllm"] = statistics.median(paired)
+                if by_round:
+                    row["tierserve/vllm by round"] = paired
             for e in variants:
                 row[f"{e}/tierserve"] = values[e] / t if values[e] is not None and t else None
             vs_vllm = target is not None and "vLLM" in target[0]
             row["target"] = target[0] if target and (v is not None or not vs_vllm) else ""
-            row["met"] = None if not row["target"] else target[1](t, v)
+            if row["target"] and paired and vs_vllm:
+                # Met on the median round: the ratio's own median against the target's factor.
+                row["met"] = target[1](row["tierserve/vllm"], 1.0)
+            else:
+                row["met"] = None if not row["target"] else target[1](t, v)
             rows.append(row)
     return rows
+
+
+def _round_ratios(results: dict, dtype: str, key: str) -> list[float] | None:
+    """tierserve's figure over vLLM's, round by round (--rounds), or None."""
+    ours = results["tierserve"].get(dtype, {}).get("rounds", {}).get(key)
+    theirs = results["vllm"].get(dtype, {}).get("rounds", {}).get(key)
+    if not ours or not theirs or not all(theirs):
+        return None
+    return [t / v for t, v in zip(ours, theirs)]
 
 
 def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
@@ -309,6 +360,8 @@ def agreement(results: dict) -> dict:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, list):
+        return " ".join(_fmt(v) for v in value)
     if isinstance(value, bool) or value is None:
         return {True: "yes", False: "NO", None: ""}[value]
     if isinstance(value, float):
@@ -319,8 +372,12 @@ def _fmt(value) -> str:
 def notes(config: dict, results: dict, agree: dict) -> list[str]:
     paired = any(r.get("paired_decode") for by_dtype in results.values()
                  for r in by_dtype.values())
+    rounds = config.get("rounds", 1)
     lines = [f"ran in this order: {', '.join(config['order'])}; one process per engine and "
              f"dtype, never two at once"
+             + (f"; {rounds} rounds, the order reversed every other one: each engine's "
+                f"figures are its medians, each ratio the median of the rounds' ratios"
+                if rounds > 1 else "")
              + ("; the dtype ratio's paired decode ran each tierserve engine's dtypes in its "
                 "first dtype's process, one request at a time" if paired else ""),
              f"CPU: {config['cpu']} ({', '.join(config['isas']) or 'no kernel ISA'}); "
@@ -374,7 +431,7 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
         hf_folder = export_hf(model)  # the GGUF tierserve runs (None: the default one)
     log_dir = tempfile.mkdtemp(prefix="tierserve-against-")
     spec = base_spec(args, prompts, decode_prompts, model, dtypes)
-    results = run_engines(args, spec, hf_folder, plan(parts, dtypes), log_dir, engines)
+    results = run_rounds(args, spec, hf_folder, plan(parts, dtypes), log_dir, engines)
     decode_context = len(spec["decode_prompts"][1]) + args.output_len // 2
     gguf = model is None or str(model).endswith(".gguf")
     for entry in engines:
@@ -391,7 +448,7 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
                           else None)
     agree = agreement(results)
     all_dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "bfloat16"]
-    config = {"order": [e["label"] for e in engines], "engines": engines,
+    config = {"order": [e["label"] for e in engines], "rounds": args.rounds, "engines": engines,
               "cpu": features.model_name, "isas": list(features.isas),
               "native_bf16": features.onednn_bf16, "model": model or "the default GGUF",
               "decode_workload": args.decode_workload, "limits": limits,
