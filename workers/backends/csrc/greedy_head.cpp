@@ -208,55 +208,69 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
   return exact_argmax(x, packed, k, pairs, cand);
 }
 
-at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
-                         const at::Tensor& norms, const at::Tensor& devs, int64_t n,
-                         double gamma, const std::optional<at::Tensor>& x_err,
-                         int64_t max_candidates) {
-  const char* op = "greedy_tokens: ";
+// The checks every greedy op makes of x [M, K], the head's panels and its norms and devs [n].
+void check_greedy_head(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& norms, const at::Tensor& devs, int64_t n) {
   check_panel_shapes(op, x, packed, n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op,
               "x must be a contiguous float32 [M, K] tensor");
   const auto wt = packed.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
               "the weight must be float32, bfloat16 or float16");
-  for (const at::Tensor* t : {&approx, &norms, &devs})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                op, "approx, norms and devs must be contiguous float32 CPU tensors");
-  TORCH_CHECK(approx.dim() == 2 && approx.size(0) == x.size(0) && approx.size(1) == n, op,
-              "approx must be [", x.size(0), ", ", n, "]");
-  TORCH_CHECK(norms.numel() == n && devs.numel() == n, op, "norms and devs must be [n]");
-  TORCH_CHECK(!x_err || (x_err->device().is_cpu() && x_err->scalar_type() == at::kFloat &&
-                         x_err->is_contiguous() && x_err->numel() == 2 * x.size(0)),
-              op, "x_err must be a contiguous float32 [M, 2] CPU tensor");
-  const float* xe = x_err ? x_err->data_ptr<float>() : nullptr;
-  const int64_t m = x.size(0), k = x.size(1);
+  for (const at::Tensor* t : {&norms, &devs})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == n,
+                op, "norms and devs must be contiguous float32 [n] CPU tensors");
+  TORCH_CHECK(!pair_layout(packed) || bf16_pairs(), op,
+              "bf16 pair panels need a CPU with AVX512_BF16");
+}
+
+// long[M]: row(r, the panels as their own type, whether they are bf16 pair panels, out_bits,
+// a candidate buffer) for every row r, in parallel.
+template <typename Row>
+at::Tensor tokens_by_row(const at::Tensor& packed, int64_t m, Row row) {
+  const auto wt = packed.scalar_type();
   const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
   const bool pairs = pair_layout(packed);
-  TORCH_CHECK(!pairs || bf16_pairs(), op, "bf16 pair panels need a CPU with AVX512_BF16");
-  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  at::Tensor out = at::empty({m}, packed.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> cand;
     for (int64_t r = r0; r < r1; ++r) {
-      const float* a = approx.data_ptr<float>() + r * n;
-      const float* xr = x.data_ptr<float>() + r * k;
-      const float* nr = norms.data_ptr<float>();
-      const float* dv = devs.data_ptr<float>();
-      const float g = static_cast<float>(gamma), e = xe ? xe[2 * r] : 0.0f;
-      const float ea = xe ? xe[2 * r + 1] : 0.0f;
-      const bool quantized = xe != nullptr;
       if (wt == at::kFloat)
-        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<float>(), nr, dv, n, k,
-                          g, out_bits, false, max_candidates, cand);
+        o[r] = row(r, packed.data_ptr<float>(), false, out_bits, cand);
       else if (wt == at::kBFloat16)
-        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<c10::BFloat16>(), nr, dv,
-                          n, k, g, out_bits, pairs, max_candidates, cand);
+        o[r] = row(r, packed.data_ptr<c10::BFloat16>(), pairs, out_bits, cand);
       else
-        o[r] = greedy_row(a, xr, quantized, e, ea, packed.data_ptr<c10::Half>(), nr, dv, n,
-                          k, g, out_bits, false, max_candidates, cand);
+        o[r] = row(r, packed.data_ptr<c10::Half>(), false, out_bits, cand);
     }
   });
   return out;
+}
+
+at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& norms, const at::Tensor& devs, int64_t n,
+                         double gamma, const std::optional<at::Tensor>& x_err,
+                         int64_t max_candidates) {
+  const char* op = "greedy_tokens: ";
+  check_greedy_head(op, x, packed, norms, devs, n);
+  TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == at::kFloat &&
+                  approx.is_contiguous() && approx.dim() == 2 && approx.size(0) == x.size(0) &&
+                  approx.size(1) == n,
+              op, "approx must be a contiguous float32 [", x.size(0), ", ", n, "] CPU tensor");
+  TORCH_CHECK(!x_err || (x_err->device().is_cpu() && x_err->scalar_type() == at::kFloat &&
+                         x_err->is_contiguous() && x_err->numel() == 2 * x.size(0)),
+              op, "x_err must be a contiguous float32 [M, 2] CPU tensor");
+  const float* xe = x_err ? x_err->data_ptr<float>() : nullptr;
+  const int64_t k = x.size(1);
+  const float g = static_cast<float>(gamma);
+  return tokens_by_row(packed, x.size(0), [&](int64_t r, const auto* w, bool pairs,
+                                              int out_bits, std::vector<int64_t>& cand) {
+    return greedy_row(approx.data_ptr<float>() + r * n, x.data_ptr<float>() + r * k,
+                      xe != nullptr, xe ? xe[2 * r] : 0.0f, xe ? xe[2 * r + 1] : 0.0f, w,
+                      norms.data_ptr<float>(), devs.data_ptr<float>(), n, k, g, out_bits, pairs,
+                      max_candidates, cand);
+  });
 }
 
 }  // namespace

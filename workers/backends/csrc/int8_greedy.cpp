@@ -78,44 +78,19 @@ at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
                               int64_t max_candidates) {
   const char* op = "int8_greedy_tokens: ";
   check_int8_head(op, x, codes, scales, sums, n);
-  check_panel_shapes(op, x, packed, n);
-  const auto wt = packed.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
-              "the weight must be float32, bfloat16 or float16");
-  for (const at::Tensor* t : {&norms, &devs})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->numel() == n,
-                op, "norms and devs must be contiguous float32 [n] CPU tensors");
-  const bool pairs = pair_layout(packed);
-  TORCH_CHECK(!pairs || bf16_pairs(), op, "bf16 pair panels need a CPU with AVX512_BF16");
+  check_greedy_head(op, x, packed, norms, devs, n);
   const int64_t m = x.size(0), k = x.size(1);
   const QuantRows rows = quantize_rows(x);
   const HeadCodes head = head_codes(codes, scales, sums);
   at::Tensor approx = at::empty({m, n}, x.options());
   pass_logits(rows, m, head, n, 1, approx.data_ptr<float>());
-  const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
-  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
-  int64_t* o = out.data_ptr<int64_t>();
   const float g = static_cast<float>(gamma);
-  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> cand;
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = approx.data_ptr<float>() + r * n;
-      const float* xr = x.data_ptr<float>() + r * k;
-      const float* nr = norms.data_ptr<float>();
-      const float* dv = devs.data_ptr<float>();
-      if (wt == at::kFloat)
-        o[r] = int8_greedy_row(rows, r, head, a, xr, packed.data_ptr<float>(), nr, dv, n, g,
-                               out_bits, false, max_candidates, cand);
-      else if (wt == at::kBFloat16)
-        o[r] = int8_greedy_row(rows, r, head, a, xr, packed.data_ptr<c10::BFloat16>(), nr, dv,
-                               n, g, out_bits, pairs, max_candidates, cand);
-      else
-        o[r] = int8_greedy_row(rows, r, head, a, xr, packed.data_ptr<c10::Half>(), nr, dv, n,
-                               g, out_bits, false, max_candidates, cand);
-    }
+  return tokens_by_row(packed, m, [&](int64_t r, const auto* w, bool pairs, int out_bits,
+                                      std::vector<int64_t>& cand) {
+    return int8_greedy_row(rows, r, head, approx.data_ptr<float>() + r * n,
+                           x.data_ptr<float>() + r * k, w, norms.data_ptr<float>(),
+                           devs.data_ptr<float>(), n, g, out_bits, pairs, max_candidates, cand);
   });
-  return out;
 }
 
 }  // namespace
