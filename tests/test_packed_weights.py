@@ -467,3 +467,24 @@ def test_onednn_weights_leave_decode_batches_to_pair_panels(kernels):
             x = torch.randn(m, 64).bfloat16()
             torch.testing.assert_close(packed.linear(x, None).float(), F.linear(x, w).float(),
                                        rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [600, 5000])
+def test_int8_route_gives_crowded_rows_their_full_product(kernels, vocab):
+    """The int8 route's all-zero row: past MAX_CANDIDATES after both passes (600 columns), or
+    already after the first, which it then does not narrow (5000, past 16 x MAX_CANDIDATES):
+    -2 either way, and the head's tokens are the full product's."""
+    from tierserve.workers.backends import greedy
+
+    kernels = _greedy_backend(kernels)
+    if not kernels.int8_head:
+        pytest.skip(f"the {kernels.name} backend has no int8 pass on this CPU")
+    w = _lm_head_case(vocab, 64, seed=6)
+    head = GreedyHead(PanelWeight(w, kernels), w, kernels)
+    x = torch.randn(3, 64)
+    x[1] = 0
+    want = kernels.argmax_rows(head.panel.linear(x, None))
+    raw = kernels.int8_greedy_tokens(x, *head.int8, head.panel.panels, head.norms, head.devs,
+                                     vocab, head.gamma(64), greedy.MAX_CANDIDATES)
+    assert raw[1] == -2 and raw[0] == want[0] and raw[2] == want[2]
+    assert torch.equal(head.tokens(x), want) and want[1] == 0

@@ -1,8 +1,8 @@
-// The greedy head's route past its fp32 rows (workers/backends/greedy.py): greedy_tokens'
-// answer (greedy_head.cpp) from int8_head.cpp's passes. The first pass runs over every panel and
-// the second only over the panels of the columns the first leaves as candidates (a few of the
-// vocabulary on a trained model): two passes everywhere would double the products, and one pass
-// alone would leave the exact step several times the columns.
+// The greedy head's route where the CPU has AVX512_VNNI (workers/backends/greedy.py):
+// greedy_tokens' answer (greedy_head.cpp) from int8_head.cpp's passes. The first pass runs over
+// every panel and the second only over the panels of the columns the first leaves as candidates
+// (a few of the vocabulary on a trained model): two passes everywhere would double the products,
+// and one pass alone would leave the exact step several times the columns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,28 +19,16 @@
 namespace tierserve {
 namespace {
 
-// Candidates per max_candidates past which a row's one-pass candidates are not narrowed.
-constexpr int64_t kNarrowedLimit = 16;
+// One-pass candidates per max_candidates past which a row is not narrowed but takes its full
+// product: the second pass narrows only the row's own quantization error, not the codes', and
+// leaves a row that flat (all its logits near the best) past max_candidates still.
+constexpr size_t kNarrowedLimit = 16;
 
-// Per row of int8_greedy_tokens: the candidates of its one-pass logits, narrowed by both passes
-// over their panels only, then computed exactly.
-template <typename W>
-int64_t int8_greedy_row(const QuantRows& x, int64_t r, const HeadCodes& head,
-                        const float* approx, const float* xr, const W* packed,
-                        const float* norms, const float* devs, int64_t n, float gamma,
-                        int out_bits, bool pairs, int64_t max_cand, std::vector<int64_t>& cand) {
-  const int64_t k = x.k;
-  const float* err = x.err + 4 * r;
-  LogitBound e1, e2;
-  if (!logit_bound(xr, k, true, err[0], err[1], gamma, norms, devs, e1) ||
-      !logit_bound(xr, k, true, err[2], err[3], gamma, norms, devs, e2))
-    return -1;
-  const float cut1 = candidate_floor(approx, n, e1, out_bits);
-  if (std::isnan(cut1)) return -1;
-  candidate_columns(approx, n, e1, cut1, cand);
-  if (cand.empty()) return -1;
-  // A row this flat after one pass stays past max_cand after two as good as always.
-  if (max_cand > 0 && static_cast<int64_t>(cand.size()) > kNarrowedLimit * max_cand) return -2;
+// Keeps the candidates (index order, in one pass's candidate_columns) whose logit from both
+// passes, over their panels only, is within the bound e of the best; false where one of those
+// logits is not finite.
+bool narrow_by_second_pass(const QuantRows& x, int64_t r, const HeadCodes& head, int64_t n,
+                           const LogitBound& e, int out_bits, std::vector<int64_t>& cand) {
   std::vector<float> vals(cand.size());
   float panel_vals[kI8Feat];
   int64_t panel = -1;
@@ -54,23 +42,43 @@ int64_t int8_greedy_row(const QuantRows& x, int64_t r, const HeadCodes& head,
 #endif
     }
     vals[i] = panel_vals[cand[i] % kI8Feat];
-    if (!std::isfinite(vals[i])) return -1;
-    best = std::max(best, vals[i] - e2.at(cand[i]));
+    if (!std::isfinite(vals[i])) return false;
+    best = std::max(best, vals[i] - e.at(cand[i]));
   }
-  const float cut2 = widen_floor(best, out_bits);
+  const float cut = widen_floor(best, out_bits);
   size_t kept = 0;
   for (size_t i = 0; i < cand.size(); ++i)
-    if (vals[i] + e2.at(cand[i]) >= cut2) cand[kept++] = cand[i];
+    if (vals[i] + e.at(cand[i]) >= cut) cand[kept++] = cand[i];
   cand.resize(kept);
-  if (cand.empty()) return -1;
-  if (max_cand > 0 && static_cast<int64_t>(cand.size()) > max_cand) return -2;
-  return exact_argmax(xr, packed, k, pairs, cand);
+  return true;
 }
 
-// The greedy head's route past its fp32 rows (greedy.py): greedy_tokens' answer for x [M, K]
-// against the head's panels, from the int8 codes' logits of x's rows quantized once, whose
-// candidates are narrowed by the second pass over their own panels (a pass over every panel
-// would double the products) -> long[M], -1 and -2 as greedy_tokens gives them.
+// Per row of int8_greedy_tokens: the candidates of its one-pass logits, narrowed by both passes,
+// then computed exactly; -1 and -2 as greedy_row gives them.
+template <typename W>
+int64_t int8_greedy_row(const QuantRows& x, int64_t r, const HeadCodes& head,
+                        const float* approx, const float* xr, const W* packed,
+                        const float* norms, const float* devs, int64_t n, float gamma,
+                        int out_bits, bool pairs, int64_t max_cand, std::vector<int64_t>& cand) {
+  const float* err = x.err + 4 * r;  // per number of passes: ||x - xhat||, its terms' norm
+  LogitBound one, two;
+  if (!logit_bound(xr, x.k, true, err[0], err[1], gamma, norms, devs, one) ||
+      !logit_bound(xr, x.k, true, err[2], err[3], gamma, norms, devs, two))
+    return -1;
+  const float cut = candidate_floor(approx, n, one, out_bits);
+  if (std::isnan(cut)) return -1;
+  candidate_columns(approx, n, one, cut, cand);
+  if (cand.empty()) return -1;
+  const auto limit = static_cast<size_t>(max_cand);
+  if (max_cand > 0 && cand.size() > kNarrowedLimit * limit) return -2;
+  if (!narrow_by_second_pass(x, r, head, n, two, out_bits, cand) || cand.empty()) return -1;
+  if (max_cand > 0 && cand.size() > limit) return -2;
+  return exact_argmax(xr, packed, x.k, pairs, cand);
+}
+
+// greedy_tokens' answer for x [M, K] against the head's panels, from the int8 codes' logits of
+// x's rows quantized once, whose candidates the second pass narrows over their own panels ->
+// long[M], -1 and -2 as greedy_tokens gives them.
 at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, const at::Tensor& sums,
                               const at::Tensor& packed, const at::Tensor& norms,
