@@ -8,7 +8,7 @@ every approximate logit, computes only the rows that could still be the maximum 
 product's own arithmetic (the panel kernel's FMA chain, then its rounding to the head's dtype),
 and returns the token argmax over the full logits would give, bit for bit. It runs at every ISA
 level, for fp32, bf16 and fp16 heads. Greedy rows without penalties or logprobs need no more
-(SamplingBatch.plain_greedy). Past FP32_MAX_ROWS rows, where the CPU has AVX512_VNNI, the
+(SamplingBatch.plain_greedy). Where the CPU has AVX512_VNNI, at every row count, the
 approximate logits come from the same codes against the rows quantized to 8 bits, once for
 every column and again for the candidates' panels (csrc/int8_greedy.cpp), and the bound widens
 by how far the quantized rows are from x.
