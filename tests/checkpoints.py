@@ -161,9 +161,11 @@ class PagedRunner:
         """dst starts with src's first blocks, as a prefix-cache hit would give it."""
         self.tables[dst] = list(self.tables[src][:num_blocks])
 
-    def step(self, works: list[Work], keep: list[int] | None = None) -> list[torch.Tensor]:
-        """One forward over all works (decodes must come first) -> float32 logits per work;
-        with keep (sorted row indices of the step's tokens), of those rows alone, one each."""
+    def step(self, works: list[Work], keep: list[int] | None = None,
+             hidden: bool = False) -> list[torch.Tensor]:
+        """One forward over all works (decodes must come first) -> float32 logits per work
+        (with hidden, the final hidden states instead); with keep (sorted row indices of the
+        step's tokens), of those rows alone, one each."""
         num_decodes = 0
         while num_decodes < len(works) and len(works[num_decodes].tokens) == 1:
             num_decodes += 1
@@ -182,9 +184,9 @@ class PagedRunner:
             num_decodes=num_decodes, block_size=self.block_size,
         )
         rows = None if keep is None else torch.tensor(keep, dtype=torch.int64)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_caches,
+        states = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_caches,
                             rows)
-        logits = self.model.compute_logits(hidden)
+        logits = states if hidden else self.model.compute_logits(states)
         if logits is None:  # a tensor-parallel rank other than 0, which gets no logits
             return [None] * len(works)
         if keep is not None:

@@ -488,3 +488,36 @@ def test_int8_route_gives_crowded_rows_their_full_product(kernels, vocab):
                                      vocab, head.gamma(64), greedy.MAX_CANDIDATES)
     assert raw[1] == -2 and raw[0] == want[0] and raw[2] == want[2]
     assert torch.equal(head.tokens(x), want) and want[1] == 0
+
+
+@pytest.mark.parametrize("m", [1, 13, 64])
+@pytest.mark.parametrize("vocab,k", [(1000, 64), (3001, 576)])
+def test_a_q8_0_code_head_takes_the_int8_route(kernels, m, vocab, k):
+    """A head that runs from Q8_0 codes (a GGUF file's, or quantized at load) takes the int8
+    route where the CPU has it: the codes are its approximation with no error of their own,
+    and its exact columns rebuild them as linear_q8_0 does, so the token is the one the
+    codes' full product gives, bit for bit (ties, near-ties and all-zero rows included).
+    Without the int8 pass such a head has no route."""
+    from tierserve.workers.backends.quant import QuantPanelWeight
+
+    kernels = _greedy_backend(kernels)
+    w = _lm_head_case(vocab, k, seed=m + vocab + 7)
+    method = QuantPanelWeight.quantize(w, "q8_0", kernels)
+    if not kernels.int8_head:
+        assert not GreedyHead.applies_to(w, kernels, method)
+        return
+    assert GreedyHead.applies_to(w, kernels, method)
+    head = GreedyHead(method, w, kernels)
+    assert head.approx is method and float(head.devs.abs().max()) == 0.0
+    rebuilt = method.weight()
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, m)[:, None]
+    x[0] = rebuilt[4] * 50
+    if m > 2:
+        x[1] = rebuilt[5] * 50 + torch.randn(k, generator=g) * 1e-3
+        x[2] = 0
+    want = kernels.argmax_rows(method.linear(x, None))
+    got = head.tokens(x)
+    assert got is not None and torch.equal(got, want)
+    if m > 2:
+        assert got[2] == 0

@@ -216,3 +216,20 @@ def test_the_quantization_option_reaches_the_engine(tmp_path):
     assert len(outs["q8_0"].outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(folder), quantization="q2_k")
+
+
+def test_quantized_gguf_head_takes_the_greedy_route_with_the_codes_tokens(kernels,
+                                                                          quantized_gguf):
+    """The GGUF model's Q8_0 head has the greedy route where the CPU runs the int8 pass, and
+    it gives the argmax of the head's own logits on the model's hidden states."""
+    _, model = load_model(str(quantized_gguf), backend=kernels)
+    head = model.lm_head
+    assert isinstance(head.method, QuantPanelWeight) and head.method.format == "q8_0"
+    assert (head.greedy_head is not None) == (kernels.greedy_head_route and kernels.int8_head)
+    if head.greedy_head is None:
+        return
+    runner = PagedRunner(model, num_blocks=32, block_size=4)
+    prompts = [[5, 9, 17, 33, 2 + i, 40, 41] for i in range(6)]
+    hidden = runner.step([Work(f"s{i}", p, 0) for i, p in enumerate(prompts)], hidden=True)
+    x = torch.cat([h[-1:] for h in hidden])
+    assert torch.equal(head.greedy(x), kernels.argmax_rows(head.method.linear(x, None)))

@@ -134,7 +134,7 @@ class CpuKernelBackend(TorchBackend):
         return super().linear_method(weight, None, head)
 
     def greedy_head(self, method, weight: torch.Tensor):
-        if isinstance(method, PanelWeight) and GreedyHead.applies_to(weight, self):
+        if GreedyHead.applies_to(weight, self, method):
             return GreedyHead(method, weight, self).place(self.arena)
         return None
 
@@ -233,15 +233,16 @@ class CpuKernelBackend(TorchBackend):
         return self.ops.linear_amx(x, panels, bias, out_features)
 
     def greedy_tokens(self, approx, x, panels, norms, devs, out_features: int, gamma: float,
-                      x_err=None, max_candidates: int = 0):
+                      x_err=None, max_candidates: int = 0, q8_scales=None):
         """The first index of each row's maximum of the panel product of x [M, K] (fp32) and
-        panels (fp32, or half precision rounded once), from approx [M, N] fp32, whose rows
-        deviate by at most devs from the weight's and, where x_err [M, 2] is given, were
-        computed from x quantized (int8_head_logits' x_err; see csrc/greedy_head.cpp) ->
-        long[M]; -1 for rows with non-finite values, -2 for rows with more than max_candidates
-        (if > 0) columns left to compute."""
+        panels (fp32, or half precision rounded once; or Q8_0 codes in quant.cpp's panels,
+        whose block scales q8_scales holds), from approx [M, N] fp32, whose rows deviate by at
+        most devs from the weight's and, where x_err [M, 2] is given, were computed from x
+        quantized (int8_head_logits' x_err; see csrc/greedy_head.cpp) -> long[M]; -1 for rows
+        with non-finite values, -2 for rows with more than max_candidates (if > 0) columns
+        left to compute."""
         return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma,
-                                      x_err, max_candidates)
+                                      x_err, max_candidates, q8_scales)
 
     def int8_head_logits(self, x, codes, scales, sums, out_features: int, passes: int = 2):
         """(approx [M, N] fp32, x_err [M, 2]): x [M, K] quantized to 8 bits per block of 32 in
@@ -250,12 +251,13 @@ class CpuKernelBackend(TorchBackend):
         return self.ops.int8_head_logits(x, codes, scales, sums, out_features, passes)
 
     def int8_greedy_tokens(self, x, codes, scales, sums, panels, norms, devs,
-                           out_features: int, gamma: float, max_candidates: int = 0):
+                           out_features: int, gamma: float, max_candidates: int = 0,
+                           q8_scales=None):
         """greedy_tokens' answer for x [M, K] (fp32) from the head's codes in int8_head.cpp's
         layout instead of approximate logits: one pass of x's codes over every column, both
         over the candidates' panels -> long[M], with -1 and -2 as greedy_tokens gives them."""
         return self.ops.int8_greedy_tokens(x, codes, scales, sums, panels, norms, devs,
-                                           out_features, gamma, max_candidates)
+                                           out_features, gamma, max_candidates, q8_scales)
 
 
 class Avx2Backend(CpuKernelBackend):

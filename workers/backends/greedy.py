@@ -11,7 +11,10 @@ level, for fp32, bf16 and fp16 heads. Greedy rows without penalties or logprobs 
 (SamplingBatch.plain_greedy). Where the CPU has AVX512_VNNI, at every row count, the
 approximate logits come from the same codes against the rows quantized to 8 bits, once for
 every column and again for the candidates' panels (csrc/int8_greedy.cpp), and the bound widens
-by how far the quantized rows are from x.
+by how far the quantized rows are from x. A head that runs from Q8_0 codes (a GGUF file's, as
+the default model's, or one quantized at load) takes that route too: its codes are the
+approximation, with no error of their own, and its exact columns rebuild them as its product
+does.
 """
 from __future__ import annotations
 
@@ -61,18 +64,31 @@ def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor, 
             halves(sums).reshape(2 * panels, blocks, 16).contiguous())
 
 
+def is_q8_codes(method) -> bool:
+    return isinstance(method, QuantPanelWeight) and method.format == "q8_0"
+
+
 class GreedyHead:
     MAX_K = 1 << 16
 
     __slots__ = ("panel", "approx", "int8", "norms", "devs", "backend", "max_rows")
 
-    def __init__(self, panel: PanelWeight, weight: torch.Tensor, backend) -> None:
-        self.panel = panel
+    def __init__(self, panel: PanelWeight | QuantPanelWeight, weight: torch.Tensor,
+                 backend) -> None:
+        self.panel = panel  # the head's linear method: fp32 / half panels, or its Q8_0 codes
         self.backend = backend
-        w = weight.detach().float()
-        self.approx = QuantPanelWeight.quantize(w, "q8_0", backend)
+        if is_q8_codes(panel):
+            # Its codes are the weights its products run (a GGUF head's exactly, or a head
+            # quantized at load): the approximation itself, with no error of its own (devs 0).
+            self.approx = panel
+            w = panel.weight()
+        else:
+            w = weight.detach().float()
+            self.approx = QuantPanelWeight.quantize(w, "q8_0", backend)
         # The int8 pass's copy of the codes, where the CPU runs it.
         self.int8 = _int8_layout(self.approx) if backend.int8_head else None
+        assert self.int8 is not None or not is_q8_codes(panel), \
+            "a Q8_0 head's only route is the int8 pass: its Q8_0 pass is the full product"
         # Rows up to which the Q8_0 pass runs; past them, the int8 pass up to panel_max_rows.
         if self.int8 is not None:
             self.max_rows = 0
@@ -91,8 +107,13 @@ class GreedyHead:
         return k * 2.0 ** -24 / (1 - k * 2.0 ** -24) * 1.001 + 1e-7
 
     @staticmethod
-    def applies_to(weight: torch.Tensor, backend) -> bool:
-        return (backend.greedy_head_route and weight.device.type == "cpu"
+    def applies_to(weight: torch.Tensor, backend, method=None) -> bool:
+        """Whether a head of this weight has the route; with `method`, its linear method,
+        whether that one does: panels of the weight's dtype, or Q8_0 codes where the CPU runs
+        the int8 pass."""
+        takes = method is None or isinstance(method, PanelWeight) \
+            or (is_q8_codes(method) and backend.int8_head)
+        return (takes and backend.greedy_head_route and weight.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and weight.shape[1] % 32 == 0 and weight.shape[1] <= GreedyHead.MAX_K
                 and bool(torch.isfinite(weight).all()))
@@ -101,11 +122,19 @@ class GreedyHead:
         return (*self.approx.tensors(), *(self.int8 or ()), self.norms, self.devs)
 
     def place(self, arena) -> "GreedyHead":
-        """The first pass's codes into `arena` (the head's panels are its linear method's)."""
-        self.approx.place(arena)
+        """The first pass's codes into `arena` (the head's panels, or codes, are its linear
+        method's)."""
+        if self.approx is not self.panel:
+            self.approx.place(arena)
         if self.int8 is not None:
             self.int8 = tuple(arena.adopt(t) for t in self.int8)
         return self
+
+    def _weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the exact columns read: the head's panels, or its Q8_0 codes and scales."""
+        if is_q8_codes(self.panel):
+            return self.panel.codes, self.panel.scales
+        return self.panel.panels, None
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] in the head's dtype -> long[M], or None where the full product must
@@ -118,13 +147,14 @@ class GreedyHead:
             return None
         xf = x.float().contiguous()
         gamma = self.gamma(xf.shape[1])
+        weight, q8_scales = self._weight()
         if int8:
-            ids = self.backend.int8_greedy_tokens(xf, *self.int8, self.panel.panels, self.norms,
-                                                  self.devs, n, gamma, MAX_CANDIDATES)
+            ids = self.backend.int8_greedy_tokens(xf, *self.int8, weight, self.norms, self.devs,
+                                                  n, gamma, MAX_CANDIDATES, q8_scales)
         else:
-            ids = self.backend.greedy_tokens(self.approx.linear(xf, None), xf,
-                                             self.panel.panels, self.norms, self.devs, n, gamma,
-                                             None, MAX_CANDIDATES)
+            ids = self.backend.greedy_tokens(self.approx.linear(xf, None), xf, weight,
+                                             self.norms, self.devs, n, gamma, None,
+                                             MAX_CANDIDATES, q8_scales)
         if bool((ids == -1).any()):
             return None
         crowded = ids == -2

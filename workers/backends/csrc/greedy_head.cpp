@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -33,10 +34,39 @@ void exact_columns(const float* x, const W* packed, int64_t k, const int64_t* co
   for (int l = 0; l < L; ++l) out[l] = acc[l];
 }
 
+// A Q8_0 head's codes (quant.cpp's panels: codes [P, B, 32, kPanel] int8, scales [P, B,
+// kPanel] fp32), whose products run linear_f32's chain over the rebuilt weights q d (exact in
+// fp32): its exact columns rebuild them the same way.
+struct Q8Panels {
+  const int8_t* codes;
+  const float* scales;
+  int64_t blocks;
+};
+
+template <int L>
+void exact_q8_columns(const float* x, const Q8Panels& w, const int64_t* cols, float* out) {
+  float acc[L] = {};
+  const int8_t* codes[L];
+  const float* scales[L];
+  for (int l = 0; l < L; ++l) {
+    const int64_t p = cols[l] / kPanel, f = cols[l] % kPanel;
+    codes[l] = w.codes + p * w.blocks * 32 * kPanel + f;
+    scales[l] = w.scales + p * w.blocks * kPanel + f;
+  }
+  for (int64_t b = 0; b < w.blocks; ++b)
+    for (int64_t i = 0; i < 32; ++i)
+      for (int l = 0; l < L; ++l) {
+        const float weight = static_cast<float>(codes[l][(b * 32 + i) * kPanel]) *
+                             scales[l][b * kPanel];
+        acc[l] = std::fma(x[b * 32 + i], weight, acc[l]);
+      }
+  for (int l = 0; l < L; ++l) out[l] = acc[l];
+}
+
 // A logit as the full product stores it: fp32, or rounded once to the weight's half type.
 template <typename W>
 inline float stored(float v) {
-  if constexpr (std::is_same_v<W, float>) {
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, Q8Panels>) {
     return v;
   } else {
     return static_cast<float>(static_cast<W>(v));
@@ -167,7 +197,9 @@ int64_t exact_argmax(const float* x, const W* packed, int64_t k, bool pairs,
   float top = -INFINITY;
   float vals[kGroup];
   for (size_t i = 0; i < cand.size(); i += kGroup) {
-    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    if constexpr (std::is_same_v<W, Q8Panels>) {
+      exact_q8_columns<kGroup>(x, *packed, cand.data() + i, vals);
+    } else if constexpr (std::is_same_v<W, c10::BFloat16>) {
       if (pairs)
         exact_pair_columns<kGroup>(x, packed, k, cand.data() + i, vals);
       else
@@ -208,15 +240,38 @@ int64_t greedy_row(const float* approx, const float* x, bool quantized, float xe
   return exact_argmax(x, packed, k, pairs, cand);
 }
 
-// The checks every greedy op makes of x [M, K], the head's panels and its norms and devs [n].
+// The checks of a Q8_0 head's codes [P, K / 32, 32, kPanel] and scales [P, K / 32, kPanel].
+void check_q8_panels(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                     const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), op,
+              "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, op, "x must be [M, K], K a multiple of 32");
+  const int64_t blocks = x.size(1) / 32;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 4 && codes.is_contiguous() &&
+                  codes.size(1) == blocks && codes.size(2) == 32 && codes.size(3) == kPanel,
+              op, "Q8_0 codes must be contiguous int8 [P, ", blocks, ", 32, ", kPanel, "]");
+  const int64_t panels = codes.size(0);
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, "n = ", n,
+              " does not match ", panels, " panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == panels * blocks * kPanel,
+              op, "Q8_0 scales must be contiguous float32 [P, ", blocks, ", ", kPanel, "]");
+}
+
+// The checks every greedy op makes of x [M, K], the head's weight (panels, or Q8_0 codes where
+// q8_scales holds their scales) and its norms and devs [n].
 void check_greedy_head(const char* op, const at::Tensor& x, const at::Tensor& packed,
-                       const at::Tensor& norms, const at::Tensor& devs, int64_t n) {
-  check_panel_shapes(op, x, packed, n);
+                       const std::optional<at::Tensor>& q8_scales, const at::Tensor& norms,
+                       const at::Tensor& devs, int64_t n) {
+  if (q8_scales)
+    check_q8_panels(op, x, packed, *q8_scales, n);
+  else
+    check_panel_shapes(op, x, packed, n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op,
               "x must be a contiguous float32 [M, K] tensor");
   const auto wt = packed.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
-              "the weight must be float32, bfloat16 or float16");
+  TORCH_CHECK(q8_scales || wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
+              "the weight must be float32, bfloat16 or float16 panels, or Q8_0 codes");
   for (const at::Tensor* t : {&norms, &devs})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == n,
@@ -225,19 +280,25 @@ void check_greedy_head(const char* op, const at::Tensor& x, const at::Tensor& pa
               "bf16 pair panels need a CPU with AVX512_BF16");
 }
 
-// long[M]: row(r, the panels as their own type, whether they are bf16 pair panels, out_bits,
-// a candidate buffer) for every row r, in parallel.
+// long[M]: row(r, the weight as its own type (a Q8Panels where q8_scales is given), whether it
+// is bf16 pair panels, out_bits, a candidate buffer) for every row r, in parallel.
 template <typename Row>
-at::Tensor tokens_by_row(const at::Tensor& packed, int64_t m, Row row) {
+at::Tensor tokens_by_row(const at::Tensor& packed, const std::optional<at::Tensor>& q8_scales,
+                         int64_t m, Row row) {
   const auto wt = packed.scalar_type();
-  const int out_bits = wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
-  const bool pairs = pair_layout(packed);
+  const int out_bits = q8_scales || wt == at::kFloat ? 0 : wt == at::kBFloat16 ? 8 : 11;
+  const bool pairs = !q8_scales && pair_layout(packed);
+  const Q8Panels q8 = q8_scales ? Q8Panels{packed.data_ptr<int8_t>(),
+                                           q8_scales->data_ptr<float>(), packed.size(1)}
+                                : Q8Panels{};
   at::Tensor out = at::empty({m}, packed.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> cand;
     for (int64_t r = r0; r < r1; ++r) {
-      if (wt == at::kFloat)
+      if (q8_scales)
+        o[r] = row(r, &q8, false, out_bits, cand);
+      else if (wt == at::kFloat)
         o[r] = row(r, packed.data_ptr<float>(), false, out_bits, cand);
       else if (wt == at::kBFloat16)
         o[r] = row(r, packed.data_ptr<c10::BFloat16>(), pairs, out_bits, cand);
@@ -251,9 +312,9 @@ at::Tensor tokens_by_row(const at::Tensor& packed, int64_t m, Row row) {
 at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& packed,
                          const at::Tensor& norms, const at::Tensor& devs, int64_t n,
                          double gamma, const std::optional<at::Tensor>& x_err,
-                         int64_t max_candidates) {
+                         int64_t max_candidates, const std::optional<at::Tensor>& q8_scales) {
   const char* op = "greedy_tokens: ";
-  check_greedy_head(op, x, packed, norms, devs, n);
+  check_greedy_head(op, x, packed, q8_scales, norms, devs, n);
   TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == at::kFloat &&
                   approx.is_contiguous() && approx.dim() == 2 && approx.size(0) == x.size(0) &&
                   approx.size(1) == n,
@@ -264,7 +325,7 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
   const float* xe = x_err ? x_err->data_ptr<float>() : nullptr;
   const int64_t k = x.size(1);
   const float g = static_cast<float>(gamma);
-  return tokens_by_row(packed, x.size(0), [&](int64_t r, const auto* w, bool pairs,
+  return tokens_by_row(packed, q8_scales, x.size(0), [&](int64_t r, const auto* w, bool pairs,
                                               int out_bits, std::vector<int64_t>& cand) {
     return greedy_row(approx.data_ptr<float>() + r * n, x.data_ptr<float>() + r * k,
                       xe != nullptr, xe ? xe[2 * r] : 0.0f, xe ? xe[2 * r + 1] : 0.0f, w,
@@ -278,7 +339,8 @@ at::Tensor greedy_tokens(const at::Tensor& approx, const at::Tensor& x, const at
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("greedy_tokens(Tensor approx, Tensor x, Tensor packed, Tensor norms, Tensor devs, "
-        "int n, float gamma, Tensor? x_err=None, int max_candidates=0) -> Tensor");
+        "int n, float gamma, Tensor? x_err=None, int max_candidates=0, "
+        "Tensor? q8_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {

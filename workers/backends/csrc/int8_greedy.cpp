@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace tierserve {
@@ -83,17 +84,17 @@ at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, const at::Tensor& sums,
                               const at::Tensor& packed, const at::Tensor& norms,
                               const at::Tensor& devs, int64_t n, double gamma,
-                              int64_t max_candidates) {
+                              int64_t max_candidates, const std::optional<at::Tensor>& q8_scales) {
   const char* op = "int8_greedy_tokens: ";
   check_int8_head(op, x, codes, scales, sums, n);
-  check_greedy_head(op, x, packed, norms, devs, n);
+  check_greedy_head(op, x, packed, q8_scales, norms, devs, n);
   const int64_t m = x.size(0), k = x.size(1);
   const QuantRows rows = quantize_rows(x);
   const HeadCodes head = head_codes(codes, scales, sums);
   at::Tensor approx = at::empty({m, n}, x.options());
   pass_logits(rows, m, head, n, 1, approx.data_ptr<float>());
   const float g = static_cast<float>(gamma);
-  return tokens_by_row(packed, m, [&](int64_t r, const auto* w, bool pairs, int out_bits,
+  return tokens_by_row(packed, q8_scales, m, [&](int64_t r, const auto* w, bool pairs, int out_bits,
                                       std::vector<int64_t>& cand) {
     return int8_greedy_row(rows, r, head, approx.data_ptr<float>() + r * n,
                            x.data_ptr<float>() + r * k, w, norms.data_ptr<float>(),
@@ -106,7 +107,8 @@ at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("int8_greedy_tokens(Tensor x, Tensor codes, Tensor scales, Tensor sums, Tensor packed, "
-        "Tensor norms, Tensor devs, int n, float gamma, int max_candidates=0) -> Tensor");
+        "Tensor norms, Tensor devs, int n, float gamma, int max_candidates=0, "
+        "Tensor? q8_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
