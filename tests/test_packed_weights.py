@@ -497,12 +497,16 @@ def test_a_q8_0_code_head_takes_the_int8_route(kernels, m, vocab, k):
     route where the CPU has it: the codes are its approximation with no error of their own,
     and its exact columns rebuild them as linear_q8_0 does, so the token is the one the
     codes' full product gives, bit for bit (ties, near-ties and all-zero rows included).
-    Without the int8 pass such a head has no route."""
+    Without the int8 pass such a head has no route, nor has a half-precision head of codes
+    (its product rounds the logits to its dtype)."""
     from tierserve.workers.backends.quant import QuantPanelWeight
 
     kernels = _greedy_backend(kernels)
     w = _lm_head_case(vocab, k, seed=m + vocab + 7)
     method = QuantPanelWeight.quantize(w, "q8_0", kernels)
+    half = w.to(torch.bfloat16)
+    assert not GreedyHead.applies_to(half, kernels, QuantPanelWeight.quantize(half, "q8_0",
+                                                                              kernels))
     if not kernels.int8_head:
         assert not GreedyHead.applies_to(w, kernels, method)
         return

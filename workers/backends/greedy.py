@@ -109,10 +109,11 @@ class GreedyHead:
     @staticmethod
     def applies_to(weight: torch.Tensor, backend, method=None) -> bool:
         """Whether a head of this weight has the route; with `method`, its linear method,
-        whether that one does: panels of the weight's dtype, or Q8_0 codes where the CPU runs
-        the int8 pass."""
-        takes = method is None or isinstance(method, PanelWeight) \
-            or (is_q8_codes(method) and backend.int8_head)
+        whether that one does: panels of the weight's dtype, or Q8_0 codes of an fp32 head
+        where the CPU runs the int8 pass (a half-precision model's products from codes round
+        their logits to its dtype, which the exact columns of codes do not)."""
+        takes = method is None or isinstance(method, PanelWeight) or (
+            is_q8_codes(method) and backend.int8_head and weight.dtype == torch.float32)
         return (takes and backend.greedy_head_route and weight.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and weight.shape[1] % 32 == 0 and weight.shape[1] <= GreedyHead.MAX_K
