@@ -11,8 +11,8 @@ level, for fp32, bf16 and fp16 heads. Greedy rows without penalties or logprobs 
 (SamplingBatch.plain_greedy). Where the CPU has AVX512_VNNI, at every row count, the
 approximate logits come from the same codes against the rows quantized to 8 bits, once for
 every column and again for the candidates' panels (csrc/int8_greedy.cpp), and the bound widens
-by how far the quantized rows are from x. A head that runs from Q8_0 codes (a GGUF file's, as
-the default model's, or one quantized at load) takes that route too: its codes are the
+by how far the quantized rows are from x. An fp32 head that runs from Q8_0 codes (a GGUF
+file's, as the default model's, or one quantized at load) takes that route too: its codes are the
 approximation, with no error of their own, and its exact columns rebuild them as its product
 does.
 """
