@@ -15,6 +15,7 @@ from tierserve.workers.backends.cpu import CpuKernelBackend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight, PlainLinear
+from tierserve.workers.backends.quant import QuantPanelWeight
 from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from tierserve.workers.model.loader import load_model
@@ -275,6 +276,11 @@ def _lm_head_case(vocab: int, k: int, seed: int) -> torch.Tensor:
     return w
 
 
+def _without_int8(kernels):
+    """The backend as on a CPU without AVX512_VNNI: the greedy head's Q8_0 pass."""
+    return dataclasses.replace(kernels, int8_head=False)
+
+
 def _greedy_backend(kernels):
     if not kernels.greedy_head_route:
         pytest.skip(f"the {kernels.name} backend has no greedy head on this CPU")
@@ -291,15 +297,18 @@ def test_greedy_head_equals_argmax_of_full_logits(kernels, m, vocab, k, dtype, l
     """Bit for bit the token argmax over the panel kernel's logits gives (first index on ties;
     half-precision logits rounded as the kernel rounds them), on random rows, rows aimed at
     tied or near-tied vocabulary rows, and all-zero rows (every column a candidate); from the
-    Q8_0 pass and from the int8 pass, each at every size."""
+    Q8_0 pass (the route of CPUs without the int8 pass) and from the int8 pass, each at every
+    size."""
     kernels = _half_layout(_greedy_backend(kernels), dtype, layout)
+    if route == "q8_0":
+        kernels = _without_int8(kernels)
     w = _lm_head_case(vocab, k, seed=m + vocab).to(dtype)
     panel = PanelWeight(w, kernels)
     head = GreedyHead(panel, w, kernels)
     if route == "int8":
         if head.int8 is None:
             pytest.skip(f"the {kernels.name} backend has no int8 pass on this CPU")
-        head.max_rows = 0  # every size to the int8 pass
+        assert head.max_rows == 0 and head.approx is None  # every size to the int8 pass
     else:
         head.max_rows = kernels.panel_max_rows  # the Q8_0 pass, at every size it could take
     g = torch.Generator().manual_seed(m)
@@ -389,7 +398,7 @@ def test_int8_pass_matches_its_arithmetic_in_float64(kernels, passes):
     x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]
     x[3, 64:96] = 0  # a block of zeros: scale 0
     approx, x_err = kernels.int8_head_logits(x, *head.int8, vocab, passes)
-    codes, d, _ = head.approx.reference_codes()
+    codes, d, _ = QuantPanelWeight.quantize(w, "q8_0", kernels).reference_codes()
     xhat, terms = _quantize(x, passes)
     what = (codes.double() * d.double()[..., None]).view(vocab, k)
     want = xhat @ what.T
@@ -413,7 +422,7 @@ def test_crowded_rows_take_their_own_full_product(kernels):
     route decides."""
     from tierserve.workers.backends import greedy
 
-    kernels = _greedy_backend(kernels)
+    kernels = _without_int8(_greedy_backend(kernels))
     w = _lm_head_case(600, 64, seed=5)
     head = GreedyHead(PanelWeight(w, kernels), w, kernels)
     x = torch.randn(3, 64)
@@ -499,8 +508,6 @@ def test_a_q8_0_code_head_takes_the_int8_route(kernels, m, vocab, k):
     codes' full product gives, bit for bit (ties, near-ties and all-zero rows included).
     Without the int8 pass such a head has no route, nor has a half-precision head of codes
     (its product rounds the logits to its dtype)."""
-    from tierserve.workers.backends.quant import QuantPanelWeight
-
     kernels = _greedy_backend(kernels)
     w = _lm_head_case(vocab, k, seed=m + vocab + 7)
     method = QuantPanelWeight.quantize(w, "q8_0", kernels)

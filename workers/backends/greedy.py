@@ -71,6 +71,8 @@ def is_q8_codes(method) -> bool:
 class GreedyHead:
     MAX_K = 1 << 16
 
+    # approx: the Q8_0 pass's codes (None where the int8 pass takes every row count);
+    # int8: the int8 pass's copy of them (None where the CPU has no AVX512_VNNI).
     __slots__ = ("panel", "approx", "int8", "norms", "devs", "backend", "max_rows")
 
     def __init__(self, panel: PanelWeight | QuantPanelWeight, weight: torch.Tensor,
@@ -99,6 +101,8 @@ class GreedyHead:
         rebuilt = self.approx.weight()
         self.norms = _row_norms(w)
         self.devs = _row_norms(w - rebuilt)
+        if self.int8 is not None and self.approx is not panel:
+            self.approx = None  # the int8 pass takes every row count: the Q8_0 pass never runs
 
     @staticmethod
     def gamma(k: int) -> float:
@@ -120,12 +124,13 @@ class GreedyHead:
                 and bool(torch.isfinite(weight).all()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*self.approx.tensors(), *(self.int8 or ()), self.norms, self.devs)
+        approx = () if self.approx is None else self.approx.tensors()
+        return (*approx, *(self.int8 or ()), self.norms, self.devs)
 
     def place(self, arena) -> "GreedyHead":
         """The first pass's codes into `arena` (the head's panels, or codes, are its linear
         method's)."""
-        if self.approx is not self.panel:
+        if self.approx is not None and self.approx is not self.panel:
             self.approx.place(arena)
         if self.int8 is not None:
             self.int8 = tuple(arena.adopt(t) for t in self.int8)
