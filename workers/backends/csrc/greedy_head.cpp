@@ -159,23 +159,7 @@ float candidate_floor(const float* approx, int64_t n, const LogitBound& e, int o
 void candidate_columns(const float* approx, int64_t n, const LogitBound& e, float cut,
                        std::vector<int64_t>& cand) {
   cand.clear();
-  // A chunk's lanes are read one by one only where its largest upper bound reaches the cut:
-  // one horizontal maximum per chunk (few hold a candidate).
-  constexpr int64_t kChunk = 8 * kLanes;
   int64_t j = 0;
-  for (; j + kChunk <= n; j += kChunk) {
-    Vec top = splat(-INFINITY);
-    for (int64_t i = j; i < j + kChunk; i += kLanes) {
-      const Vec high = load(approx + i) + e.at_vec(i);
-      top = top > high ? top : high;
-    }
-    if (hmax(top) < cut) continue;
-    for (int64_t i = j; i < j + kChunk; i += kLanes) {
-      const Vec high = load(approx + i) + e.at_vec(i);
-      for (int l = 0; l < kLanes; ++l)
-        if (high[l] >= cut) cand.push_back(i + l);
-    }
-  }
   for (; j + kLanes <= n; j += kLanes) {
     const Vec high = load(approx + j) + e.at_vec(j);
     if (hmax(high) >= cut)

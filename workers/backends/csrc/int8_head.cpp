@@ -170,15 +170,11 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < NP; ++h) acc[r][h] = _mm512_setzero_ps();
-  // Few accumulators (a single row's panel) would chain every product of a block through one
-  // register: they split the groups over chains, whose int32 sums add exactly.
-  constexpr int kChains = MR * NP * PASSES <= 4 ? 4 / (MR * NP * PASSES) : 1;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[kChains][PASSES][MR][NP];
-    for (int t = 0; t < kChains; ++t)
-      for (int p = 0; p < PASSES; ++p)
-        for (int r = 0; r < MR; ++r)
-          for (int h = 0; h < NP; ++h) dot[t][p][r][h] = _mm512_setzero_si512();
+    __m512i dot[PASSES][MR][NP];
+    for (int p = 0; p < PASSES; ++p)
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < NP; ++h) dot[p][r][h] = _mm512_setzero_si512();
     for (int g = 0; g < kI8Block / 4; ++g) {
       const int64_t at = (b * (kI8Block / 4) + g) * 64;
       __m512i wv[NP];
@@ -188,23 +184,15 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
           int32_t a;
           __builtin_memcpy(&a, x.q[p] + (r0 + r) * k + b * kI8Block + g * 4, 4);
           const __m512i av = _mm512_set1_epi32(a);
-          for (int h = 0; h < NP; ++h) {
-            __m512i& d = dot[g % kChains][p][r][h];
-            d = _mm512_dpbusd_epi32(d, av, wv[h]);
-          }
+          for (int h = 0; h < NP; ++h) dot[p][r][h] = _mm512_dpbusd_epi32(dot[p][r][h], av, wv[h]);
         }
     }
-    for (int t = 1; t < kChains; ++t)
-      for (int p = 0; p < PASSES; ++p)
-        for (int r = 0; r < MR; ++r)
-          for (int h = 0; h < NP; ++h)
-            dot[0][p][r][h] = _mm512_add_epi32(dot[0][p][r][h], dot[t][p][r][h]);
     for (int h = 0; h < NP; ++h) {
       const __m512i sum = _mm512_loadu_si512(c[h] + b * kI8Feat);
       const __m512 scale = _mm512_loadu_ps(s[h] + b * kI8Feat);
       for (int r = 0; r < MR; ++r)
         for (int p = 0; p < PASSES; ++p) {
-          const __m512 xs = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[0][p][r][h], sum));
+          const __m512 xs = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[p][r][h], sum));
           const __m512 ds = _mm512_set1_ps(x.d[p][(r0 + r) * blocks + b]);
           acc[r][h] = _mm512_fmadd_ps(xs, _mm512_mul_ps(scale, ds), acc[r][h]);
         }
