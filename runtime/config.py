@@ -149,6 +149,9 @@ class EngineConfig:
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
         "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "
         "q8_0); default: the weights as stored", choices=QUANTIZATIONS)
+    enforce_eager: bool = _opt(
+        False, "on CUDA, run every step eagerly; default: a decode-only step at "
+        "tensor_parallel_size 1 replays a CUDA graph captured for its batch and context size")
     speculative_config: SpeculativeConfig | None = _opt(
         None, "speculative decoding, vLLM's names: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}: "

@@ -62,7 +62,7 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         cpu_kernels=envs.cpu_kernels(),
         cpu_isa=config.cpu_isa if config.cpu_isa is not None else envs.cpu_isa(),
         cache_dir=envs.cache_dir(), quantized_linears=config.quantized_linears,
-        quantization=config.quantization,
+        quantization=config.quantization, enforce_eager=config.enforce_eager,
         debug_stall=envs.debug_stall(), debug_crash=envs.debug_crash(),
         debug_late_copies=envs.debug_late_copies(),
         kv_offload_cpu_bytes=config.kv_offload_cpu_bytes,

@@ -134,3 +134,34 @@ def test_bf16_default_serves_and_seeded_sampling_repeats(checkpoints):
         _all_blocks_free(llm)
     assert first == again
     assert all(len(t) == 12 for t in first) and all(len(t) == 10 for t in greedy)
+
+
+def _graphs(llm):
+    return llm.engine.executor.worker.runner.graphs  # the in-process engine's one rank
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graphs_replay_with_the_eager_tokens(checkpoints, dtype):
+    """Decode steps replay captured graphs (several batch and context buckets, batches that
+    shrink as requests finish) and give enforce_eager's tokens (in fp32: bf16 products of a
+    padded batch may round differently); every block is freed."""
+    prompts = _prompts(384, n=6)
+    lengths = [4, 9, 17, 30, 6, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    runs = {}
+    for eager in (True, False):
+        with LLM(checkpoints["llama"], device="cuda", dtype=dtype, block_size=4,
+                 enforce_eager=eager) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            alone = _tokens(llm, prompts[:1], params[3])
+            graphs = _graphs(llm)
+            _all_blocks_free(llm)
+        runs[eager] = ([o.outputs[0].token_ids for o in outs], alone)
+        if eager:
+            assert graphs is None
+    assert graphs.failed is None, graphs.failed
+    assert graphs.replays > 30 and len(graphs.graphs) >= 4
+    assert {batch for batch, _ in graphs.graphs} >= {1, 2, 8}
+    if dtype == "float32":
+        assert runs[False] == runs[True]
+    assert [len(t) for t in runs[False][0]] == lengths

@@ -109,6 +109,23 @@ class AttentionMetadata:
             token_lens=to((positions + 1).astype(np.int32)), num_decodes=num_decodes,
             block_size=block_size)
 
+    @classmethod
+    def static_decode(cls, slot_mapping: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                      block_size: int) -> "AttentionMetadata":
+        """A decode-only step read from fixed buffers (workers/cuda_graphs.py): slot_mapping
+        [N] int64, the decode tables [N, W] int32 and context lengths [N] int32, whose values
+        may change between uses of this metadata. Nothing derived from their values is built
+        here: a CUDA graph captured through it recomputes everything from the buffers, and it
+        creates no tensor from host data (no copy a capture would forbid)."""
+        n, width = tables.shape
+        rows = torch.arange(n, dtype=torch.int32, device=tables.device)
+        attn = cls(slot_mapping=slot_mapping, query_lens=np.ones(n, dtype=np.int64),
+                   seq_lens=np.full(n, width * block_size, dtype=np.int64), block_tables=tables,
+                   rows=np.arange(n, dtype=np.int64), seq_rows=rows, token_rows=rows,
+                   token_lens=lens, num_decodes=n, block_size=block_size)
+        attn._decode_tables = (tables, lens)
+        return attn
+
     def token_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every token of the step as a single-query attention of its own: the block tables
         [num_rows, max_blocks] int32, its causal context length [num_tokens] int32 (a prefill

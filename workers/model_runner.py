@@ -6,6 +6,7 @@ import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tierserve.workers import parallel
+from tierserve.workers.cuda_graphs import DecodeGraphs
 from tierserve.workers.kv_pool import copy_blocks
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model.llama import LlamaForCausalLM
@@ -61,7 +62,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list, block_size: int,
                  device: torch.device, is_driver: bool, seed: int, *,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 append_sampled: bool = False, tokenizer_file: str | None = None) -> None:
+                 append_sampled: bool = False, tokenizer_file: str | None = None,
+                 decode_graphs: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -87,6 +89,11 @@ class ModelRunner:
         # The rank's tier copier; the Worker gives it CPU slots and an SSD folder where the
         # engine has tiers (none: every step's copy list is empty).
         self.tiers = TierCopier(kv_caches, 0, device)
+        # Decode-only steps replayed from CUDA graphs (decode_graphs: on a CUDA device at TP=1).
+        self.graphs = DecodeGraphs(
+            model, kv_caches, block_size, max_batch=min(max_num_seqs or 256, 256),
+            max_model_len=max_model_len or model.config.max_position_embeddings,
+            capture=device.type == "cuda") if decode_graphs else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -174,6 +181,9 @@ class ModelRunner:
         input_ids, positions, attn = self.batch.forward_inputs(inputs)
         if len(keep) == len(inputs.positions):
             keep = None  # every row: nothing to skip (a decode-only step)
+        bucket = None if keep is not None or self.graphs is None else self.graphs.bucket_of(attn)
+        if bucket is not None:
+            return self.graphs.run(input_ids, positions, attn, bucket)
         return self.model(input_ids, positions, attn, self.kv_caches, keep)
 
     def _rewind_rejected(self, rows: SampleRows, accepted: list[int],

@@ -203,7 +203,9 @@ class Worker:
                            max_num_seqs=self.spec.max_num_seqs,
                            max_model_len=self.spec.max_model_len,
                            append_sampled=self.spec.async_scheduling,
-                           tokenizer_file=self.spec.tokenizer_file)
+                           tokenizer_file=self.spec.tokenizer_file,
+                           decode_graphs=self.device.type == "cuda" and not self.spec.enforce_eager
+                           and self.spec.tensor_parallel_size == 1)
 
     def _inject_crash(self, msg: SchedulerOutput) -> None:
         for reason in injected_crashes(self.spec, self.rank, msg):

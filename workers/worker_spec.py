@@ -51,6 +51,8 @@ class WorkerSpec:
     tokenizer_file: str | None = None
     # Block format the linears are quantized to at load ("q8_0", "q4_1"), or None.
     quantization: str | None = None
+    # On CUDA, run decode steps eagerly instead of replaying CUDA graphs (workers/cuda_graphs.py).
+    enforce_eager: bool = False
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
     # Test-only fault injection (rank, token id): that rank crashes on a new request holding
