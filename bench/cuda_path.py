@@ -11,7 +11,9 @@ Limits, measured first on the GPU (best of --repeats after a warm-up, CUDA event
 Workload (as offline_throughput.py's): --num-prompts chat prompts of 20-200 tokens, --output-len
 greedy tokens each, EOS ignored; decode: one request alone, the time of 1 + output-len tokens
 minus that of 1 token after a --prompt-len prompt; TTFT: a fresh --prompt-len prompt, then again
-with its prefix cached (medians of three).
+with its prefix cached (medians of three). Each engine runs the whole workload once untimed
+first (its decode CUDA graphs captured). On CUDA tierserve runs twice: with its decode graphs
+(`tierserve_*`) and with enforce_eager (`tierserve_eager_*`).
 decode_frac = bytes a decode step streams (weights + the context's K/V) x tok/s / bandwidth;
 offline_frac = the run's FLOPs / its seconds / the matmul peak of its dtype.
 
@@ -22,7 +24,8 @@ carried to the GPU machine. --model DIR: an HF folder with its weights.
 --device cpu runs the same code on this machine's CPU (roofline.py's limits), for checking.
 
 Usage: python bench/cuda_path.py (--shape DIR | --model DIR) [--json] [--dtypes bfloat16,float32]
-           [--num-prompts 64] [--output-len 128] [--prompt-len 512] [--skip-hf] [--device cuda]
+           [--num-prompts 64] [--output-len 128] [--prompt-len 512] [--skip-hf] [--skip-eager]
+           [--device cuda]
 """
 from __future__ import annotations
 
@@ -124,7 +127,8 @@ def chat_prompts(model: str, n: int) -> list[list[int]]:
     return make_chat_prompts(load_tokenizer(model), n)
 
 
-def run_tierserve(model: str, dtype: str, device: str, prompts, args) -> dict:
+def run_tierserve(model: str, dtype: str, device: str, prompts, args,
+                  enforce_eager: bool = False) -> dict:
     from tierserve import LLM, SamplingParams
 
     def timed(batch, n):
@@ -136,10 +140,17 @@ def run_tierserve(model: str, dtype: str, device: str, prompts, args) -> dict:
         return seconds, outs
 
     rng = random.Random(1)
-    long = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(5)]
-    with LLM(model, dtype=dtype, device=device, max_model_len=2048) as llm:
+    long = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(6)]
+    with LLM(model, dtype=dtype, device=device, max_model_len=2048,
+             enforce_eager=enforce_eager) as llm:
         backend = llm.stats()["cpu_backend"]
-        timed(prompts[:16], 16)
+        # Warm-up: every shape the timed runs see (on CUDA, decode graphs are captured and
+        # cuDNN builds its attention per shape): the workload fresh, then with its prefixes
+        # cached as the timed run sees it, and a long prompt fresh, then cached.
+        timed(prompts, args.output_len)
+        timed(prompts, args.output_len)
+        timed([long[5]], 1 + args.output_len)
+        timed([long[5]], 1)
         seconds, _ = timed(prompts, args.output_len)
         result = {"backend": backend, "offline_tok_s": len(prompts) * args.output_len / seconds}
         prefill_s, _ = timed([long[0]], 1)
@@ -188,6 +199,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true",
+                    help="no second tierserve run with enforce_eager (no CUDA graphs)")
     ap.add_argument("--buffer-mib", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
@@ -202,11 +215,15 @@ def main() -> None:
     prompts = chat_prompts(model, args.num_prompts)
     for dtype in args.dtypes.split(","):
         short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
-        ours = run_tierserve(model, dtype, args.device, prompts, args)
-        result["tierserve_backend"] = ours.pop("backend")
-        result.update({f"tierserve_{k.replace('_tok_s', '_tok_s_' + short)}"
-                       if "tok_s" in k else f"tierserve_{k}_{short}": v for k, v in ours.items()})
-        fractions(result, limits, cost, dtype, prompts, args, "tierserve")
+        for prefix, eager in (("tierserve", False), ("tierserve_eager", True)):
+            if eager and (args.skip_eager or args.device != "cuda"):
+                continue
+            ours = run_tierserve(model, dtype, args.device, prompts, args, eager)
+            result["tierserve_backend"] = ours.pop("backend")
+            result.update({f"{prefix}_{k.replace('_tok_s', '_tok_s_' + short)}"
+                           if "tok_s" in k else f"{prefix}_{k}_{short}": v
+                           for k, v in ours.items()})
+            fractions(result, limits, cost, dtype, prompts, args, prefix)
         if not args.skip_hf:
             result[f"transformers_offline_tok_s_{short}"] = run_transformers(
                 model, dtype, args.device, prompts, args.output_len)
