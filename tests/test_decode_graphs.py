@@ -108,3 +108,31 @@ def test_steps_outside_the_buckets_run_eagerly(model):
     assert graphs.bucket_of(long) is None  # a context past max_model_len's width
     graphs.failed = "capture refused"
     assert graphs.bucket_of(two) is None
+
+
+@pytest.mark.parametrize("cpu_isa", ["torch", None])
+def test_an_engine_decoding_from_the_static_buffers_keeps_its_tokens(tmp_path, cpu_isa):
+    """The model runner's route through the graph runner (eagerly, on the CPU): the same greedy
+    tokens as the plain engine, over batches that shrink as requests finish, and every block
+    freed."""
+    from tierserve import LLM, SamplingParams
+
+    path = str(make_tiny_llama(tmp_path / "llama"))
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(5 + 4 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (3, 9, 17, 30, 6, 12)]
+    runs = []
+    for static in (False, True):
+        with LLM(path, block_size=4, cpu_isa=cpu_isa) as llm:
+            runner = llm.engine.executor.worker.runner
+            if static:
+                runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, max_batch=8,
+                                             max_model_len=64, capture=False)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in outs])
+            stats = llm.stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        if static:
+            assert runner.graphs.replays > 20
+            assert {batch for batch, _ in runner.graphs.graphs} >= {1, 2, 8}
+    assert runs[0] == runs[1]

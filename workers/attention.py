@@ -110,20 +110,21 @@ class AttentionMetadata:
             block_size=block_size)
 
     @classmethod
-    def static_decode(cls, slot_mapping: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                      block_size: int) -> "AttentionMetadata":
+    def static_decode(cls, slot_mapping: torch.Tensor, tables: torch.Tensor, width: int,
+                      lens: torch.Tensor, block_size: int) -> "AttentionMetadata":
         """A decode-only step read from fixed buffers (workers/cuda_graphs.py): slot_mapping
-        [N] int64, the decode tables [N, W] int32 and context lengths [N] int32, whose values
-        may change between uses of this metadata. Nothing derived from their values is built
-        here: a CUDA graph captured through it recomputes everything from the buffers, and it
+        [N] int64, the decode rows' block tables [N, max_blocks] int32 (contiguous; the gather
+        path reads their first `width` blocks) and context lengths [N] int32, whose values may
+        change between uses of this metadata. Nothing derived from their values is built here:
+        a CUDA graph captured through it recomputes everything from the buffers, and it
         creates no tensor from host data (no copy a capture would forbid)."""
-        n, width = tables.shape
+        n = tables.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=tables.device)
         attn = cls(slot_mapping=slot_mapping, query_lens=np.ones(n, dtype=np.int64),
                    seq_lens=np.full(n, width * block_size, dtype=np.int64), block_tables=tables,
                    rows=np.arange(n, dtype=np.int64), seq_rows=rows, token_rows=rows,
                    token_lens=lens, num_decodes=n, block_size=block_size)
-        attn._decode_tables = (tables, lens)
+        attn._decode_tables = (tables[:, :width], lens)
         return attn
 
     def token_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

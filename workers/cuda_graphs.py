@@ -111,7 +111,7 @@ class DecodeGraphs:
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         """The padded step from the static buffers, through fresh metadata (so whatever it
         derives from the buffers, such as the padding mask, is computed inside a capture)."""
-        attn = AttentionMetadata.static_decode(self.slots[:batch], self.tables[:batch, :width],
+        attn = AttentionMetadata.static_decode(self.slots[:batch], self.tables[:batch], width,
                                                self.lens[:batch], self.block_size)
         return self.model(self.ids[:batch], self.positions[:batch], attn, self.kv_caches)
 
