@@ -57,7 +57,8 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.null_slot, dtype=torch.long, device=device)
         self.tables = torch.full((n, w), num_blocks - 1, dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        # (batch, width) -> the graph and its output (None: a bucket run without capture).
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
         self.failed: str | None = None  # why capture stopped (graphs off from then on)
@@ -81,15 +82,14 @@ class DecodeGraphs:
         a view of the graph's output, valid until the next replay."""
         n = attn.num_decodes
         self._fill(input_ids, positions, attn)
-        entry = self.graphs.get(bucket)
-        if entry is None:
-            entry = self._capture(*bucket)
-            if entry is None:  # capture failed: this step, and every later one, eagerly
-                return self.model(input_ids, positions, attn, self.kv_caches)
-        graph, out = entry
-        if graph is None:
+        if not self.capture:
+            self.graphs.setdefault(bucket, None)
             out = self._forward(*bucket)
         else:
+            entry = self.graphs.get(bucket) or self._capture(*bucket)
+            if entry is None:  # capture failed: this step, and every later one, eagerly
+                return self.model(input_ids, positions, attn, self.kv_caches)
+            graph, out = entry
             graph.replay()
         self.replays += 1
         return out[:n]
@@ -116,9 +116,6 @@ class DecodeGraphs:
         return self.model(self.ids[:batch], self.positions[:batch], attn, self.kv_caches)
 
     def _capture(self, batch: int, width: int):
-        if not self.capture:
-            self.graphs[batch, width] = (None, None)
-            return self.graphs[batch, width]
         try:
             # The warm-up runs this step's own inputs (its K/V writes are the replay's too).
             stream = torch.cuda.Stream()
