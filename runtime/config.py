@@ -143,8 +143,10 @@ class EngineConfig:
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
     quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
-                                   "dequantized run from the blocks alone (exact, the same "
-                                   "results); false: from fp32 weights")
+                                   "dequantized run from the blocks alone, and those whose "
+                                   "weights are all bf16 / fp16 values (a half-precision "
+                                   "checkpoint in fp32) from panels of that dtype (exact, the "
+                                   "same results); false: from fp32 weights")
     quantization: str | None = _opt(
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
         "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "

@@ -532,3 +532,50 @@ def test_a_q8_0_code_head_takes_the_int8_route(kernels, m, vocab, k):
     assert got is not None and torch.equal(got, want)
     if m > 2:
         assert got[2] == 0
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_fp32_weight_of_half_values_keeps_half_panels_and_the_fp32_products(kernels, narrow, m):
+    """An fp32 weight whose every value is a bf16 (fp16) value, as a half-precision checkpoint
+    loaded in fp32 has, keeps its panels in that dtype: half the bytes, and products (with or
+    without bias, on every route: panel kernel, AMX or MKL) bitwise the fp32 panels'."""
+    w, x, b = _case(m, 600, 200, seed=9)
+    w = w.to(narrow).float()
+    wide, compact = PanelWeight(w, kernels), PanelWeight.narrowest(w, kernels)
+    assert compact.panels.dtype == narrow and 2 * compact.nbytes == wide.nbytes
+    for bias in (None, b):
+        assert torch.equal(compact.linear(x, bias), wide.linear(x, bias))
+    assert compact.weight().dtype == torch.float32 and torch.equal(compact.weight(), w)
+    ids = torch.tensor([0, 5, 199])
+    assert torch.equal(compact.rows(ids), w[ids])
+
+
+def test_fp32_weights_off_the_half_grid_keep_fp32_panels(kernels):
+    w, _, _ = _case(1, 64, 40, seed=3)
+    assert PanelWeight.narrowest(w, kernels).panels.dtype == torch.float32
+    half = w.bfloat16().float()
+    off = dataclasses.replace(kernels, quant_linear=False)  # quantized_linears=False
+    assert PanelWeight.narrowest(half, off).panels.dtype == torch.float32
+    half[3, 7] = 1 / 3  # one value on neither grid
+    assert PanelWeight.narrowest(half, kernels).panels.dtype == torch.float32
+
+
+def test_a_bf16_checkpoint_in_fp32_runs_from_half_panels_with_the_same_tokens(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tierserve import LLM, SamplingParams
+    path = make_tiny_llama(tmp_path / "llama")
+    weights = path / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights)
+    prompts = [[(5 * i + 3 * j) % 300 + 3 for j in range(4 + 7 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for compact in (False, True):
+        with LLM(str(path), block_size=4, dtype="float32", quantized_linears=compact) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[compact] = ([o.outputs[0].token_ids for o in outs],
+                             llm.stats()["weight_bytes"], llm.stats()["cpu_backend"])
+    assert runs[True][0] == runs[False][0]
+    if runs[True][2] != "torch":  # kernel backends hold the decoder's linears in bf16
+        assert runs[True][1] < 0.75 * runs[False][1]

@@ -130,7 +130,7 @@ class CpuKernelBackend(TorchBackend):
         if greedy:
             return PanelWeight(weight, self)
         if PanelWeight.applies_to(weight, self):
-            return PanelWeight(weight, self)
+            return PanelWeight.narrowest(weight, self)
         return super().linear_method(weight, None, head)
 
     def greedy_head(self, method, weight: torch.Tensor):

@@ -120,6 +120,17 @@ class PackedWeight(LinearMethod):
         return (self.packed, self.plain if self.panel is None else self.panel.panels)
 
 
+_SAMPLE = 4096
+
+
+def _holds(w: torch.Tensor, narrow: torch.dtype) -> bool:
+    """Whether every value of the fp32 tensor w is a value of `narrow` (bf16: the low 16 bits
+    of each fp32 pattern are zero)."""
+    if narrow == torch.bfloat16:
+        return not bool((w.view(torch.int32) & 0xFFFF).any())
+    return torch.equal(w.to(narrow).float(), w)
+
+
 class PanelWeight(LinearMethod):
     """A CPU weight [N, K] in the C++ linear kernel's layout (csrc/linear.cpp): panels of W
     output features, [ceil(N / W), K, W], the last one zero-padded, W the backend's panel width
@@ -129,18 +140,23 @@ class PanelWeight(LinearMethod):
 
     fp32: inputs of up to the backend's panel_max_rows rows run the panel kernel; larger ones
     run csrc/linear_amx.cpp where the backend has AMX (bf16x3, to fp32 accuracy), else MKL on
-    W rebuilt from the panels, a copy that is small next to a prefill-sized product. bf16 / fp16
-    (backends whose half_linear is "kernel"): the panel kernel at every size, in fp32 math.
+    W rebuilt from the panels, a copy that is small next to a prefill-sized product. An fp32
+    weight whose every value is a bf16 (or fp16) value, as a half-precision checkpoint loaded
+    in fp32 has, keeps its panels in that dtype (`narrowest`): the kernel widens them in
+    registers, products bitwise the fp32 panels', from half the bytes. bf16 / fp16 (backends
+    whose half_linear is "kernel"): the panel kernel at every size, in fp32 math.
     bench/linear_kernels.py compares the routes."""
 
-    __slots__ = ("panels", "out_features", "backend")
+    __slots__ = ("panels", "out_features", "backend", "dtype")
 
-    def __init__(self, weight: torch.Tensor, backend) -> None:
+    def __init__(self, weight: torch.Tensor, backend, dtype: torch.dtype | None = None) -> None:
+        """dtype: the weight's dtype in the model, where its panels hold it narrower (fp32)."""
         n, k = weight.shape
         width = backend.panel_width
         num_panels = -(-n // width)
         padded = F.pad(weight.detach(), (0, 0, 0, num_panels * width - n))
-        if self.pairs_for(weight, backend):
+        self.dtype = dtype or weight.dtype
+        if self.pairs_for(weight, backend) and self.dtype == weight.dtype:
             # [P, W, K/2, 2] -> [P, K/2, W, 2]: a k pair's W pairs are one contiguous row.
             self.panels = padded.view(num_panels, width, k // 2, 2).transpose(1, 2) \
                 .reshape(num_panels, k // 2, 2 * width).contiguous()
@@ -148,6 +164,18 @@ class PanelWeight(LinearMethod):
             self.panels = padded.view(num_panels, width, k).transpose(1, 2).contiguous()
         self.out_features = n
         self.backend = backend
+
+    @classmethod
+    def narrowest(cls, weight: torch.Tensor, backend) -> "PanelWeight":
+        """An fp32 weight's panels in bf16 or fp16 where that holds every value exactly (and the
+        backend runs weights from exact narrower forms: its quant_linear), else in fp32."""
+        if weight.dtype == torch.float32 and backend.quant_linear:
+            w = weight.detach()
+            for narrow in (torch.bfloat16, torch.float16):
+                # A sample first: most fp32 checkpoints fail it at once, at no cost.
+                if _holds(w.reshape(-1)[:_SAMPLE], narrow) and _holds(w, narrow):
+                    return cls(w.to(narrow), backend, dtype=torch.float32)
+        return cls(weight, backend)
 
     @staticmethod
     def pairs_for(weight: torch.Tensor, backend) -> bool:
@@ -172,7 +200,7 @@ class PanelWeight(LinearMethod):
         if x.shape[0] <= self.backend.panel_max_rows:
             return self.backend.linear_f32(x, self.panels, bias, self.out_features)
         if self.backend.amx_linear:
-            return self.backend.linear_amx(x, self.panels, bias, self.out_features)
+            return self.backend.linear_amx(x, self.panels.float(), bias, self.out_features)
         return F.linear(x, self.weight(), bias)
 
     def _features_major(self) -> torch.Tensor:
@@ -185,7 +213,7 @@ class PanelWeight(LinearMethod):
 
     def weight(self) -> torch.Tensor:
         w = self._features_major()
-        return w.reshape(-1, w.shape[2])[: self.out_features]
+        return w.reshape(-1, w.shape[2])[: self.out_features].to(self.dtype)
 
     def place(self, arena) -> "PanelWeight":
         self.panels = arena.adopt(self.panels)
@@ -199,7 +227,7 @@ class PanelWeight(LinearMethod):
             return self.panels.view(p, half, width, 2)[ids // width, :, ids % width] \
                 .reshape(len(ids), 2 * half)
         width = self.panels.shape[2]
-        return self.panels[ids // width, :, ids % width]
+        return self.panels[ids // width, :, ids % width].to(self.dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.panels,)

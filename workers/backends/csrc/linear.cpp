@@ -274,13 +274,25 @@ void panel_product(const float* xp, int64_t ldx, int64_t m, int64_t k, const W* 
 
 void linear_f32_into(const at::Tensor& x, const at::Tensor& packed,
                      const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
-  const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n);
+  const float* b = check_panel_linear("linear_f32: ", x, packed, bias, n, /*narrow=*/true);
   check_out_rows("linear_f32: ", out, x.size(0), n, x.scalar_type());
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
   float* op = out.data_ptr<float>();
-  panel_product(x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), packed.size(0),
-                op, n);
+  // Panels of bf16 / fp16 values are widened in registers; each output's FMA chain is the fp32
+  // panels' own, so the products are bitwise those of the same values held in fp32.
+  const float* xp = x.data_ptr<float>();
+  switch (packed.scalar_type()) {
+    case at::kBFloat16:
+      panel_product(xp, x.stride(0), m, k, packed.data_ptr<c10::BFloat16>(), packed.size(0),
+                    op, n);
+      break;
+    case at::kHalf:
+      panel_product(xp, x.stride(0), m, k, packed.data_ptr<c10::Half>(), packed.size(0), op, n);
+      break;
+    default:
+      panel_product(xp, x.stride(0), m, k, packed.data_ptr<float>(), packed.size(0), op, n);
+  }
   if (b != nullptr)
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

@@ -116,13 +116,18 @@ inline void check_out_rows(const char* op, const at::Tensor& out, int64_t rows, 
               op, "out must be a contiguous [", rows, ", ", width, "] CPU tensor of x's dtype");
 }
 
-// Checks an fp32 y = x W^T + b's inputs; returns b's data (or nullptr).
+// Checks an fp32 y = x W^T + b's inputs; returns b's data (or nullptr). narrow: the panels may
+// also hold bf16 or fp16 values (weights exactly representable there), in the plain layout.
 inline const float* check_panel_linear(const char* op, const at::Tensor& x,
                                        const at::Tensor& packed,
-                                       const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, op,
-              "float32 only");
+                                       const std::optional<at::Tensor>& bias, int64_t n,
+                                       bool narrow = false) {
+  const auto w = packed.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+                  (w == at::kFloat || (narrow && (w == at::kBFloat16 || w == at::kHalf))),
+              op, narrow ? "float32 x; float32, bfloat16 or float16 panels only" : "float32 only");
   check_panel_shapes(op, x, packed, n);
+  TORCH_CHECK(w == at::kFloat || !pair_layout(packed), op, "fp32 x needs plain panels");
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
               op, "bias must be a contiguous float32 [n] tensor");
