@@ -279,8 +279,13 @@ def test_a_dead_deployment_is_stopped_and_served_again(tiny):
     try:
         assert len(_tsdp_dirs() - before_dirs) == 1
         ray.kill(llm.engine.actor, no_restart=True)
+        # ray.kill is asynchronous: a call made at once may still be served before the kill
+        # lands. Within seconds, every call is answered EngineDeadError.
+        deadline = time.monotonic() + 10
         with pytest.raises(tierserve.EngineDeadError):
-            llm.stats()
+            while time.monotonic() < deadline:
+                llm.stats()
+                time.sleep(0.05)
         assert cli.main(["status", "rel-dead", "--namespace", NS]) == 1
         t0 = time.monotonic()
         assert tierserve.stop("rel-dead", namespace=NS)
