@@ -100,6 +100,9 @@ def _panel_layout(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, 
             None if offsets is None else offsets.contiguous())
 
 
+_SAMPLE_ROWS = 64
+
+
 class QuantPanelWeight(LinearMethod):
     """A weight as GGUF codes in the kernels' panel layout; no fp32 copy is kept."""
 
@@ -129,12 +132,17 @@ class QuantPanelWeight(LinearMethod):
                 and cls.applies_to(weight)):
             return None
         w = weight.detach()
-        codes, scales, offsets = backend.ops.quant_encode_q4_1(w)
-        if codes.numel():
-            return cls("q4_1", codes, scales, offsets, w.shape[0], w.shape[1], backend)
-        codes, scales = backend.ops.quant_encode_q8_0(w)
-        if codes.numel():
-            return cls("q8_0", codes, scales, None, w.shape[0], w.shape[1], backend)
+        # A few rows first: a weight of neither format (any dense checkpoint) fails there,
+        # before a whole-weight encode allocates its codes.
+        sample = w[:_SAMPLE_ROWS]
+        if backend.ops.quant_encode_q4_1(sample)[0].numel():
+            codes, scales, offsets = backend.ops.quant_encode_q4_1(w)
+            if codes.numel():
+                return cls("q4_1", codes, scales, offsets, w.shape[0], w.shape[1], backend)
+        if backend.ops.quant_encode_q8_0(sample)[0].numel():
+            codes, scales = backend.ops.quant_encode_q8_0(w)
+            if codes.numel():
+                return cls("q8_0", codes, scales, None, w.shape[0], w.shape[1], backend)
         return None
 
     @classmethod
