@@ -142,11 +142,13 @@ class EngineConfig:
         "tokens they sampled), so scheduling and the data plane's round trip "
         "leave the forward's critical path; a finished request's step in flight is wasted; "
         "default: on where the engine runs on Ray, off in-process")
-    quantized_linears: bool = _opt(True, "fp32 linears whose weights are GGUF blocks "
-                                   "dequantized run from the blocks alone, and those whose "
-                                   "weights are all bf16 / fp16 values (a half-precision "
-                                   "checkpoint in fp32) from panels of that dtype (exact, the "
-                                   "same results); false: from fp32 weights")
+    quantized_linears: bool = _opt(True, "fp32 linears run from an exact narrower form of "
+                                   "their weights, with the same results: GGUF blocks where "
+                                   "the weights are dequantized blocks, panels of bf16 / fp16 "
+                                   "where all values are (a half-precision checkpoint in fp32), "
+                                   "else 28 bits a value (each value's sign-and-exponent byte "
+                                   "as a 4-bit code, the rare others kept apart); false: from "
+                                   "fp32 weights")
     quantization: str | None = _opt(
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
         "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "

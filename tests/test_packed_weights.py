@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tests.checkpoints import make_tiny_llama
 from tierserve.workers.backends.cpu import CpuKernelBackend
 from tierserve.workers.backends.cpu_features import detect_cpu_features
+from tierserve.workers.backends.coded import CodedPanelWeight
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight, PlainLinear
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -220,9 +221,9 @@ def test_kernel_rejects_bad_inputs(kernels, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_loaded_linears_take_the_backend_layout(backend, dtype, tmp_path):
     """Each backend gives a model's linears their method once, at load: panels for the
-    kernel's dtypes, oneDNN copies where oneDNN runs the dtype natively, else plain weights;
-    no layer keeps its plain weight beside its method. The methods equal F.linear on the
-    loaded weights."""
+    kernel's dtypes (fp32 ones coded, coded.py), oneDNN copies where oneDNN runs the dtype
+    natively, else plain weights; no layer keeps its plain weight beside its method. The
+    methods equal F.linear on the loaded weights."""
     path = make_tiny_llama(tmp_path / "llama")
     _, plain = load_model(str(path), dtype, backend=torch_backend())
     _, model = load_model(str(path), dtype, backend=backend)
@@ -233,6 +234,8 @@ def test_loaded_linears_take_the_backend_layout(backend, dtype, tmp_path):
     route = backend.half_linear_for(dtype) if dtype != torch.float32 else (
         "kernel" if kernel else "torch")
     expected = {"kernel": PanelWeight, "onednn": PackedWeight, "torch": PlainLinear}[route]
+    if expected is PanelWeight and dtype == torch.float32:
+        expected = CodedPanelWeight
     for name, m in model.named_modules():
         if not isinstance(m, LINEARS):
             continue

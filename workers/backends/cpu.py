@@ -18,6 +18,7 @@ from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cp
 from tierserve.workers.backends.kernels import kernel_library
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.host_memory import HugePageArena
+from tierserve.workers.backends.coded import CodedPanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -130,7 +131,11 @@ class CpuKernelBackend(TorchBackend):
         if greedy:
             return PanelWeight(weight, self)
         if PanelWeight.applies_to(weight, self):
-            return PanelWeight.narrowest(weight, self)
+            # The narrowest exact form: half panels, coded fp32 panels (not for heads, whose
+            # tied embedding looks rows up in their method), fp32 panels.
+            return PanelWeight.half_panels(weight, self) \
+                or (None if head else CodedPanelWeight.encode(weight, self)) \
+                or PanelWeight(weight, self)
         return super().linear_method(weight, None, head)
 
     def greedy_head(self, method, weight: torch.Tensor):

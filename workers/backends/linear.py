@@ -167,15 +167,20 @@ class PanelWeight(LinearMethod):
         self.backend = backend
 
     @classmethod
-    def narrowest(cls, weight: torch.Tensor, backend) -> "PanelWeight":
+    def half_panels(cls, weight: torch.Tensor, backend) -> "PanelWeight | None":
         """An fp32 weight's panels in bf16 or fp16 where that holds every value exactly (and the
-        backend runs weights from exact narrower forms: its quant_linear), else in fp32."""
+        backend runs weights from exact narrower forms: its quant_linear), else None."""
         if weight.dtype == torch.float32 and backend.quant_linear:
             w = weight.detach()
             for narrow in (torch.bfloat16, torch.float16):
                 if _holds(w[:_SAMPLE_ROWS], narrow) and _holds(w, narrow):
                     return cls(w.to(narrow), backend, dtype=torch.float32)
-        return cls(weight, backend)
+        return None
+
+    @classmethod
+    def narrowest(cls, weight: torch.Tensor, backend) -> "PanelWeight":
+        """half_panels where they apply, else the weight's own dtype's panels."""
+        return cls.half_panels(weight, backend) or cls(weight, backend)
 
     @staticmethod
     def pairs_for(weight: torch.Tensor, backend) -> bool:

@@ -6,6 +6,8 @@
 #include "prefill_attention.cpp"
 #include "linear_pairs.cpp"
 #include "linear.cpp"
+#include "linear_coded.cpp"
+#include "coded_encode.cpp"
 #include "linear_amx.cpp"
 #include "greedy_head.cpp"
 #include "int8_head.cpp"

@@ -16,7 +16,7 @@
 namespace tierserve {
 namespace {
 
-enum LinearKind : int64_t { kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3 };
+enum LinearKind : int64_t { kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3, kCodedF32 = 4 };
 
 void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
                   const c10::List<std::optional<at::Tensor>>& weights, int64_t slot,
@@ -34,6 +34,9 @@ void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
     case kQ4_1:
       return quant_linear_into("linear_q4_1: ", true, x, *w0, *weights.get(3 * slot + 1),
                                *weights.get(3 * slot + 2), bias, n, out);
+    case kCodedF32:
+      return linear_coded_into(x, *w0, *weights.get(3 * slot + 1), *weights.get(3 * slot + 2),
+                               bias, n, out);
     default:
       TORCH_CHECK(false, "layer_stack: unknown linear kind ", kind);
   }

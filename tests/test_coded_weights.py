@@ -1,0 +1,120 @@
+"""fp32 weights as coded panels (workers/backends/coded.py, csrc/linear_coded.cpp): 28 bits a
+value, the weight rebuilt exactly and every product bitwise the fp32 panels', on every kernel
+ISA and route (one row, a row tile, several tiles, slices, past the panel kernel's rows)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.checkpoints import make_tiny_llama
+from tierserve.workers.backends.coded import MAX_ESCAPE_FRACTION, CodedPanelWeight
+from tierserve.workers.backends.linear import PanelWeight
+from tierserve.workers.model.loader import load_model
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A trained-looking weight (Gaussian, a few binades) with the values coding must keep:
+    zeros of both signs, subnormals, values far below and above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.03
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-30, 3e-9, 7.5, -2.0 ** 100, 1e38])
+    flat = w.view(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[: len(special)]] = special
+    return w
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 960), (1536, 70), (33, 310)])
+def test_coded_panels_rebuild_the_weight_bit_for_bit(kernels, k, n):
+    w = _weight(n, k, seed=k + n)
+    coded = CodedPanelWeight.encode(w, kernels)
+    assert coded is not None and coded.escapes.shape[0] > 0  # the special values escape
+    assert torch.equal(coded.weight().view(torch.int32), w.view(torch.int32))
+    plain = PanelWeight(w, kernels)
+    assert torch.equal(coded.panels().view(torch.int32), plain.panels.view(torch.int32))
+    assert coded.nbytes < 0.9 * plain.nbytes
+
+
+# 1: a lone row; 5, 12: one row tile; 13, 37: tiles that decode on their own; 64, 193, 300:
+# slices; 5000: past every backend's panel rows (MKL, or AMX, on the rebuilt weight).
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 37, 64, 193, 300, 5000])
+@pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 200)])
+def test_coded_products_are_the_fp32_panels_products(kernels, m, k, n):
+    w = _weight(n, k, seed=m + k)
+    g = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    coded, plain = CodedPanelWeight.encode(w, kernels), PanelWeight(w, kernels)
+    for b in (None, bias):
+        assert torch.equal(coded.linear(x, b), plain.linear(x, b))
+    # Rows of a strided input (a view of wider rows), as the layer stack hands some over.
+    wide = torch.randn(m, k + 8, generator=g)[:, :k]
+    assert torch.equal(coded.linear(wide, None), plain.linear(wide, None))
+
+
+def test_weights_with_many_escapes_or_the_option_off_keep_fp32_panels(kernels):
+    g = torch.Generator().manual_seed(1)
+    # Magnitudes spread over 2^-60 .. 2^60: far more than 16 top bytes in use.
+    spread = torch.randn(64, 128, generator=g) * 2.0 ** torch.randint(-60, 60, (64, 128),
+                                                                       generator=g)
+    assert CodedPanelWeight.encode(spread, kernels) is None
+    w = _weight(64, 128, seed=2)
+    off = dataclasses.replace(kernels, quant_linear=False)  # quantized_linears=False
+    assert CodedPanelWeight.encode(w, off) is None
+    assert CodedPanelWeight.encode(w.bfloat16(), kernels) is None
+    assert isinstance(off.linear_method(w), PanelWeight)
+    assert isinstance(kernels.linear_method(w), CodedPanelWeight)
+    # bf16 values: half panels are narrower still; a head keeps fp32 panels (its embedding
+    # looks rows up in them).
+    assert isinstance(kernels.linear_method(w.bfloat16().float()), PanelWeight)
+    assert isinstance(kernels.linear_method(w, head=True), PanelWeight)
+    assert 0 < MAX_ESCAPE_FRACTION < 0.01
+
+
+def test_coded_kernel_rejects_bad_inputs(kernels):
+    w = _weight(40, 64, seed=3)
+    coded = CodedPanelWeight.encode(w, kernels)
+    ops, x = kernels.ops, torch.randn(2, 64)
+    body, table, escapes = coded.kernel_tensors()
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.linear_coded(x.double(), body, table, escapes, None, 40)
+    with pytest.raises(RuntimeError, match="body"):
+        ops.linear_coded(torch.randn(2, 65), body, table, escapes, None, 40)
+    with pytest.raises(RuntimeError, match="body"):
+        ops.linear_coded(x, body[:-1].clone(), table, escapes, None, 40)
+    with pytest.raises(RuntimeError, match="table"):
+        ops.linear_coded(x, body, table[:-1].clone(), escapes, None, 40)
+    with pytest.raises(RuntimeError, match="escape"):
+        ops.linear_coded(x, body, table, torch.zeros(escapes.shape[0] + 1, 2, dtype=torch.int32),
+                         None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_coded(x, body, table, escapes, torch.zeros(39), 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        coded.linear(x.bfloat16(), None)
+
+
+def test_an_fp32_checkpoint_runs_from_coded_panels_with_the_same_tokens(tmp_path):
+    """A dense fp32 checkpoint's decoder linears load as coded panels on a kernel backend: the
+    engine gives the tokens it gives with them off, from fewer weight bytes."""
+    from tierserve import LLM, SamplingParams
+    path = make_tiny_llama(tmp_path / "llama")
+    prompts = [[(5 * i + 3 * j) % 300 + 3 for j in range(4 + 7 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for coded in (False, True):
+        with LLM(str(path), block_size=4, dtype="float32", quantized_linears=coded) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[coded] = ([o.outputs[0].token_ids for o in outs],
+                           llm.stats()["weight_bytes"], llm.stats()["cpu_backend"])
+    assert runs[True][0] == runs[False][0]
+    if runs[True][2] != "torch":
+        assert runs[True][1] < runs[False][1]
+
+
+def test_a_tiny_fp32_model_loads_its_decoder_linears_coded(tmp_path, kernels):
+    path = make_tiny_llama(tmp_path / "llama")
+    _, model = load_model(str(path), torch.float32, "cpu", kernels)
+    methods = [m.method for m in model.modules() if getattr(m, "method", None) is not None]
+    coded = [m for m in methods if isinstance(m, CodedPanelWeight)]
+    # Every decoder linear (q/k/v, o, gate/up, down per layer); the head keeps its panels.
+    assert len(coded) == len(methods) - 1
