@@ -11,6 +11,9 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
   "kernel", else for single rows), bf16 in pair panels on AVX512_BF16's dot product where
   the backend packs them (csrc/linear_pairs.cpp);
 - `panel_widen`: bf16 panels widened to fp32 in registers, where `panel` runs pairs;
+- `coded`: the panels with each value's top byte coded (workers/backends/coded.py): fp32 in
+  28 bits a value, bf16 pair panels in 12; what the engine loads where `quantized_linears`
+  is on (fp32 up to panel_max_rows rows, bf16 pairs up to the pair panels' rows);
 - `amx`: csrc/linear_amx.cpp, fp32, weight split from the panels in the call (beyond
   panel_max_rows where the backend has AMX);
 - `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX);
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from report import best_of, emit
 from tierserve.runtime import envs
 from tierserve.workers.backends.cpu import CpuKernelBackend, kernel_backend
+from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
@@ -68,6 +72,10 @@ class Weight:
         torch_route = torch_backend().half_linear_for(w.dtype)
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
         self.quant = QuantPanelWeight.encode(w, backend) if self.panel else None
+        if w.dtype == torch.float32:
+            self.coded = CodedPanelWeight.encode(w, backend) if self.panel else None
+        else:
+            self.coded = CodedPairPanels.encode(self.panel, backend)
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.onednn.linear(x, None) if self.onednn else F.linear(x, self.plain)
@@ -81,12 +89,15 @@ def routes(backend: CpuKernelBackend, dtype: torch.dtype, m: int) -> dict:
         if dtype == torch.bfloat16 and backend.bf16_pairs:
             out["panel_widen"] = lambda x, w: backend.linear_half(x, w.widen.panels, None,
                                                                   w.plain.shape[0])
+            if backend.quant_linear:
+                out["coded"] = lambda x, w: w.coded.linear(x, None)
         return out
     out["panel"] = lambda x, w: backend.linear_f32(x, w.panel.panels, None, w.plain.shape[0])
     if backend.amx_linear:
         out["amx"] = lambda x, w: backend.linear_amx(x, w.panel.panels, None, w.plain.shape[0])
     out["mkl"] = lambda x, w: F.linear(x, w.panel.weight())
     if backend.quant_linear:
+        out["coded"] = lambda x, w: w.coded.linear(x, None)
         out["q4_1"] = lambda x, w: backend.ops.linear_q4_1(
             x, w.quant.codes, w.quant.scales, w.quant.offsets, None, w.plain.shape[0])
     return out

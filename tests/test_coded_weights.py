@@ -1,6 +1,7 @@
-"""fp32 weights as coded panels (workers/backends/coded.py, csrc/linear_coded.cpp): 28 bits a
-value, the weight rebuilt exactly and every product bitwise the fp32 panels', on every kernel
-ISA and route (one row, a row tile, several tiles, slices, past the panel kernel's rows)."""
+"""Weights as coded panels (workers/backends/coded.py): fp32 in 28 bits a value
+(csrc/linear_coded.cpp), bf16 pair panels in 12 (csrc/linear_coded_pairs.cpp). The weight is
+rebuilt exactly and every product is bitwise the uncoded panels', on every kernel ISA and route
+(one row, a row tile, several tiles, slices, past the panel kernel's rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from tests.checkpoints import make_tiny_llama
-from tierserve.workers.backends.coded import MAX_ESCAPE_FRACTION, CodedPanelWeight
-from tierserve.workers.backends.linear import PanelWeight
+from tierserve.workers.backends.coded import MAX_ESCAPE_FRACTION, CodedPairPanels, CodedPanelWeight
+from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.model.loader import load_model
 
 
@@ -118,3 +119,60 @@ def test_a_tiny_fp32_model_loads_its_decoder_linears_coded(tmp_path, kernels):
     coded = [m for m in methods if isinstance(m, CodedPanelWeight)]
     # Every decoder linear (q/k/v, o, gate/up, down per layer); the head keeps its panels.
     assert len(coded) == len(methods) - 1
+
+
+def _pairs_backend(kernels):
+    if not kernels.bf16_pairs:
+        pytest.skip("bf16 pair panels need AVX512_BF16")
+    return kernels
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 64, 193])
+@pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 200), (310, 33)])
+def test_coded_pair_panels_are_the_pair_panels(kernels, m, k, n):
+    kernels = _pairs_backend(kernels)
+    w = _weight(n, k, seed=m + n).bfloat16()
+    panel = PanelWeight(w, kernels)
+    coded = CodedPairPanels.encode(panel, kernels)
+    assert coded is not None and coded.escapes.shape[0] > 0
+    assert torch.equal(coded.panels().view(torch.int16), panel.panels.view(torch.int16))
+    assert torch.equal(coded.weight().view(torch.int16), w.view(torch.int16))
+    assert coded.nbytes < 0.8 * panel.nbytes
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    for b in (None, torch.randn(n, generator=g).bfloat16()):
+        assert torch.equal(coded.linear(x, b), panel.linear(x, b))
+
+
+def test_a_bf16_weight_keeps_coded_pair_panels_beside_onednn(kernels):
+    kernels = _pairs_backend(kernels)
+    w = _weight(96, 128, seed=5).bfloat16()
+    method = kernels.linear_method(w)
+    assert isinstance(method, PackedWeight) and isinstance(method.panel, CodedPairPanels)
+    plain = PackedWeight(w, kernels)  # its own pair panels
+    for m in (1, 7, 64, 65):  # pair panels up to 64 rows, oneDNN past them
+        x = torch.randn(m, 128).bfloat16()
+        assert torch.equal(method.linear(x, None), plain.linear(x, None))
+    off = dataclasses.replace(kernels, quant_linear=False)
+    assert isinstance(off.linear_method(w).panel, PanelWeight)
+    ops, x = kernels.ops, torch.randn(2, 128).bfloat16()
+    body, table, escapes = method.panel.kernel_tensors()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.linear_coded_pairs(x.float(), body, table, escapes, None, 96)
+    with pytest.raises(RuntimeError, match="body"):
+        ops.linear_coded_pairs(torch.randn(2, 130).bfloat16(), body, table, escapes, None, 96)
+    with pytest.raises(RuntimeError, match="table"):
+        ops.linear_coded_pairs(x, body, table[:-1].clone(), escapes, None, 96)
+
+
+def test_a_bf16_checkpoint_runs_from_coded_pair_panels_with_the_same_tokens(tmp_path):
+    from tierserve import LLM, SamplingParams
+    path = make_tiny_llama(tmp_path / "llama")
+    prompts = [[(5 * i + 3 * j) % 300 + 3 for j in range(4 + 7 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for coded in (False, True):
+        with LLM(str(path), block_size=4, dtype="bfloat16", quantized_linears=coded) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[coded] = [o.outputs[0].token_ids for o in outs]
+    assert runs[True] == runs[False]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tierserve.workers.backends.linear import LinearMethod
 
-__all__ = ["CodedPanelWeight", "MAX_ESCAPE_FRACTION"]
+__all__ = ["CodedPanelWeight", "CodedPairPanels", "MAX_ESCAPE_FRACTION"]
 
 # Escapes per weight value above which a weight keeps plain fp32 panels: each costs 8 bytes and
 # breaks a single row's run of in-register decodes (trained weights have far fewer).
@@ -76,6 +76,58 @@ class CodedPanelWeight(LinearMethod):
         return self.body, self.table, self.escapes
 
     def place(self, arena) -> "CodedPanelWeight":
+        self.body = arena.adopt(self.body)
+        return self
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.body, self.table, self.escapes)
+
+
+class CodedPairPanels(LinearMethod):
+    """A bf16 weight's pair panels (PanelWeight's layout where the CPU has AVX512_BF16) with each
+    value's top byte coded the same way: 12 bits a value, the rare others kept apart
+    (csrc/linear_coded_pairs.cpp). bf16 inputs and outputs; the products are bitwise the pair
+    panels'. PackedWeight keeps them for its few-row products, beside oneDNN's copy."""
+
+    __slots__ = ("body", "table", "escapes", "out_features", "in_features", "backend")
+    pairs = True  # takes PackedWeight's pair-panel rows
+
+    def __init__(self, body: torch.Tensor, table: torch.Tensor, escapes: torch.Tensor,
+                 out_features: int, in_features: int, backend) -> None:
+        self.body, self.table, self.escapes = body, table, escapes
+        self.out_features, self.in_features = out_features, in_features
+        self.backend = backend
+
+    @classmethod
+    def encode(cls, panel, backend) -> "CodedPairPanels | None":
+        """The coded form of a PanelWeight's bf16 pair panels, or None where the backend runs no
+        exact narrower forms or more than MAX_ESCAPE_FRACTION of the values escape."""
+        if not (backend.quant_linear and panel.pairs and panel.panels.dtype == torch.bfloat16):
+            return None
+        n = panel.out_features
+        body, table, escapes = backend.ops.coded_pairs_encode(panel.panels, n)
+        if escapes.shape[0] > MAX_ESCAPE_FRACTION * n * panel.panels.shape[1] * 2:
+            return None
+        return cls(body, table, escapes, n, panel.panels.shape[1] * 2, backend)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.backend.ops.linear_coded_pairs(x, self.body, self.table, self.escapes, bias,
+                                                   self.out_features)
+
+    def panels(self) -> torch.Tensor:
+        """The bf16 pair panels [ceil(N / W), K / 2, 2 W] the codes hold."""
+        return self.backend.ops.coded_pairs_panels(self.body, self.table, self.escapes,
+                                                   self.out_features, self.in_features)
+
+    def weight(self) -> torch.Tensor:
+        p, half, width2 = (panels := self.panels()).shape
+        w = panels.view(p, half, width2 // 2, 2).transpose(1, 2).reshape(p * width2 // 2, 2 * half)
+        return w[: self.out_features]
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.body, self.table, self.escapes
+
+    def place(self, arena) -> "CodedPairPanels":
         self.body = arena.adopt(self.body)
         return self
 

@@ -18,7 +18,7 @@ from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cp
 from tierserve.workers.backends.kernels import kernel_library
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.host_memory import HugePageArena
-from tierserve.workers.backends.coded import CodedPanelWeight
+from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -127,7 +127,8 @@ class CpuKernelBackend(TorchBackend):
         greedy = head and GreedyHead.applies_to(weight, self)
         if self.half_linear_for(weight.dtype) == "onednn" and PackedWeight.applies_to(weight) \
                 and not greedy:
-            return PackedWeight(weight, self)
+            panel = PanelWeight(weight, self)
+            return PackedWeight(weight, self, CodedPairPanels.encode(panel, self) or panel)
         if greedy:
             return PanelWeight(weight, self)
         if PanelWeight.applies_to(weight, self):

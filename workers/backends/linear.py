@@ -79,14 +79,18 @@ class PackedWeight(LinearMethod):
     are the same kernels' results. Given a kernel backend, a single row (a lone decode) runs
     the panel kernel instead (the weight kept in its layout too, in place of the plain copy):
     oneDNN's one-row product runs at half the memory bandwidth, the panel kernel's near it.
-    bf16 pair panels take up to PAIR_PANEL_MAX_ROWS rows (decode batches)."""
+    bf16 pair panels take up to PAIR_PANEL_MAX_ROWS rows (decode batches). `panel`: the
+    method those rows run (default: the backend's PanelWeight; coded.CodedPairPanels)."""
 
     __slots__ = ("packed", "plain", "panel", "out_features")
 
-    def __init__(self, weight: torch.Tensor, backend=None) -> None:
+    def __init__(self, weight: torch.Tensor, backend=None, panel: LinearMethod | None = None
+                 ) -> None:
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.panel = PanelWeight(weight, backend) if backend is not None else None
+        if panel is None and backend is not None:
+            panel = PanelWeight(weight, backend)
+        self.panel = panel
         self.plain = weight.detach() if self.panel is None else None
 
     @staticmethod
@@ -117,7 +121,7 @@ class PackedWeight(LinearMethod):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         # The packed copy is what a product streams; the plain weight (or the panels) is kept
         # for weight() (an LM head's is the embedding's) and for single rows.
-        return (self.packed, self.plain if self.panel is None else self.panel.panels)
+        return (self.packed, *((self.plain,) if self.panel is None else self.panel.tensors()))
 
 
 # Rows checked first: most fp32 checkpoints fail there, at no cost.

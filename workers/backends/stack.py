@@ -15,14 +15,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tierserve.workers.backends.coded import CodedPanelWeight
+from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
 
 __all__ = ["StackLayer", "KernelLayerStack"]
 
 # csrc/layer_stack.cpp's LinearKind.
-_PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1, _CODED_F32 = range(5)
+_PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1, _CODED_F32, _CODED_PAIRS = range(6)
 
 
 class StackLayer(NamedTuple):
@@ -49,6 +49,8 @@ def _kernel_of(method, dtype: torch.dtype, rows: int, max_rows: int):
         if not method.panel_takes(rows):
             return None
         method = method.panel
+    if isinstance(method, CodedPairPanels):
+        return (_CODED_PAIRS, method.kernel_tensors()) if dtype == torch.bfloat16 else None
     if isinstance(method, PanelWeight):
         if dtype != torch.float32:
             return (_PANEL_HALF, (method.panels,)) if method.panels.dtype == dtype else None

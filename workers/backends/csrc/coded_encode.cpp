@@ -32,7 +32,7 @@ at::Tensor coded_panels(const at::Tensor& body, const at::Tensor& table,
       float* panel = o + p * k * kPanel;
       for (int64_t i = 0; i < k; ++i)
         decode_step(dec, w.panel(p) + i * kCodedStep, panel + i * kPanel);
-      EscapeCursor(w, p).patch(panel, 0, k);
+      escapes_of(w, p).patch(panel, 0, k);
       const int64_t width = std::min<int64_t>(kPanel, n - p * kPanel);
       if (width < kPanel)  // padding rows: zero, as linear.cpp pads them
         for (int64_t i = 0; i < k; ++i)
@@ -49,8 +49,8 @@ inline uint32_t top_byte(float v) {
   return bits >> 24;
 }
 
-// The 16 top bytes most frequent in w (ties in value order), as value << 24.
-std::array<int32_t, kCodes> frequent_tops(const float* w, int64_t numel) {
+// How often each top byte occurs in w.
+std::array<int64_t, 256> top_byte_counts(const float* w, int64_t numel) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<int64_t> counts(threads * 256, 0);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
@@ -62,14 +62,50 @@ std::array<int32_t, kCodes> frequent_tops(const float* w, int64_t numel) {
   std::array<int64_t, 256> total{};
   for (int64_t t = 0; t < threads; ++t)
     for (int v = 0; v < 256; ++v) total[v] += counts[t * 256 + v];
+  return total;
+}
+
+// The 16 most frequent top bytes by `counts` (ties in value order), as value << 24.
+std::array<int32_t, kCodes> most_frequent(const std::array<int64_t, 256>& counts) {
   std::array<int, 256> order;
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return total[a] > total[b]; });
+                   [&](int a, int b) { return counts[a] > counts[b]; });
   std::array<int32_t, kCodes> tops;
   for (int c = 0; c < kCodes; ++c)
     tops[c] = static_cast<int32_t>(static_cast<uint32_t>(order[c]) << 24);
   return tops;
+}
+
+// Each top byte's code: its index in tops, or -1 (an escape).
+std::array<int16_t, 256> codes_of(const std::array<int32_t, kCodes>& tops) {
+  std::array<int16_t, 256> code;
+  code.fill(-1);
+  for (int c = 0; c < kCodes; ++c)
+    code[static_cast<uint32_t>(tops[c]) >> 24] = static_cast<int16_t>(c);
+  return code;
+}
+
+// (body, table, escapes) from the coded body, the table's top bytes and each panel's escapes
+// (position, bits pairs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_escapes(
+    const at::Tensor& body, const std::array<int32_t, kCodes>& tops,
+    const std::vector<std::vector<int32_t>>& escapes) {
+  const int64_t panels = static_cast<int64_t>(escapes.size());
+  at::Tensor table = at::empty({kCodes + panels + 1}, at::kInt);
+  int32_t* t = table.data_ptr<int32_t>();
+  std::copy(tops.begin(), tops.end(), t);
+  int64_t total = 0;
+  for (int64_t p = 0; p < panels; ++p) {
+    t[kCodes + p] = static_cast<int32_t>(total);
+    total += static_cast<int64_t>(escapes[p].size()) / 2;
+  }
+  TORCH_CHECK(total < (int64_t{1} << 31), "coded panels: too many escapes");
+  t[kCodes + panels] = static_cast<int32_t>(total);
+  at::Tensor flat = at::empty({total, 2}, at::kInt);
+  for (int64_t p = 0; p < panels; ++p)
+    std::copy(escapes[p].begin(), escapes[p].end(), flat.data_ptr<int32_t>() + 2 * t[kCodes + p]);
+  return {body, table, flat};
 }
 
 // Panel p's coded bytes into body; appends its escapes ((k * kPanel + column, bits) pairs, in
@@ -108,11 +144,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> coded_encode(const at::Tensor& we
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(k * kPanel < (int64_t{1} << 31), "coded_encode: K too large");
   const float* src = w.data_ptr<float>();
-  const std::array<int32_t, kCodes> tops = frequent_tops(src, w.numel());
-  std::array<int16_t, 256> code;
-  code.fill(-1);
-  for (int c = 0; c < kCodes; ++c)
-    code[static_cast<uint32_t>(tops[c]) >> 24] = static_cast<int16_t>(c);
+  const std::array<int32_t, kCodes> tops = most_frequent(top_byte_counts(src, w.numel()));
+  const std::array<int16_t, 256> code = codes_of(tops);
   // Zeroed: code nibbles are or-ed in, and padding rows' lanes stay zero.
   at::Tensor body = at::zeros({panels * k * kCodedStep + kCodedPad}, at::kByte);
   std::vector<std::vector<int32_t>> escapes(panels);
@@ -120,20 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> coded_encode(const at::Tensor& we
     for (int64_t p = p0; p < p1; ++p)
       encode_panel(src, n, k, p, code, body.data_ptr<uint8_t>(), escapes[p]);
   });
-  at::Tensor table = at::empty({kCodes + panels + 1}, at::kInt);
-  int32_t* t = table.data_ptr<int32_t>();
-  std::copy(tops.begin(), tops.end(), t);
-  int64_t total = 0;
-  for (int64_t p = 0; p < panels; ++p) {
-    t[kCodes + p] = static_cast<int32_t>(total);
-    total += static_cast<int64_t>(escapes[p].size()) / 2;
-  }
-  TORCH_CHECK(total < (int64_t{1} << 31), "coded_encode: too many escapes");
-  t[kCodes + panels] = static_cast<int32_t>(total);
-  at::Tensor flat = at::empty({total, 2}, at::kInt);
-  for (int64_t p = 0; p < panels; ++p)
-    std::copy(escapes[p].begin(), escapes[p].end(), flat.data_ptr<int32_t>() + 2 * t[kCodes + p]);
-  return {body, table, flat};
+  return pack_escapes(body, tops, escapes);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "linear.cpp"
 #include "linear_coded.cpp"
 #include "coded_encode.cpp"
+#include "linear_coded_pairs.cpp"
 #include "linear_amx.cpp"
 #include "greedy_head.cpp"
 #include "int8_head.cpp"

@@ -16,7 +16,9 @@
 namespace tierserve {
 namespace {
 
-enum LinearKind : int64_t { kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3, kCodedF32 = 4 };
+enum LinearKind : int64_t {
+  kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3, kCodedF32 = 4, kCodedPairs = 5
+};
 
 void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
                   const c10::List<std::optional<at::Tensor>>& weights, int64_t slot,
@@ -37,6 +39,9 @@ void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
     case kCodedF32:
       return linear_coded_into(x, *w0, *weights.get(3 * slot + 1), *weights.get(3 * slot + 2),
                                bias, n, out);
+    case kCodedPairs:
+      return linear_coded_pairs_into(x, *w0, *weights.get(3 * slot + 1),
+                                     *weights.get(3 * slot + 2), bias, n, out);
     default:
       TORCH_CHECK(false, "layer_stack: unknown linear kind ", kind);
   }

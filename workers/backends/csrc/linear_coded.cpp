@@ -119,26 +119,35 @@ struct CodedView {
   const uint8_t* panel(int64_t p) const { return body + p * k * kCodedStep; }
 };
 
-// A panel's escapes, taken in (k, column) order as its k steps are decoded.
+// A panel's escapes, taken in (step, lane) order as its steps are decoded: a step is Width
+// values of T (fp32: a k step of kPanel columns; bf16 pair panels: a k pair of 2 kPanel).
+template <typename T, int64_t Width>
 class EscapeCursor {
  public:
-  EscapeCursor(const CodedView& w, int64_t p)
-      : at_(w.escapes + 2 * static_cast<int64_t>(w.starts[p])),
-        end_(w.escapes + 2 * static_cast<int64_t>(w.starts[p + 1])) {}
+  EscapeCursor(const int32_t* escapes, const int32_t* starts, int64_t p)
+      : at_(escapes + 2 * static_cast<int64_t>(starts[p])),
+        end_(escapes + 2 * static_cast<int64_t>(starts[p + 1])) {}
 
-  // The next k step holding an escape (`none` where there is none).
-  int64_t next_k(int64_t none) const { return at_ < end_ ? at_[0] / kPanel : none; }
+  // The next step holding an escape (`none` where there is none).
+  int64_t next_k(int64_t none) const { return at_ < end_ ? at_[0] / Width : none; }
 
-  // Writes the escapes of k steps [k0, k1) over slice[k - k0][column].
-  void patch(float* slice, int64_t k0, int64_t k1) {
-    for (; at_ < end_ && at_[0] < k1 * kPanel; at_ += 2)
-      std::memcpy(slice + (at_[0] - k0 * kPanel), at_ + 1, sizeof(float));
+  // Writes the escapes of steps [k0, k1) over slice[k - k0][lane] (their bits are the low
+  // sizeof(T) bytes of each entry's second int32).
+  void patch(T* slice, int64_t k0, int64_t k1) {
+    for (; at_ < end_ && at_[0] < k1 * Width; at_ += 2)
+      std::memcpy(slice + (at_[0] - k0 * Width), at_ + 1, sizeof(T));
   }
 
  private:
   const int32_t* at_;
   const int32_t* end_;
 };
+
+using F32Escapes = EscapeCursor<float, kPanel>;
+
+inline F32Escapes escapes_of(const CodedView& w, int64_t p) {
+  return F32Escapes(w.escapes, w.starts, p);
+}
 
 inline void decode_step(const CodedDecoder& dec, const uint8_t* src, float* dst) {
   store(dst, dec(src));
@@ -163,7 +172,7 @@ void coded_tile(const CodedDecoder& dec, const CodedView& w, int64_t p, const fl
                 int64_t lda, float* __restrict c, int64_t ldc) {
   const uint8_t* body = w.panel(p);
   const int64_t k = w.k;
-  EscapeCursor escapes(w, p);
+  F32Escapes escapes = escapes_of(w, p);
   Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
   auto fma_step = [&](int64_t i, Vec w0, Vec w1) {
@@ -225,7 +234,7 @@ void coded_few_rows(const CodedDecoder& dec, const CodedView& w, const float* x,
 // into slice[kn][kPanel] (escapes written in) for the other tiles: the decode's shuffles run
 // beside this tile's FMAs.
 template <int MR>
-void coded_slice_tile(const CodedDecoder& dec, const uint8_t* body, EscapeCursor& escapes,
+void coded_slice_tile(const CodedDecoder& dec, const uint8_t* body, F32Escapes& escapes,
                       int64_t kc, int64_t kn, const float* __restrict a, int64_t lda,
                       float* __restrict slice, float* __restrict c, int64_t ldc, bool first) {
   Vec lo[MR], hi[MR];
@@ -257,7 +266,7 @@ void coded_slice_tile(const CodedDecoder& dec, const uint8_t* body, EscapeCursor
   }
 }
 
-using CodedSliceTile = void (*)(const CodedDecoder&, const uint8_t*, EscapeCursor&, int64_t,
+using CodedSliceTile = void (*)(const CodedDecoder&, const uint8_t*, F32Escapes&, int64_t,
                                 int64_t, const float*, int64_t, float*, float*, int64_t, bool);
 
 template <int... MR>
@@ -279,7 +288,7 @@ struct TileSplit {
 void coded_slices(const CodedDecoder& dec, const CodedView& w, int64_t p, const TileSplit& split,
                   const float* a, int64_t lda, float* c, int64_t ldc) {
   alignas(64) float slice[kKC * kPanel];
-  EscapeCursor escapes(w, p);
+  F32Escapes escapes = escapes_of(w, p);
   for (int64_t kc = 0; kc < w.k; kc += kKC) {
     const int64_t kn = std::min(kKC, w.k - kc);
     kCodedSliceTile[split.rows(0) - 1](dec, w.panel(p), escapes, kc, kn, a + kc, lda, slice, c,
