@@ -15,6 +15,12 @@ from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.model.loader import load_model
 
 
+def _coding(kernels):
+    """The backend with coded fp32 panels on: the AVX2 backend builds and runs their kernels
+    but does not choose them (slower there than fp32 panels)."""
+    return dataclasses.replace(kernels, coded_linear=True)
+
+
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
     """A trained-looking weight (Gaussian, a few binades) with the values coding must keep:
     zeros of both signs, subnormals, values far below and above the rest."""
@@ -28,6 +34,7 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 960), (1536, 70), (33, 310)])
 def test_coded_panels_rebuild_the_weight_bit_for_bit(kernels, k, n):
+    kernels = _coding(kernels)
     w = _weight(n, k, seed=k + n)
     coded = CodedPanelWeight.encode(w, kernels)
     assert coded is not None and coded.escapes.shape[0] > 0  # the special values escape
@@ -42,6 +49,7 @@ def test_coded_panels_rebuild_the_weight_bit_for_bit(kernels, k, n):
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 37, 64, 193, 300, 5000])
 @pytest.mark.parametrize("k,n", [(64, 96), (600, 50), (576, 200)])
 def test_coded_products_are_the_fp32_panels_products(kernels, m, k, n):
+    kernels = _coding(kernels)
     w = _weight(n, k, seed=m + k)
     g = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -54,6 +62,9 @@ def test_coded_products_are_the_fp32_panels_products(kernels, m, k, n):
 
 
 def test_weights_with_many_escapes_or_the_option_off_keep_fp32_panels(kernels):
+    chosen = kernels.coded_linear
+    assert chosen == (kernels.isa != "avx2")
+    kernels = _coding(kernels)
     g = torch.Generator().manual_seed(1)
     # Magnitudes spread over 2^-60 .. 2^60: far more than 16 top bytes in use.
     spread = torch.randn(64, 128, generator=g) * 2.0 ** torch.randint(-60, 60, (64, 128),
@@ -65,6 +76,7 @@ def test_weights_with_many_escapes_or_the_option_off_keep_fp32_panels(kernels):
     assert CodedPanelWeight.encode(w.bfloat16(), kernels) is None
     assert isinstance(off.linear_method(w), PanelWeight)
     assert isinstance(kernels.linear_method(w), CodedPanelWeight)
+    assert CodedPanelWeight.encode(w, dataclasses.replace(kernels, coded_linear=False)) is None
     # bf16 values: half panels are narrower still; a head keeps fp32 panels (its embedding
     # looks rows up in them).
     assert isinstance(kernels.linear_method(w.bfloat16().float()), PanelWeight)
@@ -74,7 +86,7 @@ def test_weights_with_many_escapes_or_the_option_off_keep_fp32_panels(kernels):
 
 def test_coded_kernel_rejects_bad_inputs(kernels):
     w = _weight(40, 64, seed=3)
-    coded = CodedPanelWeight.encode(w, kernels)
+    coded = CodedPanelWeight.encode(w, _coding(kernels))
     ops, x = kernels.ops, torch.randn(2, 64)
     body, table, escapes = coded.kernel_tensors()
     with pytest.raises(RuntimeError, match="float32"):
@@ -108,11 +120,12 @@ def test_an_fp32_checkpoint_runs_from_coded_panels_with_the_same_tokens(tmp_path
             runs[coded] = ([o.outputs[0].token_ids for o in outs],
                            llm.stats()["weight_bytes"], llm.stats()["cpu_backend"])
     assert runs[True][0] == runs[False][0]
-    if runs[True][2] != "torch":
+    if runs[True][2] not in ("torch", "avx2"):
         assert runs[True][1] < runs[False][1]
 
 
 def test_a_tiny_fp32_model_loads_its_decoder_linears_coded(tmp_path, kernels):
+    kernels = _coding(kernels)
     path = make_tiny_llama(tmp_path / "llama")
     _, model = load_model(str(path), torch.float32, "cpu", kernels)
     methods = [m.method for m in model.modules() if getattr(m, "method", None) is not None]
@@ -176,3 +189,46 @@ def test_a_bf16_checkpoint_runs_from_coded_pair_panels_with_the_same_tokens(tmp_
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[coded] = [o.outputs[0].token_ids for o in outs]
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_stack_runs_coded_panels_bitwise_as_the_layers(tmp_path, kernels, dtype,
+                                                             monkeypatch):
+    """The layer stack's coded kinds (csrc/layer_stack.cpp) give the per-layer path's logits
+    and pools, on every kernel ISA (coded fp32 panels forced on AVX2, where the backend does not
+    choose them): a prefill, then single decodes and a batch."""
+    import random
+
+    from tests.checkpoints import PagedRunner, Work
+    from tierserve.workers.backends.stack import KernelLayerStack
+    kernels = _coding(kernels)
+    if dtype == torch.bfloat16 and not kernels.bf16_pairs:
+        pytest.skip("coded bf16 pair panels need AVX512_BF16")
+    taken = []
+    run = KernelLayerStack.run
+    monkeypatch.setattr(KernelLayerStack, "run", lambda self, *a: taken.append(
+        run(self, *a) is not None) or run(self, *a))
+    model = load_model(str(make_tiny_llama(tmp_path / "llama")), dtype, "cpu", kernels)[1]
+    coded = [m.method if dtype == torch.float32 else m.method.panel
+             for name, m in model.named_modules()
+             if getattr(m, "method", None) is not None and "lm_head" not in name]
+    assert coded and all(isinstance(c, (CodedPanelWeight, CodedPairPanels)) for c in coded)
+    rng = random.Random(2)
+    seqs = [[rng.randrange(3, 300) for _ in range(n)] for n in (6, 11)]
+    stacked, plain = PagedRunner(model, seed=1), PagedRunner(model, seed=1)
+
+    def both(works):
+        model.model.use_layer_stack = True
+        a = stacked.step(works)
+        model.model.use_layer_stack = False
+        b = plain.step(works)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    both([Work(f"s{i}", s, 0) for i, s in enumerate(seqs)])
+    for step in range(4):
+        live = seqs[: 1 + step % 2]
+        for s in live:
+            s.append(rng.randrange(3, 300))
+        both([Work(f"s{i}", s[-1:], len(s) - 1) for i, s in enumerate(live)])
+    assert len(taken) == 5 and all(taken)
+    for (k1, v1), (k2, v2) in zip(stacked.kv_caches, plain.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

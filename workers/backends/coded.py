@@ -38,8 +38,9 @@ class CodedPanelWeight(LinearMethod):
     @classmethod
     def encode(cls, weight: torch.Tensor, backend) -> "CodedPanelWeight | None":
         """The coded panels of an fp32 weight, or None where the backend runs no exact narrower
-        forms (quantized_linears off) or more than MAX_ESCAPE_FRACTION of its values escape."""
-        if not (backend.quant_linear and weight.dtype == torch.float32
+        forms (quantized_linears off), does not take coded panels (coded_linear), or more than
+        MAX_ESCAPE_FRACTION of the weight's values escape."""
+        if not (backend.quant_linear and backend.coded_linear and weight.dtype == torch.float32
                 and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0):
             return None
         body, table, escapes = backend.ops.coded_encode(weight.detach())

@@ -59,6 +59,8 @@ class CpuKernelBackend(TorchBackend):
     greedy_head_route: bool = True  # exact greedy tokens from the LM head's Q8_0 codes
     # fp32 weights that are GGUF blocks dequantized run from their codes alone (quant.py).
     quant_linear: bool = True
+    # Other fp32 weights run from coded panels, 28 bits a value (coded.py), with quant_linear.
+    coded_linear: bool = True
     panel_width: int = 0
     # bf16 weights of an even K packed in k pairs for AVX512_BF16's dot product (PanelWeight).
     bf16_pairs: bool = False
@@ -95,6 +97,7 @@ class CpuKernelBackend(TorchBackend):
         flags = {"attention": self.attention_kernel, "fused": self.fused,
                  "fp32_linear": self.fp32_linear, "amx_linear": self.amx_linear,
                  "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear,
+                 "coded_linear": self.coded_linear and self.quant_linear,
                  "bf16_pairs": self.bf16_pairs, "int8_head": self.int8_head}
         return [name for name, on in flags.items() if on]
 
@@ -271,8 +274,10 @@ class Avx2Backend(CpuKernelBackend):
 
     @classmethod
     def level_paths(cls, features, ops):
-        # On AVX2 the panel kernel keeps up with MKL to far larger batches.
-        return {"panel_max_rows": AVX2_PANEL_MAX_ROWS}
+        # On AVX2 the panel kernel keeps up with MKL to far larger batches. Coded panels cost
+        # more to decode there (8 operations per 8 values, half-width vectors) than their
+        # bytes save, at one row and more (bench/linear_kernels.py, `coded` route).
+        return {"panel_max_rows": AVX2_PANEL_MAX_ROWS, "coded_linear": False}
 
 
 class Avx512Backend(CpuKernelBackend):

@@ -173,28 +173,30 @@ void coded_tile(const CodedDecoder& dec, const CodedView& w, int64_t p, const fl
   const uint8_t* body = w.panel(p);
   const int64_t k = w.k;
   F32Escapes escapes = escapes_of(w, p);
+  // No lambda over the accumulators: a captured array stays in memory, a load and a store
+  // around every FMA.
   Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
-  auto fma_step = [&](int64_t i, Vec w0, Vec w1) {
+  for (int64_t i = 0, stop = escapes.next_k(k); i < k; ++i) {
+    const uint8_t* s = body + i * kCodedStep;
+    prefetch_ahead(s);
+    Vec w0, w1;
+    if (i != stop) {
+      w0 = dec(s);
+      w1 = dec(s + kCodedVecBytes);
+    } else {
+      alignas(64) float step[kPanel];
+      decode_step(dec, s, step);
+      escapes.patch(step, i, i + 1);
+      stop = escapes.next_k(k);
+      w0 = load(step);
+      w1 = load(step + kLanes);
+    }
     for (int r = 0; r < MR; ++r) {
       const Vec av = splat(a[r * lda + i]);
       lo[r] += av * w0;
       hi[r] += av * w1;
     }
-  };
-  int64_t i = 0;
-  for (;;) {
-    for (const int64_t stop = escapes.next_k(k); i < stop; ++i) {
-      const uint8_t* s = body + i * kCodedStep;
-      prefetch_ahead(s);
-      fma_step(i, dec(s), dec(s + kCodedVecBytes));
-    }
-    if (i == k) break;
-    alignas(64) float step[kPanel];
-    decode_step(dec, body + i * kCodedStep, step);
-    escapes.patch(step, i, i + 1);
-    fma_step(i, load(step), load(step + kLanes));
-    ++i;
   }
   for (int r = 0; r < MR; ++r) {
     store(c + r * ldc, lo[r]);
