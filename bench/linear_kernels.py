@@ -13,7 +13,8 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
 - `panel_widen`: bf16 panels widened to fp32 in registers, where `panel` runs pairs;
 - `coded`: the panels with each value's top byte coded (workers/backends/coded.py): fp32 in
   28 bits a value, bf16 pair panels in 12; what the engine loads where `quantized_linears`
-  is on (fp32 up to panel_max_rows rows, bf16 pairs up to the pair panels' rows);
+  is on (fp32 up to panel_max_rows rows, on the AVX-512 backends; bf16 pairs up to the pair
+  panels' rows);
 - `amx`: csrc/linear_amx.cpp, fp32, weight split from the panels in the call (beyond
   panel_max_rows where the backend has AMX);
 - `mkl`: fp32 MKL sgemm on W rebuilt from the panels (beyond panel_max_rows without AMX);
@@ -73,7 +74,8 @@ class Weight:
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
         self.quant = QuantPanelWeight.encode(w, backend) if self.panel else None
         if w.dtype == torch.float32:
-            self.coded = CodedPanelWeight.encode(w, backend) if self.panel else None
+            coding = dataclasses.replace(backend, coded_linear=True)  # AVX2 does not choose it
+            self.coded = CodedPanelWeight.encode(w, coding) if self.panel else None
         else:
             self.coded = CodedPairPanels.encode(self.panel, backend)
 
