@@ -147,8 +147,9 @@ class EngineConfig:
                                    "the weights are dequantized blocks, panels of bf16 / fp16 "
                                    "where all values are (a half-precision checkpoint in fp32), "
                                    "else 28 bits a value (each value's sign-and-exponent byte "
-                                   "as a 4-bit code, the rare others kept apart); false: from "
-                                   "fp32 weights")
+                                   "as a 4-bit code, the rare others kept apart; AVX-512); bf16 "
+                                   "linears' pair panels (AVX512_BF16) likewise in 12 bits; "
+                                   "false: from the weights as loaded")
     quantization: str | None = _opt(
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
         "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "
