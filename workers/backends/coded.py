@@ -22,10 +22,10 @@ __all__ = ["CodedPanelWeight", "CodedPairPanels", "MAX_ESCAPE_FRACTION"]
 MAX_ESCAPE_FRACTION = 1 / 512
 
 
-class CodedPanelWeight(LinearMethod):
-    """An fp32 [N, K] weight as coded panels: body (uint8, the 28-bit values in panel order),
-    table (int32: the 16 top bytes, then each panel's first escape), escapes (int32 [E, 2]:
-    position in the panel, fp32 bits). csrc/linear_coded.cpp has the layout."""
+class _Coded(LinearMethod):
+    """What coded panels hold: body (uint8, the coded values in panel order), table (int32: the
+    16 top bytes, then each panel's first escape), escapes (int32 [E, 2]: position in the panel,
+    the value's bits)."""
 
     __slots__ = ("body", "table", "escapes", "out_features", "in_features", "backend")
 
@@ -34,6 +34,24 @@ class CodedPanelWeight(LinearMethod):
         self.body, self.table, self.escapes = body, table, escapes
         self.out_features, self.in_features = out_features, in_features
         self.backend = backend
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the layer stack's coded kinds read (csrc/layer_stack.cpp)."""
+        return self.body, self.table, self.escapes
+
+    def place(self, arena) -> "_Coded":
+        self.body = arena.adopt(self.body)
+        return self
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.body, self.table, self.escapes)
+
+
+class CodedPanelWeight(_Coded):
+    """An fp32 [N, K] weight as coded panels, 28 bits a value (csrc/linear_coded.cpp has the
+    layout)."""
+
+    __slots__ = ()
 
     @classmethod
     def encode(cls, weight: torch.Tensor, backend) -> "CodedPanelWeight | None":
@@ -72,32 +90,15 @@ class CodedPanelWeight(LinearMethod):
     def weight(self) -> torch.Tensor:
         return self._plain(self.panels())
 
-    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the layer stack's coded kind reads (csrc/layer_stack.cpp)."""
-        return self.body, self.table, self.escapes
 
-    def place(self, arena) -> "CodedPanelWeight":
-        self.body = arena.adopt(self.body)
-        return self
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.body, self.table, self.escapes)
-
-
-class CodedPairPanels(LinearMethod):
+class CodedPairPanels(_Coded):
     """A bf16 weight's pair panels (PanelWeight's layout where the CPU has AVX512_BF16) with each
     value's top byte coded the same way: 12 bits a value, the rare others kept apart
     (csrc/linear_coded_pairs.cpp). bf16 inputs and outputs; the products are bitwise the pair
     panels'. PackedWeight keeps them for its few-row products, beside oneDNN's copy."""
 
-    __slots__ = ("body", "table", "escapes", "out_features", "in_features", "backend")
+    __slots__ = ()
     pairs = True  # takes PackedWeight's pair-panel rows
-
-    def __init__(self, body: torch.Tensor, table: torch.Tensor, escapes: torch.Tensor,
-                 out_features: int, in_features: int, backend) -> None:
-        self.body, self.table, self.escapes = body, table, escapes
-        self.out_features, self.in_features = out_features, in_features
-        self.backend = backend
 
     @classmethod
     def encode(cls, panel, backend) -> "CodedPairPanels | None":
@@ -124,13 +125,3 @@ class CodedPairPanels(LinearMethod):
         p, half, width2 = (panels := self.panels()).shape
         w = panels.view(p, half, width2 // 2, 2).transpose(1, 2).reshape(p * width2 // 2, 2 * half)
         return w[: self.out_features]
-
-    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.body, self.table, self.escapes
-
-    def place(self, arena) -> "CodedPairPanels":
-        self.body = arena.adopt(self.body)
-        return self
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.body, self.table, self.escapes)
