@@ -9,6 +9,7 @@ import mmap
 import pytest
 import torch
 
+from tierserve.workers.backends.coded import CodedPanelWeight
 from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros
 from tierserve.workers.backends.linear import PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -105,8 +106,10 @@ def test_mapped_zeros_are_zero_and_writable():
 def test_kernel_weights_and_kv_pools_are_advised_for_huge_pages(kernels):
     w = torch.randn(300, 256)
     method = kernels.linear_method(w)
-    assert isinstance(method, PanelWeight)
-    assert "hg" in _vm_flags(method.panels.data_ptr())
+    # fp32 panels, or where the backend codes them, the coded panels' body (coded.py).
+    streamed = method.body if isinstance(method, CodedPanelWeight) else method.panels
+    assert isinstance(method, (PanelWeight, CodedPanelWeight))
+    assert "hg" in _vm_flags(streamed.data_ptr())
     assert torch.equal(method.weight(), w)
     quant = kernels.linear_method(w, "q8_0")
     assert isinstance(quant, QuantPanelWeight)
