@@ -293,6 +293,28 @@ at::Tensor linear_coded_pairs(const at::Tensor& x, const at::Tensor& body, const
   return out;
 }
 
+// Pair panel p's coded bytes into body (k2 k pairs, `width` real features); appends its
+// escapes (position, bits pairs, in decode order) to `escapes`. A value's feature is its index
+// in the k pair over 2: padding features' values are skipped.
+void encode_pair_panel(const uint16_t* panel, int64_t k2, int64_t width,
+                       const std::array<int16_t, 256>& code, uint8_t* body,
+                       std::vector<int32_t>& escapes) {
+  for (int64_t j = 0; j < k2; ++j)
+    for (int64_t v = 0; v < 2 * width; ++v) {
+      const uint16_t bits = panel[j * kCodedPairRow + v];
+      int c = code[bits >> 8];
+      if (c < 0) {
+        escapes.push_back(static_cast<int32_t>(j * kCodedPairRow + v));
+        escapes.push_back(static_cast<int32_t>(bits));
+        c = 0;
+      }
+      uint8_t* half = body + j * kPairCodedStep + (v / 32) * kPairCodedHalf;
+      const int64_t l = v % 32;
+      half[l] = static_cast<uint8_t>(bits);
+      half[32 + l % 16] |= static_cast<uint8_t>(c << (4 * (l / 16)));
+    }
+}
+
 // (body, table, escapes) of bf16 pair panels [panels, K / 2, 2 kPanel] of an [n, K] weight.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> coded_pairs_encode(const at::Tensor& panels,
                                                                   int64_t n) {
@@ -305,35 +327,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> coded_pairs_encode(const at::Tens
   TORCH_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, op, "n does not match the panels");
   TORCH_CHECK(k2 * 2 * kPanel < (int64_t{1} << 31), op, "K too large");
   const uint16_t* src = reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>());
-  // A value's feature is (index % 2 kPanel) / 2 within its panel: padding features are skipped.
-  auto real = [&](int64_t p, int64_t index) { return p * kPanel + index / 2 < n; };
+  auto width = [&](int64_t p) { return std::min<int64_t>(kPanel, n - p * kPanel); };
   std::array<int64_t, 256> counts{};
   for (int64_t p = 0; p < count; ++p)
     for (int64_t j = 0; j < k2; ++j)
-      for (int64_t v = 0; v < kCodedPairRow; ++v)
-        if (real(p, v)) ++counts[src[(p * k2 + j) * kCodedPairRow + v] >> 8];
+      for (int64_t v = 0; v < 2 * width(p); ++v)
+        ++counts[src[(p * k2 + j) * kCodedPairRow + v] >> 8];
   const std::array<int32_t, kCodes> tops = most_frequent(counts);
   const std::array<int16_t, 256> code = codes_of(tops);
   at::Tensor body = at::zeros({count * k2 * kPairCodedStep + kCodedPad}, at::kByte);
-  uint8_t* b = body.data_ptr<uint8_t>();
   std::vector<std::vector<int32_t>> escapes(count);
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < k2; ++j)
-        for (int64_t v = 0; v < kCodedPairRow; ++v) {
-          if (!real(p, v)) continue;
-          const uint16_t bits = src[(p * k2 + j) * kCodedPairRow + v];
-          int c = code[bits >> 8];
-          if (c < 0) {
-            escapes[p].push_back(static_cast<int32_t>(j * kCodedPairRow + v));
-            escapes[p].push_back(static_cast<int32_t>(bits));
-            c = 0;
-          }
-          uint8_t* h = b + (p * k2 + j) * kPairCodedStep + (v / 32) * kPairCodedHalf;
-          const int64_t l = v % 32;
-          h[l] = static_cast<uint8_t>(bits);
-          h[32 + l % 16] |= static_cast<uint8_t>(c << (4 * (l / 16)));
-        }
+      encode_pair_panel(src + p * k2 * kCodedPairRow, k2, width(p), code,
+                        body.data_ptr<uint8_t>() + p * k2 * kPairCodedStep, escapes[p]);
   });
   return pack_escapes(body, tops, escapes);
 }
