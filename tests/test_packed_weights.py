@@ -545,8 +545,8 @@ def test_fp32_weight_of_half_values_keeps_half_panels_and_the_fp32_products(kern
     without bias, on every route: panel kernel, AMX or MKL) bitwise the fp32 panels'."""
     w, x, b = _case(m, 600, 200, seed=9)
     w = w.to(narrow).float()
-    wide, compact = PanelWeight(w, kernels), PanelWeight.narrowest(w, kernels)
-    assert compact.panels.dtype == narrow and 2 * compact.nbytes == wide.nbytes
+    wide, compact = PanelWeight(w, kernels), PanelWeight.half_panels(w, kernels)
+    assert compact is not None and compact.panels.dtype == narrow and 2 * compact.nbytes == wide.nbytes
     for bias in (None, b):
         assert torch.equal(compact.linear(x, bias), wide.linear(x, bias))
     assert compact.weight().dtype == torch.float32 and torch.equal(compact.weight(), w)
@@ -556,12 +556,12 @@ def test_fp32_weight_of_half_values_keeps_half_panels_and_the_fp32_products(kern
 
 def test_fp32_weights_off_the_half_grid_keep_fp32_panels(kernels):
     w, _, _ = _case(1, 64, 40, seed=3)
-    assert PanelWeight.narrowest(w, kernels).panels.dtype == torch.float32
+    assert PanelWeight.half_panels(w, kernels) is None
     half = w.bfloat16().float()
     off = dataclasses.replace(kernels, quant_linear=False)  # quantized_linears=False
-    assert PanelWeight.narrowest(half, off).panels.dtype == torch.float32
+    assert PanelWeight.half_panels(half, off) is None
     half[3, 7] = 1 / 3  # one value on neither grid
-    assert PanelWeight.narrowest(half, kernels).panels.dtype == torch.float32
+    assert PanelWeight.half_panels(half, kernels) is None
 
 
 def test_a_bf16_checkpoint_in_fp32_runs_from_half_panels_with_the_same_tokens(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tierserve.workers.backends.linear import LinearMethod
+from tierserve.workers.backends.linear import LinearMethod, plain_weight
 
 __all__ = ["CodedPanelWeight", "CodedPairPanels", "MAX_ESCAPE_FRACTION"]
 
@@ -77,18 +77,15 @@ class CodedPanelWeight(_Coded):
         panels = self.panels()
         if self.backend.amx_linear:
             return self.backend.linear_amx(x, panels, bias, self.out_features)
-        return F.linear(x, self._plain(panels), bias)
+        return F.linear(x, plain_weight(panels, self.out_features, pairs=False), bias)
 
     def panels(self) -> torch.Tensor:
         """The fp32 panels [ceil(N / W), K, W] (PanelWeight's layout) the codes hold."""
         return self.backend.ops.coded_panels(self.body, self.table, self.escapes,
                                              self.out_features, self.in_features)
 
-    def _plain(self, panels: torch.Tensor) -> torch.Tensor:
-        return panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
-
     def weight(self) -> torch.Tensor:
-        return self._plain(self.panels())
+        return plain_weight(self.panels(), self.out_features, pairs=False)
 
 
 class CodedPairPanels(_Coded):
@@ -122,6 +119,4 @@ class CodedPairPanels(_Coded):
                                                    self.out_features, self.in_features)
 
     def weight(self) -> torch.Tensor:
-        p, half, width2 = (panels := self.panels()).shape
-        w = panels.view(p, half, width2 // 2, 2).transpose(1, 2).reshape(p * width2 // 2, 2 * half)
-        return w[: self.out_features]
+        return plain_weight(self.panels(), self.out_features, pairs=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LinearMethod", "PlainLinear", "PackedWeight", "PanelWeight", "tensor_bytes"]
+__all__ = ["LinearMethod", "PlainLinear", "PackedWeight", "PanelWeight", "plain_weight",
+           "tensor_bytes"]
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -124,6 +125,18 @@ class PackedWeight(LinearMethod):
         return (self.packed, *((self.plain,) if self.panel is None else self.panel.tensors()))
 
 
+def plain_weight(panels: torch.Tensor, out_features: int, pairs: bool) -> torch.Tensor:
+    """The [N, K] weight held by panels [P, K, W] (pair panels [P, K / 2, 2 W] where `pairs`),
+    a copy; N = out_features."""
+    p, rows, width = panels.shape
+    if pairs:
+        width //= 2
+        w = panels.view(p, rows, width, 2).transpose(1, 2).reshape(p, width, 2 * rows)
+    else:
+        w = panels.transpose(1, 2)
+    return w.reshape(-1, w.shape[2])[:out_features]
+
+
 # Rows checked first: most fp32 checkpoints fail there, at no cost.
 _SAMPLE_ROWS = 64
 
@@ -147,7 +160,7 @@ class PanelWeight(LinearMethod):
     run csrc/linear_amx.cpp where the backend has AMX (bf16x3, to fp32 accuracy), else MKL on
     W rebuilt from the panels, a copy that is small next to a prefill-sized product. An fp32
     weight whose every value is a bf16 (or fp16) value, as a half-precision checkpoint loaded
-    in fp32 has, keeps its panels in that dtype (`narrowest`): the kernel widens them in
+    in fp32 has, keeps its panels in that dtype (`half_panels`): the kernel widens them in
     registers, products bitwise the fp32 panels', from half the bytes. bf16 / fp16 (backends
     whose half_linear is "kernel"): the panel kernel at every size, in fp32 math.
     bench/linear_kernels.py compares the routes."""
@@ -181,10 +194,6 @@ class PanelWeight(LinearMethod):
                     return cls(w.to(narrow), backend, dtype=torch.float32)
         return None
 
-    @classmethod
-    def narrowest(cls, weight: torch.Tensor, backend) -> "PanelWeight":
-        """half_panels where they apply, else the weight's own dtype's panels."""
-        return cls.half_panels(weight, backend) or cls(weight, backend)
 
     @staticmethod
     def pairs_for(weight: torch.Tensor, backend) -> bool:
@@ -212,17 +221,8 @@ class PanelWeight(LinearMethod):
             return self.backend.linear_amx(x, self.panels.float(), bias, self.out_features)
         return F.linear(x, self.weight(), bias)
 
-    def _features_major(self) -> torch.Tensor:
-        """The panels as [P, W, K] (a view where it can be)."""
-        p, rows, width = self.panels.shape
-        if self.pairs:
-            width //= 2
-            return self.panels.view(p, rows, width, 2).transpose(1, 2).reshape(p, width, 2 * rows)
-        return self.panels.transpose(1, 2)
-
     def weight(self) -> torch.Tensor:
-        w = self._features_major()
-        return w.reshape(-1, w.shape[2])[: self.out_features].to(self.dtype)
+        return plain_weight(self.panels, self.out_features, self.pairs).to(self.dtype)
 
     def place(self, arena) -> "PanelWeight":
         self.panels = arena.adopt(self.panels)
