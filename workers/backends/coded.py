@@ -72,12 +72,11 @@ class CodedPanelWeight(_Coded):
         if x.shape[0] <= self.backend.panel_max_rows:
             return self.backend.ops.linear_coded(x, self.body, self.table, self.escapes, bias,
                                                  self.out_features)
-        # Prefill-sized products: PanelWeight's routes over the fp32 panels rebuilt (a copy that
-        # is small next to such a product), so the results are its results.
-        panels = self.panels()
+        # Prefill-sized products: PanelWeight's routes over the weight rebuilt (a copy that is
+        # small next to such a product), so the results are its results.
         if self.backend.amx_linear:
-            return self.backend.linear_amx(x, panels, bias, self.out_features)
-        return F.linear(x, plain_weight(panels, self.out_features, pairs=False), bias)
+            return self.backend.linear_amx(x, self.panels(), bias, self.out_features)
+        return F.linear(x, self.weight(), bias)
 
     def panels(self) -> torch.Tensor:
         """The fp32 panels [ceil(N / W), K, W] (PanelWeight's layout) the codes hold."""
@@ -85,7 +84,8 @@ class CodedPanelWeight(_Coded):
                                              self.out_features, self.in_features)
 
     def weight(self) -> torch.Tensor:
-        return plain_weight(self.panels(), self.out_features, pairs=False)
+        return self.backend.ops.coded_weight(self.body, self.table, self.escapes,
+                                             self.out_features, self.in_features)
 
 
 class CodedPairPanels(_Coded):

@@ -42,6 +42,34 @@ at::Tensor coded_panels(const at::Tensor& body, const at::Tensor& table,
   return out;
 }
 
+// The plain [n, K] fp32 weight the coded panels hold (MKL's operand past the panel kernel's
+// rows): per panel, blocks of k steps decoded into a tile, then written out as runs of each
+// output feature's row, so that neither side is read or written with a stride.
+at::Tensor coded_weight(const at::Tensor& body, const at::Tensor& table,
+                        const at::Tensor& escapes, int64_t n, int64_t k) {
+  const CodedView w = check_coded("coded_weight: ", body, table, escapes, n, k);
+  constexpr int64_t kBlock = 64;  // k steps a tile: 8 KiB of fp32 on AVX-512
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const CodedDecoder dec(w.tops);
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float tile[kBlock * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      F32Escapes escapes_p = escapes_of(w, p);
+      const int64_t width = std::min<int64_t>(kPanel, n - p * kPanel);
+      for (int64_t k0 = 0; k0 < k; k0 += kBlock) {
+        const int64_t kn = std::min(kBlock, k - k0);
+        for (int64_t i = 0; i < kn; ++i)
+          decode_step(dec, w.panel(p) + (k0 + i) * kCodedStep, tile + i * kPanel);
+        escapes_p.patch(tile, k0, k0 + kn);
+        for (int64_t j = 0; j < width; ++j)
+          for (int64_t i = 0; i < kn; ++i) o[(p * kPanel + j) * k + k0 + i] = tile[i * kPanel + j];
+      }
+    }
+  });
+  return out;
+}
+
 // The top byte of an fp32 value.
 inline uint32_t top_byte(float v) {
   uint32_t bits;
@@ -162,9 +190,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> coded_encode(const at::Tensor& we
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("coded_encode(Tensor weight) -> (Tensor, Tensor, Tensor)");
   m.def("coded_panels(Tensor body, Tensor table, Tensor escapes, int n, int k) -> Tensor");
+  m.def("coded_weight(Tensor body, Tensor table, Tensor escapes, int n, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("coded_encode", &tierserve::coded_encode);
   m.impl("coded_panels", &tierserve::coded_panels);
+  m.impl("coded_weight", &tierserve::coded_weight);
 }
