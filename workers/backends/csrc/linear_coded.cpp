@@ -156,11 +156,17 @@ inline void decode_step(const CodedDecoder& dec, const uint8_t* src, float* dst)
 
 constexpr int64_t kCodedAhead = 32;  // k steps a panel's bytes are prefetched ahead
 
-inline void prefetch_ahead(const uint8_t* step) {
+inline void prefetch_ahead(const uint8_t* step, bool stream) {
   // Past the panel's end too: into the next panel, which a thread's run of panels usually
-  // reads next (a prefetch never faults).
-  __builtin_prefetch(step + kCodedAhead * kCodedStep, 0, 0);
-  __builtin_prefetch(step + kCodedAhead * kCodedStep + kLine, 0, 0);
+  // reads next (a prefetch never faults). A panel's only reader streams it past the caches
+  // (a decode step reads its weights once); where another tile reads it again it goes to L2.
+  if (stream) {
+    __builtin_prefetch(step + kCodedAhead * kCodedStep, 0, 0);
+    __builtin_prefetch(step + kCodedAhead * kCodedStep + kLine, 0, 0);
+  } else {
+    __builtin_prefetch(step + kCodedAhead * kCodedStep, 0, 2);
+    __builtin_prefetch(step + kCodedAhead * kCodedStep + kLine, 0, 2);
+  }
 }
 
 // c[MR][kPanel] (row stride ldc) = a[MR][k] (row stride lda) . panel p: per output the fp32
@@ -169,7 +175,7 @@ inline void prefetch_ahead(const uint8_t* step) {
 // escapes are written into.
 template <int MR>
 void coded_tile(const CodedDecoder& dec, const CodedView& w, int64_t p, const float* __restrict a,
-                int64_t lda, float* __restrict c, int64_t ldc) {
+                int64_t lda, float* __restrict c, int64_t ldc, bool stream) {
   const uint8_t* body = w.panel(p);
   const int64_t k = w.k;
   F32Escapes escapes = escapes_of(w, p);
@@ -179,7 +185,7 @@ void coded_tile(const CodedDecoder& dec, const CodedView& w, int64_t p, const fl
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
   for (int64_t i = 0, stop = escapes.next_k(k); i < k; ++i) {
     const uint8_t* s = body + i * kCodedStep;
-    prefetch_ahead(s);
+    prefetch_ahead(s, stream);
     Vec w0, w1;
     if (i != stop) {
       w0 = dec(s);
@@ -205,7 +211,7 @@ void coded_tile(const CodedDecoder& dec, const CodedView& w, int64_t p, const fl
 }
 
 using CodedTile = void (*)(const CodedDecoder&, const CodedView&, int64_t, const float*, int64_t,
-                           float*, int64_t);
+                           float*, int64_t, bool);
 
 template <int... MR>
 constexpr auto coded_tile_table(std::integer_sequence<int, MR...>) {
@@ -221,11 +227,12 @@ void coded_few_rows(const CodedDecoder& dec, const CodedView& w, const float* x,
   single_row_panels(
       panels, n / kPanel, kGroup,
       [&](int64_t p0, int64_t count) {
-        for (int64_t p = p0; p < p0 + count; ++p) tile(dec, w, p, x, ldx, out + p * kPanel, n);
+        for (int64_t p = p0; p < p0 + count; ++p)
+          tile(dec, w, p, x, ldx, out + p * kPanel, n, true);
       },
       [&](int64_t p) {
         alignas(64) float c[kMaxMR * kPanel];
-        tile(dec, w, p, x, ldx, c, kPanel);
+        tile(dec, w, p, x, ldx, c, kPanel, true);
         for (int64_t r = 0; r < m; ++r)
           std::copy_n(c + r * kPanel, n - p * kPanel, out + r * n + p * kPanel);
       });
@@ -246,7 +253,7 @@ void coded_slice_tile(const CodedDecoder& dec, const uint8_t* body, F32Escapes& 
   }
   for (int64_t i = 0; i < kn; ++i) {
     const uint8_t* s = body + (kc + i) * kCodedStep;
-    prefetch_ahead(s);
+    prefetch_ahead(s, true);
     float* row = slice + i * kPanel;
     Vec w0 = dec(s), w1 = dec(s + kCodedVecBytes);
     store(row, w0);
@@ -291,13 +298,20 @@ void coded_slices(const CodedDecoder& dec, const CodedView& w, int64_t p, const 
                   const float* a, int64_t lda, float* c, int64_t ldc) {
   alignas(64) float slice[kKC * kPanel];
   F32Escapes escapes = escapes_of(w, p);
+  const uint8_t* body = w.panel(p);
   for (int64_t kc = 0; kc < w.k; kc += kKC) {
     const int64_t kn = std::min(kKC, w.k - kc);
-    kCodedSliceTile[split.rows(0) - 1](dec, w.panel(p), escapes, kc, kn, a + kc, lda, slice, c,
-                                       ldc, kc == 0);
+    kCodedSliceTile[split.rows(0) - 1](dec, body, escapes, kc, kn, a + kc, lda, slice, c, ldc,
+                                       kc == 0);
+    // The bytes the first tile decodes next (the next block, or the next panel's first, which
+    // a thread's run of panels reads next) are fetched into L2 meanwhile, a share per other
+    // tile: the first tile's own look-ahead is too short to hide memory's latency.
+    const char* next = reinterpret_cast<const char*>(body + (kc + kn) * kCodedStep);
+    const int64_t lines = (kKC * kCodedStep + kLine - 1) / kLine;
+    const int64_t share = (lines + split.tiles - 2) / (split.tiles - 1);
     for (int64_t t = 1, r = split.rows(0); t < split.tiles; r += split.rows(t), ++t)
       kMicro<float>[split.rows(t) - 1](kn, a + r * lda + kc, lda, slice, c + r * ldc, ldc,
-                                       kc == 0, nullptr, 0);
+                                       kc == 0, next + (t - 1) * share * kLine, share);
   }
 }
 
@@ -318,7 +332,8 @@ void coded_rows_panel(const CodedDecoder& dec, const CodedView& w, const float* 
   const TileSplit split(rows);
   if (split.tiles <= kOwnDecodeTiles) {
     for (int64_t t = 0, r = 0; t < split.tiles; r += split.rows(t), ++t)
-      kCodedTile[split.rows(t) - 1](dec, w, p, x + (m0 + r) * ldx, ldx, c + r * ldc, ldc);
+      kCodedTile[split.rows(t) - 1](dec, w, p, x + (m0 + r) * ldx, ldx, c + r * ldc, ldc,
+                                    false);
   } else {
     coded_slices(dec, w, p, split, x + m0 * ldx, ldx, c, ldc);
   }

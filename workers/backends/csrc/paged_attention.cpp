@@ -45,9 +45,9 @@
 namespace tierserve {
 namespace {
 
-// Tokens between a row's prefetch and its use. Each prefetch holds one of the core's few miss
-// buffers until its line arrives; rows far ahead queue behind them and arrive no sooner.
-constexpr int kAhead = 8;
+// Tokens between a row's prefetch and its use. Each prefetch holds a miss buffer until its
+// line arrives; rows far ahead queue behind them and arrive no sooner.
+constexpr int kAhead = 12;
 
 // Per-thread scratch for one work item's query heads (at most all of them), kept by each
 // thread across calls and grown as needed: a step makes one call per layer. Every field is
