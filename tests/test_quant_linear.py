@@ -163,6 +163,10 @@ def test_codes_at_load_equal_the_gguf_reference_quantizer(qtype, fmt, backend):
     w[5, 32:64] = 0.125
     w[6, :32] *= 1e4
     w[7, 64:] *= 1e-6
+    # Ties: a scale of exactly 1 puts w / d (Q8_0) and (w - min) / d + 0.5 (Q4_1) on halves,
+    # which both round away from zero (ggml's roundf, and trunc of a nonnegative value).
+    w[8, :32] = np.arange(32) - 15.5 if fmt == "q8_0" else np.arange(32) % 16 - 0.5
+    w[8, 0] = 127 if fmt == "q8_0" else 14.5
     for weight in (torch.from_numpy(w), torch.from_numpy(w).bfloat16()):
         codes, d, m = _gguf_blocks(weight.float().numpy(), qtype)
         method = backend.linear_method(weight, fmt)

@@ -5,7 +5,8 @@ Codes come from two sources, both ending in the same layout and kernels (csrc/qu
     finds codes and scales that rebuild every fp32 value exactly (or declines the weight);
   * any fp32 / bf16 checkpoint quantized at load (the `quantization` option):
     `QuantPanelWeight.quantize` runs the GGUF reference quantizer's arithmetic (gguf-py's
-    quantize_blocks, itself bit-exact with ggml's), so the codes equal a GGUF file's.
+    quantize_blocks, itself bit-exact with ggml's; `reference_quantize` here in torch,
+    csrc/quant_encode.cpp in the kernels), so the codes equal a GGUF file's.
 Q4_1: w = q * d + m per block of 32 inputs (q 0..15, d and m fp16); Q8_0: w = q * d (q
 -127..127, d fp16). q * d is exact in fp32 (11 + 8 significant bits), so a rebuilt weight is
 the fp32 value the loader's dequantization gives, bit for bit.
@@ -80,26 +81,6 @@ def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> 
     return w.reshape(codes.shape[0], -1)
 
 
-def _panel_layout(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, width: int):
-    """Reference codes [N, B, 32] -> csrc/quant.cpp's panel layout: per panel of `width`
-    features and block of 32 inputs, Q8_0 codes [32][width] int8, Q4_1 codes [32][width / 2]
-    bytes (byte j: feature j low nibble, feature j + width / 2 high); d, m [panels, B, width].
-    Features past N are zero."""
-    n, blocks, _ = codes.shape
-    panels = -(-n // width)
-    pad = panels * width - n
-    c = F.pad(codes, (0, 0, 0, 0, 0, pad)).view(panels, width, blocks, BLOCK)
-    c = c.permute(0, 2, 3, 1)  # [panels, B, 32, width]
-    if m is not None:
-        half = width // 2
-        c = (c[..., :half] | (c[..., half:] << 4)).to(torch.uint8)
-    scales = F.pad(d, (0, 0, 0, pad)).view(panels, width, blocks).transpose(1, 2)
-    offsets = None if m is None else F.pad(m, (0, 0, 0, pad)).view(panels, width,
-                                                                    blocks).transpose(1, 2)
-    return (c.contiguous(), scales.contiguous(),
-            None if offsets is None else offsets.contiguous())
-
-
 _SAMPLE_ROWS = 64
 
 
@@ -148,10 +129,18 @@ class QuantPanelWeight(LinearMethod):
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str, backend) -> "QuantPanelWeight":
         """Any [N, K] weight (K a multiple of 32) quantized to `fmt` as the GGUF reference
-        quantizer does it."""
-        codes, d, m = reference_quantize(weight, fmt)
-        c, scales, offsets = _panel_layout(codes, d, m, backend.panel_width)
-        return cls(fmt, c, scales, offsets, weight.shape[0], weight.shape[1], backend)
+        quantizer does it (the kernels' own quantizer: reference_quantize's arithmetic, in the
+        panel layout)."""
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"unknown block format {fmt!r}")
+        if weight.shape[-1] % BLOCK:
+            raise ValueError(f"{fmt} needs K a multiple of {BLOCK}, got {weight.shape[-1]}")
+        w = weight.detach().float().contiguous()
+        if fmt == "q4_1":
+            codes, scales, offsets = backend.ops.quant_quantize_q4_1(w)
+        else:
+            (codes, scales), offsets = backend.ops.quant_quantize_q8_0(w), None
+        return cls(fmt, codes, scales, offsets, weight.shape[0], weight.shape[1], backend)
 
     def place(self, arena) -> "QuantPanelWeight":
         self.codes = arena.adopt(self.codes)

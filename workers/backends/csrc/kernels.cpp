@@ -15,6 +15,7 @@
 #include "int8_greedy.cpp"
 #include "fused.cpp"
 #include "quant.cpp"
+#include "quant_encode.cpp"
 #include "layer_stack.cpp"
 
 #include <string>

@@ -4,7 +4,7 @@
 // A GGUF model's fp32 weights are its quantized blocks dequantized: Q4_1 w = q * d + m (q a
 // 4-bit code, d and m per block of 32 inputs), Q8_0 w = q * d (q an int8 code). Decode-sized
 // products are bound by the bytes of weight they stream: 4 per fp32 weight, under one here.
-// The encoder finds, per block, codes and scales that rebuild every fp32 weight exactly (or
+// quant_encode.cpp finds, per block, codes and scales that rebuild every fp32 weight exactly (or
 // declines the tensor), and the product rebuilds each weight in registers before the same FMA
 // chain over k = 0 .. K-1 in order that csrc/linear.cpp runs on the fp32 panels. So a product
 // here equals linear_f32's on the same weight bit for bit, and a layer may send any batch size
@@ -344,145 +344,17 @@ at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& codes, const at::T
   return quant_linear("linear_q8_0: ", false, x, codes, d, d, bias, n);
 }
 
-// ---------------------------------------------------------------------------- encoding
-
-// fp16 neighbours of v (v rounded to fp16, then up to two fp16 steps either way), as fp32:
-// GGUF scales are fp16, and the rounding of the weights they produced hides the exact one.
-inline int fp16_candidates(float v, float* out) {
-  const uint16_t bits = c10::Half(v).x;
-  int count = 0;
-  for (int step : {0, -1, 1, -2, 2}) {
-    const int b = static_cast<int>(bits & 0x7FFF) + step;
-    if (b < 0 || b >= 0x7C00) continue;  // past zero, or infinities and NaNs
-    out[count++] = static_cast<float>(c10::Half(static_cast<uint16_t>((bits & 0x8000) | b),
-                                                c10::Half::from_bits()));
-  }
-  return count;
-}
-
-// Codes, scale and offset rebuilding w[0..31] exactly as fma(q, d, m), q in 0..15; false where
-// none of the candidate scales does.
-bool encode_q4_block(const float* w, uint8_t* q, float& d, float& m) {
-  float lo = w[0], hi = w[0];
-  for (int j = 1; j < kQBlock; ++j) lo = std::min(lo, w[j]), hi = std::max(hi, w[j]);
-  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
-  m = lo;
-  float cands[5];
-  const int count = hi == lo ? 1 : fp16_candidates((hi - lo) / 15.0f, cands);
-  if (hi == lo) cands[0] = 0.0f;
-  for (int c = 0; c < count; ++c) {
-    d = cands[c];
-    bool exact = true;
-    for (int j = 0; j < kQBlock && exact; ++j) {
-      const float code = d == 0.0f ? 0.0f : std::nearbyint((w[j] - m) / d);
-      q[j] = static_cast<uint8_t>(std::clamp(code, 0.0f, 15.0f));
-      exact = std::fma(static_cast<float>(q[j]), d, m) == w[j];
-    }
-    if (exact) return true;
-  }
-  return false;
-}
-
-// Codes and scale rebuilding w[0..31] exactly as q * d, q in -127..127.
-bool encode_q8_block(const float* w, int8_t* q, float& d) {
-  float amax = 0.0f;
-  for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(w[j]));
-  if (!std::isfinite(amax)) return false;
-  float cands[5];
-  const int count = amax == 0.0f ? 1 : fp16_candidates(amax / 127.0f, cands);
-  if (amax == 0.0f) cands[0] = 0.0f;
-  for (int c = 0; c < count; ++c) {
-    d = cands[c];
-    bool exact = true;
-    for (int j = 0; j < kQBlock && exact; ++j) {
-      const float code = d == 0.0f ? 0.0f : std::nearbyint(w[j] / d);
-      q[j] = static_cast<int8_t>(std::clamp(code, -127.0f, 127.0f));
-      exact = static_cast<float>(q[j]) * d == w[j];
-    }
-    if (exact) return true;
-  }
-  return false;
-}
-
-// Lays one feature's block out in its panel: codes into column f of the [32][row_bytes] rows.
-void place_q4(const uint8_t* q, uint8_t* rows, int f) {
-  const int byte = f % kLanes, shift = f < kLanes ? 0 : 4;
-  for (int j = 0; j < kQBlock; ++j) rows[j * (kQNR / 2) + byte] |= q[j] << shift;
-}
-
-// w [N, K] fp32 -> (codes, d, m) in the panel layout, or empty tensors where some block has no
-// exact encoding (the caller keeps the fp32 kernel). m is empty for Q8_0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_encode(const at::Tensor& weight, bool q4) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
-                  weight.dim() == 2 && weight.size(1) % kQBlock == 0,
-              "quant_encode: weight must be a float32 [N, K] CPU tensor, K a multiple of 32");
-  const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), blocks = k / kQBlock;
-  const int64_t panels = (n + kQNR - 1) / kQNR;
-  const int64_t row_bytes = q4 ? kQNR / 2 : kQNR;
-  at::Tensor codes = at::zeros({panels, blocks, kQBlock, row_bytes},
-                               w.options().dtype(q4 ? at::kByte : at::kChar));
-  at::Tensor d = at::zeros({panels, blocks, kQNR}, w.options());
-  at::Tensor m = q4 ? at::zeros({panels, blocks, kQNR}, w.options()) : at::empty({0}, w.options());
-  std::atomic<bool> ok{true};
-  const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) int8_t q[kQBlock];
-    for (int64_t p = p0; p < p1 && ok.load(std::memory_order_relaxed); ++p)
-      for (int64_t f = 0; f < kQNR && p * kQNR + f < n; ++f)
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* block = wp + (p * kQNR + f) * k + b * kQBlock;
-          const int64_t at_ = (p * blocks + b) * kQNR + f;
-          float* dp = d.data_ptr<float>() + at_;
-          bool exact;
-          if (q4) {
-            exact = encode_q4_block(block, reinterpret_cast<uint8_t*>(q), *dp,
-                                    m.data_ptr<float>()[at_]);
-            if (exact)
-              place_q4(reinterpret_cast<uint8_t*>(q),
-                       codes.data_ptr<uint8_t>() + (p * blocks + b) * kQBlock * row_bytes, f);
-          } else {
-            exact = encode_q8_block(block, q, *dp);
-            int8_t* rows = codes.data_ptr<int8_t>() + (p * blocks + b) * kQBlock * row_bytes;
-            for (int j = 0; exact && j < kQBlock; ++j) rows[j * row_bytes + f] = q[j];
-          }
-          if (!exact) {
-            ok.store(false, std::memory_order_relaxed);
-            return;
-          }
-        }
-  });
-  if (!ok.load()) {
-    const auto none = at::empty({0}, w.options());
-    return {none, none, none};
-  }
-  return {codes, d, m};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_encode_q4_1(const at::Tensor& weight) {
-  return quant_encode(weight, true);
-}
-
-std::tuple<at::Tensor, at::Tensor> quant_encode_q8_0(const at::Tensor& weight) {
-  auto [codes, d, m] = quant_encode(weight, false);
-  return {codes, d};
-}
-
 }  // namespace
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("linear_q4_1(Tensor x, Tensor codes, Tensor d, Tensor m, Tensor? bias, int n) -> Tensor");
   m.def("linear_q8_0(Tensor x, Tensor codes, Tensor d, Tensor? bias, int n) -> Tensor");
-  m.def("quant_encode_q4_1(Tensor weight) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_encode_q8_0(Tensor weight) -> (Tensor, Tensor)");
   m.def("quant_dequant_panels(Tensor codes, Tensor d, Tensor? m, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
   m.impl("linear_q4_1", &tierserve::linear_q4_1);
   m.impl("linear_q8_0", &tierserve::linear_q8_0);
-  m.impl("quant_encode_q4_1", &tierserve::quant_encode_q4_1);
-  m.impl("quant_encode_q8_0", &tierserve::quant_encode_q8_0);
   m.impl("quant_dequant_panels", &tierserve::quant_dequant_panels);
 }
