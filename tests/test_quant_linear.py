@@ -184,6 +184,16 @@ def test_codes_at_load_equal_the_gguf_reference_quantizer(qtype, fmt, backend):
                            torch.from_numpy(want.reshape(70, 96)))
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_a_weight_holding_non_finite_values_is_refused(fmt, backend):
+    """Such a weight has no codes: a clear error at load on every backend, not garbage codes."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.randn(40, 64) * 0.05
+        w[3, 37] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            backend.linear_method(w, fmt)
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_a_gguf_file_and_quantization_at_load_give_the_same_tokens(kernels, fmt, tmp_path):
     """The same weights as a quantized GGUF (codes found exactly from the dequantized file) and

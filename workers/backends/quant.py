@@ -57,6 +57,8 @@ def reference_quantize(weight: torch.Tensor, fmt: str
     if k % BLOCK:
         raise ValueError(f"{fmt} needs K a multiple of {BLOCK}, got {k}")
     blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if not bool(torch.isfinite(blocks).all()):
+        raise ValueError(f"cannot quantize a weight holding non-finite values to {fmt}")
     if fmt == "q8_0":
         d = blocks.abs().amax(dim=-1, keepdim=True) / 127
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
@@ -140,6 +142,8 @@ class QuantPanelWeight(LinearMethod):
             codes, scales, offsets = backend.ops.quant_quantize_q4_1(w)
         else:
             (codes, scales), offsets = backend.ops.quant_quantize_q8_0(w), None
+        if codes.numel() == 0:
+            raise ValueError(f"cannot quantize a weight holding non-finite values to {fmt}")
         return cls(fmt, codes, scales, offsets, weight.shape[0], weight.shape[1], backend)
 
     def place(self, arena) -> "QuantPanelWeight":

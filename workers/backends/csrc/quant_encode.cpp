@@ -2,9 +2,9 @@
 // after quant.cpp, whose layout constants it uses):
 // - quant_encode_*: codes that rebuild every weight exactly, where the weights are a GGUF
 //   file's blocks dequantized (or none: the caller keeps the fp32 kernel);
-// - quant_quantize_*: any weight quantized with the arithmetic of llama.cpp's reference
+// - quant_quantize_*: any finite weight quantized with the arithmetic of llama.cpp's reference
 //   quantizer (gguf-py's quantize_blocks in fp32, as quant.py's reference_quantize, operation for
-//   operation: the codes equal a GGUF file's). The engine's quantization at load, and the
+//   operation: the codes equal a GGUF file's); none where a value is not finite. The engine's quantization at load, and the
 //   greedy head's Q8_0 copy of a dense head.
 
 #include <ATen/ATen.h>
@@ -80,10 +80,16 @@ bool encode_q8_block(const float* w, int8_t* q, float& d) {
 }
 
 // The reference quantizer's Q8_0 block: d = amax / 127, q = round(w / d) (half away from
-// zero, as ggml's roundf), w times 1 / d in fp32; d kept as its fp16 value.
+// zero, as ggml's roundf), w times 1 / d in fp32; d kept as its fp16 value. False for a block
+// holding a non-finite value, which has no codes.
 bool quantize_q8_block(const float* w, int8_t* q, float& d) {
   float amax = 0.0f;
-  for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(w[j]));
+  bool finite = true;
+  for (int j = 0; j < kQBlock; ++j) {
+    finite &= std::isfinite(w[j]);
+    amax = std::max(amax, std::fabs(w[j]));
+  }
+  if (!finite) return false;
   const float scale = amax / 127.0f;
   const float inv = scale == 0.0f ? 0.0f : 1.0f / scale;
   for (int j = 0; j < kQBlock; ++j) q[j] = static_cast<int8_t>(std::round(w[j] * inv));
@@ -93,9 +99,15 @@ bool quantize_q8_block(const float* w, int8_t* q, float& d) {
 
 // The reference quantizer's Q4_1 block: d = (max - min) / 15, m = min, q = trunc((w - m) / d +
 // 0.5) clamped to 0..15, each operation rounded to fp32 on its own; d and m kept as fp16 values.
+// False for a block holding a non-finite value.
 bool quantize_q4_block(const float* w, uint8_t* q, float& d, float& m) {
   float lo = w[0], hi = w[0];
-  for (int j = 1; j < kQBlock; ++j) lo = std::min(lo, w[j]), hi = std::max(hi, w[j]);
+  bool finite = true;
+  for (int j = 0; j < kQBlock; ++j) {
+    finite &= std::isfinite(w[j]);
+    lo = std::min(lo, w[j]), hi = std::max(hi, w[j]);
+  }
+  if (!finite) return false;
   const float scale = (hi - lo) / 15.0f;
   const float inv = scale == 0.0f ? 0.0f : 1.0f / scale;
   for (int j = 0; j < kQBlock; ++j) {
