@@ -85,7 +85,9 @@ class RouterClient(RouterControl):
             yield rejected
         try:
             await self._dispatch(call, [(t, t.continuations()) for t in call.tracked.values()])
-            while call.left:
+            # A leg counts a request finished when it queues the output that finishes it:
+            # the caller may not have read that output yet (it awaits between outputs).
+            while call.left or not call.queue.empty():
                 batch = await call.queue.get()
                 if isinstance(batch, BaseException):
                     raise batch

@@ -100,7 +100,7 @@ class Call:
         self.tracked: dict[str, Tracked] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.legs: set[asyncio.Task] = set()
-        self.left = 0  # caller requests not finished
+        self.left = 0  # caller requests whose finishing output is not queued yet
         self.actors: dict[str, object] = {}  # engine id -> the replica actor serving it
 
     def owner(self, o: EngineCoreOutput) -> tuple[Tracked, int]:

@@ -53,6 +53,9 @@ try:
     async def many(prompts, params):
         return await asyncio.gather(*[collect(p, params) for p in prompts])
 
+    async def many_of(fn, prompts):
+        return await asyncio.gather(*[fn(p) for p in prompts])
+
     greedy_params = SamplingParams(**greedy)
     out["tokens"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
     # The synchronous path (LLM's): one batch over both replicas.
@@ -64,6 +67,16 @@ try:
         for o in outputs:
             sync.setdefault(o.req_id, []).extend(o.new_token_ids)
     out["sync_tokens"] = [sync[f"sync-{i}"] for i in range(len(prompts))]
+
+    # A caller that awaits between outputs (as an HTTP stream's writes do) gets every one.
+    async def slow(prompt):
+        toks, reason = [], None
+        async for d in h.generate(prompt, greedy_params):
+            toks += d.outputs[0].token_ids
+            reason = d.outputs[0].finish_reason or reason
+            await asyncio.sleep(0.01)
+        return toks, reason
+    out["slow"] = asyncio.run(many_of(slow, prompts))
 
     # A prefix served once: its follow-up goes where it is cached, whichever replica that is.
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -211,6 +224,7 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     assert len(set(out["nodes"])) == 2
     # Greedy tokens equal a single engine's, streamed or in one synchronous batch.
     assert out["tokens"] == ref and out["sync_tokens"] == ref
+    assert out["slow"] == [[t, "length"] for t in ref]
     # Each prefix is on exactly one replica's device, and its follow-up was routed there.
     assert all(len(h) == 1 for h in out["holders"]), out["holders"]
     assert out["follow_cached"] == [32] * 6, out["follow_cached"]
