@@ -42,12 +42,16 @@ try:
     view = h.engine.describe()["replicas"]
     out["nodes"] = [r["node"] for r in view.values()]
 
+    finishes = []  # (tokens, finish reason) of each stream, for a failure's message
+
     async def collect(prompt, params, salt=None):
-        toks, cached = [], None
+        toks, cached, reason = [], None, None
         async for d in h.generate(prompt, params, cache_salt=salt):
             assert d.error is None, d.error
             toks += d.outputs[0].token_ids
             cached = d.num_cached_tokens
+            reason = d.outputs[0].finish_reason or reason
+        finishes.append((len(toks), reason))
         return toks, cached
 
     async def many(prompts, params):
@@ -58,6 +62,7 @@ try:
 
     greedy_params = SamplingParams(**greedy)
     out["tokens"] = [t for t, _ in asyncio.run(many(prompts, greedy_params))]
+    out["finishes"] = list(finishes)
     # The synchronous path (LLM's): one batch over both replicas.
     from tierserve.scheduler.messages import EngineCoreRequest
     batch = [EngineCoreRequest(f"sync-{i}", greedy_params, prompt_token_ids=p)
@@ -223,7 +228,7 @@ def test_replicas_on_two_nodes_route_by_kv_events_and_survive_a_dead_replica(tmp
     # One replica per node.
     assert len(set(out["nodes"])) == 2
     # Greedy tokens equal a single engine's, streamed or in one synchronous batch.
-    assert out["tokens"] == ref and out["sync_tokens"] == ref
+    assert out["tokens"] == ref and out["sync_tokens"] == ref, out["finishes"]
     assert out["slow"] == [[t, "length"] for t in ref]
     # Each prefix is on exactly one replica's device, and its follow-up was routed there.
     assert all(len(h) == 1 for h in out["holders"]), out["holders"]
