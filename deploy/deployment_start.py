@@ -67,7 +67,7 @@ def start_engine_actor(config: EngineConfig, pg, uid: str, namespace: str | None
                            pg, placement_group_bundle_index=bundles[0]),
                        # The engine and its workers (which inherit it) see this process's
                        # TIERSERVE_* settings, not those the cluster was started with.
-                       runtime_env={"env_vars": envs.tierserve_variables()})
+                       runtime_env={"env_vars": envs.actor_variables()})
         if detached:
             options.update(name=uid, namespace=namespace or envs.default_namespace(),
                            lifetime="detached")
@@ -112,7 +112,7 @@ def start_replicated(config: EngineConfig, name: str | None = None,
                          f"tensor_parallel_size={config.tensor_parallel_size}")
     uid = actor_name(name) if name is not None else f"tierserve-{os.urandom(4).hex()}"
     options = dict(num_cpus=0, max_concurrency=1000,
-                   runtime_env={"env_vars": envs.tierserve_variables()})
+                   runtime_env={"env_vars": envs.actor_variables()})
     if name is not None:
         # Ray restarts a named deployment's router (it then adopts the running replicas),
         # and calls made meanwhile are retried.

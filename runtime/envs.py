@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
-           "CPU_ISAS", "debug_stall", "debug_crash", "debug_late_copies", "tierserve_variables",
+           "CPU_ISAS", "debug_stall", "debug_crash", "debug_late_copies", "actor_variables",
            "pin_gloo_interface"]
 
 
@@ -93,10 +93,20 @@ def debug_late_copies() -> bool:
     return value == "1"
 
 
-def tierserve_variables() -> dict[str, str]:
-    """This process's TIERSERVE_* variables: a deployment's actors run with the environment of
-    the process that started it, whatever the Ray cluster's processes were started with."""
-    return {k: v for k, v in os.environ.items() if k.startswith("TIERSERVE_")}
+# Ray's switch for its warning on a blocking ray.get inside an async actor.
+_RAY_ASYNC_GET_WARNING = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
+
+
+def actor_variables() -> dict[str, str]:
+    """The environment of a deployment's actors: this process's TIERSERVE_* variables (they
+    run with the settings of the process that started them, whatever the Ray cluster's
+    processes were started with), and Ray's warning on a blocking get in an async actor off:
+    ours block only in constructors and worker threads, which the warning cannot tell from
+    the event loop (Ray Train turns it off for its actors too). An operator's own setting of
+    it wins."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("TIERSERVE_")}
+    env[_RAY_ASYNC_GET_WARNING] = os.environ.get(_RAY_ASYNC_GET_WARNING, "0")
+    return env
 
 
 def pin_gloo_interface(interface: str) -> None:
