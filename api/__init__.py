@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
            "stop", "analyze"]
 __version__ = "0.1.0"
@@ -23,6 +24,8 @@ _EXPORTS = {
     "CompletionOutput": "tierserve.runtime.outputs",
     "RequestOutput": "tierserve.runtime.outputs",
     "SamplingParams": "tierserve.scheduler.params",
+    "StructuredOutputs": "tierserve.scheduler.params",
+    "StructuredOutputsParams": "tierserve.scheduler.params",
     "analyze": "tierserve.runtime.analyze",
 }
 

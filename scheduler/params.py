@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import enum
 import math
+from json import dumps as _json_text
 
 import msgspec
 
-__all__ = ["SamplingParams", "StructuredOutputs", "RequestStatus", "FinishReason", "ErrorKind", "QueueFullError",
-           "MAX_N"]
+__all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
+           "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
@@ -74,8 +75,9 @@ def finish_reason_of(status: RequestStatus) -> FinishReason | None:
 class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True,
                         gc=False):
     """One constraint on a request's output (vLLM's names): `json` a JSON schema (its JSON
-    text), `json_object` any JSON object, `regex`, `choice` one of the strings, `grammar` a
-    Lark (or GBNF) grammar. workers/structured.py compiles it."""
+    text, or the schema as a dict, which becomes its text), `json_object` any JSON object,
+    `regex`, `choice` one of the strings, `grammar` a Lark (or GBNF) grammar.
+    workers/structured.py compiles it."""
 
     json: str | None = None
     json_object: bool = False
@@ -84,6 +86,12 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # as vLLM's StructuredOutputsParams takes it
+            try:
+                self.json = _json_text(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"SamplingParams.structured_outputs.json is not a JSON "
+                                 f"schema: {e}") from None
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError(f"SamplingParams.structured_outputs takes exactly one of json, "
@@ -101,6 +109,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     def kinds(self) -> list[str]:
         return [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
                 ] + (["json_object"] if self.json_object is True else [])
+
+
+# vLLM's name for it: code written for vLLM runs with its import changed.
+StructuredOutputsParams = StructuredOutputs
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, gc=False):

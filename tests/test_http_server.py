@@ -504,6 +504,23 @@ def test_json_schema_outputs_parse_and_validate(client):
             jsonschema.validate(value, PERSON)
 
 
+def test_the_python_api_takes_a_schema_as_a_dict_as_vllm_does(engine):
+    import asyncio
+
+    import jsonschema
+
+    from tierserve import SamplingParams, StructuredOutputsParams
+    params = SamplingParams(max_tokens=160, temperature=1.0, seed=4,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    assert params.structured_outputs.json == json.dumps(PERSON)
+
+    async def text():
+        return "".join([d.outputs[0].text async for d in engine.generate("who?", params)])
+    jsonschema.validate(json.loads(asyncio.run(text())), PERSON)
+    with pytest.raises(ValueError, match="structured_outputs.json is not a JSON schema"):
+        StructuredOutputsParams(json={"enum": {1, 2}})
+
+
 def test_regex_and_choice_outputs_match(client):
     import re
     out = client.completions.create(model=MODEL, prompt="a code:", n=4, max_tokens=20,
