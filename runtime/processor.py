@@ -23,6 +23,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
 from tierserve.runtime.requests import (
     Prompt, check_params, check_prompt, prompt_fields, token_ids,
@@ -31,7 +33,7 @@ from tierserve.runtime.tokenizer import Tokenizer
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import FinishReason, SamplingParams
 
-__all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool"]
+__all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool", "bad_word_ids"]
 
 log = logging.getLogger("tierserve.processor")
 
@@ -100,14 +102,18 @@ class InputProcessor:
         fields = prompt_fields(prompt)
         check_prompt(fields)
         check_params(params, priority, cache_salt)
+        keep = self._kept(params)
         if fields.token_ids is not None:
-            if hasattr(fields.token_ids, "__len__") and len(fields.token_ids) > self.max_model_len:
+            if keep is None and hasattr(fields.token_ids, "__len__") and \
+                    len(fields.token_ids) > self.max_model_len:
                 raise ValueError(self._too_long(len(fields.token_ids)))
             fields.token_ids = token_ids(fields.token_ids, vocab_size=self.vocab_size)
         elif self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; use bad_words_token_ids")
         return fields
 
     def tokenize(self, req_id: str, fields: Prompt, params: SamplingParams, priority: int,
@@ -115,11 +121,28 @@ class InputProcessor:
         ids = fields.token_ids
         if ids is None:
             ids = self._encode(fields)
-            if len(ids) > self.max_model_len:
-                raise ValueError(self._too_long(len(ids)))
+        keep = self._kept(params)
+        if keep is not None:
+            ids = ids[-keep:]
+        if len(ids) > self.max_model_len:
+            raise ValueError(self._too_long(len(ids)))
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words=None, bad_words_token_ids=(
+                params.bad_words_token_ids or []) + bad_word_ids(params.bad_words,
+                                                                 self.tokenizer))
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
                                     cache_salt=cache_salt, label=label)
         return Processed(request, fields.text)
+
+    def _kept(self, params: SamplingParams) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens {k} is more than max_model_len "
+                             f"{self.max_model_len}")
+        return self.max_model_len if k == -1 else k
 
     def _encode(self, fields: Prompt) -> list[int]:
         tok = self.tokenizer
@@ -142,6 +165,18 @@ class InputProcessor:
 
     def _too_long(self, n: int) -> str:
         return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
+
+
+def bad_word_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each bad word's token ids as the model writes it alone and after a space (vLLM's two
+    spellings), without repeats."""
+    out: list[list[int]] = []
+    for word in words:
+        for spelling in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(spelling, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _text_bytes(fields: Prompt) -> int:
@@ -223,10 +258,13 @@ class OutputProcessor:
         return kept, stopped
 
     def _detokenizer(self, state: _RequestState) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
+        params = state.params
+        if self.tokenizer is None or not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, state.prompt_ids, stop=state.params.stop,
-                                      include_stop=state.params.include_stop_str_in_output)
+        return IncrementalDetokenizer(self.tokenizer, state.prompt_ids,
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      stop=params.stop,
+                                      include_stop=params.include_stop_str_in_output)
 
     @staticmethod
     def _detokenize(o: EngineCoreOutput, detok: IncrementalDetokenizer) -> bool:

@@ -149,6 +149,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # Logprobs of each prompt token given the ones before (and the top-n there); the prompt
     # is then computed in full, without prefix cache hits.
     prompt_logprobs: int | None = None
+    # Text work in the caller's process (runtime/processor.py), which the engine never reads:
+    # words tokenized into bad_words_token_ids (alone and after a space, vLLM's spellings);
+    # special tokens left out of the text; no text at all; only the prompt's last k tokens
+    # (-1: max_model_len of them).
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -201,7 +209,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got "
                              f"{self.ignore_eos!r}")
+        self._check_text_fields()
 
+    def _check_text_fields(self) -> None:
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"SamplingParams.bad_words must be non-blank strings, got "
+                             f"{self.bad_words!r}")
+        for name in ("skip_special_tokens", "detokenize"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"SamplingParams.{name} must be True or False")
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop strings need detokenize=True (stop_token_ids "
+                             "need no text)")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens",
+                       lambda v: v == -1 or 1 <= v < 2**63, "must be -1 or >= 1")
 
     def _check_token_fields(self) -> None:
         _check_int(self.min_tokens, "min_tokens", lambda v: 0 <= v < 2**63, "must be >= 0")

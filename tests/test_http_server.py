@@ -521,6 +521,59 @@ def test_the_python_api_takes_a_schema_as_a_dict_as_vllm_does(engine):
         StructuredOutputsParams(json={"enum": {1, 2}})
 
 
+def _stream(engine, prompt, params) -> tuple[str, list[int], list[int]]:
+    """(text, token ids, prompt token ids) of one request through the Python API."""
+    import asyncio
+
+    async def run():
+        text, ids, prompt_ids = "", [], []
+        async for d in engine.generate(prompt, params):
+            assert d.error is None, d.error
+            text, ids = text + d.outputs[0].text, ids + d.outputs[0].token_ids
+            prompt_ids = prompt_ids or d.prompt_token_ids
+        return text, ids, prompt_ids
+    return asyncio.run(run())
+
+
+def test_vllm_text_options_truncate_ban_words_and_shape_the_text(engine, client):
+    from tierserve import SamplingParams
+    from tierserve.runtime.processor import bad_word_ids
+    tok = engine.tokenizer
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = tok.encode("one two three four five six seven eight")
+    # The prompt's last k tokens, as if they alone were sent.
+    alone = _stream(engine, ids[-3:], SamplingParams(**greedy))
+    cut = _stream(engine, ids, SamplingParams(**greedy, truncate_prompt_tokens=3))
+    assert cut == alone and cut[2] == ids[-3:]
+    # A bad word the free output writes (as one token) is never written.
+    text, free, _ = _stream(engine, "the cat", SamplingParams(**greedy))
+    word = next(w for w in (tok.decode([t]).strip() for t in free)
+                if w and any([t] in bad_word_ids([w], tok) for t in free))
+    banned = bad_word_ids([word], tok)
+    btext, out, _ = _stream(engine, "the cat", SamplingParams(**greedy, bad_words=[word]))
+    assert out != free and not any(out[i:i + len(b)] == b for b in banned
+                                   for i in range(len(out)))
+    # Token ids without text; stop strings then have nothing to match.
+    assert _stream(engine, "the cat", SamplingParams(**greedy, detokenize=False))[:2] == \
+        ("", free)
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    # Special tokens' text only when asked for.
+    special = tok.hf.all_special_ids[0]
+    only = dict(greedy, max_tokens=2, allowed_token_ids=[special])
+    assert _stream(engine, "hi", SamplingParams(**only))[0] == ""
+    assert _stream(engine, "hi", SamplingParams(**only, skip_special_tokens=False))[0] == \
+        tok.decode([special] * 2, skip_special_tokens=False)
+    # The same options on the HTTP server.
+    body = dict(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    out = client.completions.create(**body)
+    assert out.usage.prompt_tokens == 3 and out.choices[0].text == alone[0]
+    out = client.completions.create(model=MODEL, prompt="the cat", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert out.choices[0].text == btext
+
+
 def test_regex_and_choice_outputs_match(client):
     import re
     out = client.completions.create(model=MODEL, prompt="a code:", n=4, max_tokens=20,

@@ -59,6 +59,8 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
 
 
@@ -115,12 +117,11 @@ class DetokenizeRequest(BaseModel):
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest,
-                    tools: ToolPlan | None = None, encode=None,
+                    tools: ToolPlan | None = None,
                     defaults: dict | None = None) -> SamplingParams:
     """SamplingParams of a validated body; ValueError (BadField) naming what it cannot serve.
-    `encode` (text -> token ids, no special tokens) tokenizes bad_words. A field the body
-    leaves out takes the engine's generation defaults (its info()["generation_defaults"]),
-    else vLLM's."""
+    A field the body leaves out takes the engine's generation defaults (its
+    info()["generation_defaults"]), else vLLM's."""
     defaults = defaults or {}
     _refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
@@ -148,7 +149,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         logprobs=logprobs, n=req.n, structured_outputs=structured_of(req, tools),
         min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
-        bad_words_token_ids=_bad_words(req.bad_words, encode),
+        bad_words=req.bad_words, skip_special_tokens=req.skip_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=req.prompt_logprobs)
     try:
@@ -174,23 +176,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return {int(k): v for k, v in bias.items()}
     except ValueError:
         raise BadField("logit_bias", "logit_bias keys are token ids") from None
-
-
-def _bad_words(words: list[str] | None, encode) -> list[list[int]] | None:
-    """Each bad word as the model writes it alone and after a space (vLLM's two spellings)."""
-    if not words:
-        return None
-    if encode is None:
-        raise BadField("bad_words", "bad_words need the model's tokenizer")
-    out = []
-    for word in words:
-        if not word.strip():
-            raise BadField("bad_words", "a bad word is a non-blank string")
-        for spelling in (word, " " + word.lstrip()):
-            ids = encode(spelling)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
 
 
 def _refuse_unsupported(req) -> None:

@@ -86,8 +86,6 @@ class OpenAIServer:
         tok = self.tokenizer = engine.tokenizer
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
-        self._encode = (lambda text: tok.encode(text, add_special_tokens=False)) \
-            if tok is not None else None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -108,7 +106,7 @@ class OpenAIServer:
                        echo: list[str] | None = None):
         """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
         text, which its choices begin with."""
-        params = sampling_params(body, tools, self._encode, self.generation_defaults)
+        params = sampling_params(body, tools, self.generation_defaults)
         if len(prompts) > self.config.max_queued_requests:  # no retry could ever be admitted
             raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
                            f"{self.config.max_queued_requests} (max_queued_requests) fit a "
