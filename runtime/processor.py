@@ -150,7 +150,7 @@ class InputProcessor:
             if fields.messages is not None:
                 self._check_bytes("messages", sum(len(m["content"].encode())
                                                   for m in fields.messages))
-                text = tok.render_chat(fields.messages)
+                text = tok.render_chat(fields.messages, **(fields.chat or {}))
                 self._check_bytes("messages", len(text.encode()))
                 return tok.encode(text, add_special_tokens=False)
             self._check_bytes("prompt", len(fields.text.encode()))

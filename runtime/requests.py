@@ -21,7 +21,8 @@ from tierserve.scheduler.params import (
 from tierserve.workers.grammar import check_structured
 
 __all__ = ["check_request", "check_prompt", "check_messages", "check_params", "token_ids",
-           "prompt_fields", "Prompt", "MAX_INT64", "rejection"]
+           "prompt_fields", "Prompt", "CHAT_OPTIONS", "check_chat_options", "MAX_INT64",
+           "rejection"]
 
 log = logging.getLogger("tierserve.engine")
 
@@ -31,11 +32,19 @@ _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 @dataclass(slots=True)
 class Prompt:
-    """Exactly one of text, token_ids and messages (chat, rendered by the model's template)."""
+    """Exactly one of text, token_ids and messages (chat, rendered by the model's template,
+    with `chat`'s options: CHAT_OPTIONS' names, vLLM's)."""
 
     text: str | None = None
     token_ids: list | None = None
     messages: list | None = None
+    chat: dict | None = None
+
+
+# What a chat prompt may say about its rendering, beside its messages (vLLM's LLM.chat
+# arguments and chat-completion fields).
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template",
+                "chat_template_kwargs")
 
 
 def prompt_fields(prompt) -> Prompt:
@@ -44,15 +53,20 @@ def prompt_fields(prompt) -> Prompt:
     if isinstance(prompt, str):
         return Prompt(text=prompt)
     if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", *CHAT_OPTIONS}
         if unknown or not prompt:
-            raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages; got "
+            raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages (with "
+                             f"{', '.join(CHAT_OPTIONS)}); got "
                              f"{sorted(map(str, prompt)) or 'nothing'}")
         given = [k for k in ("prompt", "prompt_token_ids", "messages") if prompt.get(k) is not None]
         if len(given) != 1:
             raise ValueError("a request takes exactly one of prompt, prompt_token_ids and "
                              f"messages; got {', '.join(given) if given else 'none'}")
-        return Prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("messages"))
+        chat = {k: prompt[k] for k in CHAT_OPTIONS if prompt.get(k) is not None}
+        if chat and given != ["messages"]:
+            raise ValueError(f"{', '.join(chat)} go with messages only")
+        return Prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("messages"),
+                      chat or None)
     if isinstance(prompt, (list, tuple)):
         if prompt and all(isinstance(m, dict) for m in prompt):
             return Prompt(messages=list(prompt))
@@ -69,6 +83,7 @@ def check_prompt(prompt: Prompt) -> None:
         _check_text("prompt", prompt.text)
     elif prompt.messages is not None:
         check_messages(prompt.messages)
+        check_chat_options(prompt.chat or {})
 
 
 def check_params(params, priority, cache_salt) -> None:
@@ -117,6 +132,22 @@ def check_messages(messages) -> None:
             raise ValueError(f"messages[{i}] has unknown keys: {', '.join(sorted(map(str, extra)))}")
         if "name" in m and not isinstance(m["name"], str):
             raise ValueError(f"messages[{i}].name must be a string")
+
+
+def check_chat_options(chat: dict) -> None:
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in chat and type(chat[name]) is not bool:
+            raise ValueError(f"{name} must be true or false")
+    if chat.get("add_generation_prompt") and chat.get("continue_final_message"):
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be "
+                         "true: the last message is either answered or continued")
+    template = chat.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise ValueError("chat_template must be a non-empty string (a Jinja template)")
+    kwargs = chat.get("chat_template_kwargs")
+    if kwargs is not None and (not isinstance(kwargs, dict)
+                               or not all(isinstance(k, str) for k in kwargs)):
+        raise ValueError("chat_template_kwargs must be a dict with string keys")
 
 
 def token_ids(ids, field: str = "prompt_token_ids", vocab_size: int | None = None) -> list[int]:

@@ -99,20 +99,27 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-        """Render the conversation with the model's template and tokenize it. The template writes
-        any BOS / role markers itself, so no special tokens are added on top."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs),
+                            add_generation_prompt: bool = True, **options: Any) -> list[int]:
+        """Render the conversation with the model's template (render_chat's options) and
+        tokenize it. The template writes any BOS / role markers itself, so no special tokens
+        are added on top."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **options),
                            add_special_tokens=False)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
-        if not self.chat_template:
+                    *, continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation as the template writes it: answered next (a generation prompt
+        after it), or its last message continued; chat_template replaces the model's and
+        chat_template_kwargs reach the template as variables (e.g. enable_thinking)."""
+        if not (chat_template or self.chat_template):
             raise ValueError(f"tokenizer {self.source!r} has no chat template; send a plain "
-                             "prompt or pass a model that ships one")
+                             "prompt, pass chat_template, or a model that ships one")
         return self.hf.apply_chat_template(list(messages), tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
-                                           **template_kwargs)
+                                           continue_final_message=continue_final_message,
+                                           chat_template=chat_template,
+                                           **(chat_template_kwargs or {}))
 
 
 def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Tokenizer:

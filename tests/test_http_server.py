@@ -574,6 +574,40 @@ def test_vllm_text_options_truncate_ban_words_and_shape_the_text(engine, client)
     assert out.choices[0].text == btext
 
 
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if shout %}!!{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, server, client):
+    from tierserve import LLM, SamplingParams
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok"}]
+    cases = [  # options -> the text the template writes
+        (dict(), tok.render_chat(messages)),
+        (dict(chat_template=TEMPLATE), "<user>hi there<assistant>ok<assistant>"),
+        (dict(chat_template=TEMPLATE, chat_template_kwargs={"shout": True}),
+         "<user>hi there<assistant>ok!!<assistant>"),
+        (dict(chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True),
+         "<user>hi there<assistant>ok")]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        for options, text in cases:
+            out = llm.chat(messages, one, use_tqdm=False, **options)[0]
+            assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), options
+            body = dict(model=MODEL, messages=messages, **options)
+            r = httpx.post(server.base + "/tokenize", json=body).json()
+            assert r["tokens"] == out.prompt_token_ids
+            chat = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                extra_body={k: v for k, v in options.items()})
+            assert chat.usage.prompt_tokens == len(out.prompt_token_ids)
+        bad = llm.chat(messages, one, use_tqdm=False, continue_final_message=True)[0]
+        assert "cannot both be true" in bad.error
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": ["x"]})
+
+
 def test_regex_and_choice_outputs_match(client):
     import re
     out = client.completions.create(model=MODEL, prompt="a code:", n=4, max_tokens=20,

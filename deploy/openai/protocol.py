@@ -11,11 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.deploy.openai.errors import BadField, param_of
 from tierserve.deploy.openai.structured import ToolPlan, structured_of, written_call
+from tierserve.runtime.requests import CHAT_OPTIONS, check_chat_options
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
            "TokenizeChatRequest", "DetokenizeRequest", "BadField", "sampling_params",
-           "completion_prompts", "chat_messages", "param_of"]
+           "completion_prompts", "chat_messages", "chat_prompt", "param_of"]
 
 
 class StreamOptions(BaseModel):
@@ -91,6 +92,11 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    # How the template renders the conversation (vLLM's fields; runtime/requests.py checks).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -106,6 +112,9 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -198,7 +207,21 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest) -> dict:
+    """The body's conversation as a prompt dict: its messages and how to render them."""
+    options = {name: getattr(req, name) for name in CHAT_OPTIONS}
+    try:
+        check_chat_options(options)
+    except ValueError as e:
+        raise BadField(_chat_param(str(e)), str(e)) from None
+    return {"messages": chat_messages(req), **options}
+
+
+def _chat_param(message: str) -> str:
+    return next((name for name in CHAT_OPTIONS if message.startswith(name)), "messages")
+
+
+def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
     """Messages as the engine takes them: content parts of type text joined, others refused;
     an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []

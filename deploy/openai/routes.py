@@ -27,7 +27,7 @@ from tierserve.deploy.openai.errors import (
 from tierserve.deploy.openai.metrics import Metrics
 from tierserve.deploy.openai.protocol import (
     BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-    TokenizeChatRequest, TokenizeCompletionRequest, chat_messages, completion_prompts,
+    TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, completion_prompts,
     sampling_params,
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
@@ -179,7 +179,8 @@ class OpenAIServer:
             if isinstance(p, str):
                 field, nbytes = "prompt", len(p.encode())
             elif kind == "chat":
-                field, nbytes = "messages", sum(len(m["content"].encode()) for m in p)
+                field, nbytes = "messages", sum(len(m["content"].encode())
+                                                for m in p["messages"])
             else:
                 continue
             try:
@@ -200,7 +201,14 @@ class OpenAIServer:
         self.check_model(body.model)
         tok = self._tok()
         if isinstance(body, TokenizeChatRequest):
-            text = tok.render_chat(chat_messages(body), body.add_generation_prompt)
+            prompt = chat_prompt(body)
+            try:
+                text = tok.render_chat(prompt.pop("messages"), **prompt)
+            except ValueError:
+                raise
+            except Exception as e:  # the template itself failed on these options
+                raise BadField("messages", f"cannot render the chat template: "
+                                           f"{type(e).__name__}: {e}") from None
         else:
             text = body.prompt
         ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
@@ -219,7 +227,7 @@ class OpenAIServer:
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
         tools = tool_plan(body.tools, body.tool_choice)
-        return await self.generate("chat", [chat_messages(body)], body, request, tenant, tools)
+        return await self.generate("chat", [chat_prompt(body)], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:
         collector = self.metrics.engine
