@@ -69,14 +69,16 @@ class LLM:
              sampling_params: SamplingParams | dict | Sequence | None = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template (or chat_template) to one conversation or a batch
         of them, vLLM's way: a generation prompt after the last message, or that message
-        continued; chat_template_kwargs reach the template (e.g. enable_thinking)."""
+        continued; chat_template_kwargs and tools reach the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message,
-                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                       tools=tools)
         return self.generate([{"messages": list(c), **options} for c in conversations],
                              sampling_params, use_tqdm=use_tqdm)
 

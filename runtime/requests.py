@@ -44,7 +44,7 @@ class Prompt:
 # What a chat prompt may say about its rendering, beside its messages (vLLM's LLM.chat
 # arguments and chat-completion fields).
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template",
-                "chat_template_kwargs")
+                "chat_template_kwargs", "tools")
 
 
 def prompt_fields(prompt) -> Prompt:
@@ -148,6 +148,10 @@ def check_chat_options(chat: dict) -> None:
     if kwargs is not None and (not isinstance(kwargs, dict)
                                or not all(isinstance(k, str) for k in kwargs)):
         raise ValueError("chat_template_kwargs must be a dict with string keys")
+    tools = chat.get("tools")
+    if tools is not None and (not isinstance(tools, list)
+                              or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError("tools must be a list of tool dicts (OpenAI's function tools)")
 
 
 def token_ids(ids, field: str = "prompt_token_ids", vocab_size: int | None = None) -> list[int]:

@@ -108,17 +108,19 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     *, continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> str:
         """The conversation as the template writes it: answered next (a generation prompt
-        after it), or its last message continued; chat_template replaces the model's and
-        chat_template_kwargs reach the template as variables (e.g. enable_thinking)."""
+        after it), or its last message continued; chat_template replaces the model's,
+        chat_template_kwargs reach the template as variables (e.g. enable_thinking), and
+        tools as its `tools` (a template that takes none ignores them)."""
         if not (chat_template or self.chat_template):
             raise ValueError(f"tokenizer {self.source!r} has no chat template; send a plain "
                              "prompt, pass chat_template, or a model that ships one")
         return self.hf.apply_chat_template(list(messages), tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
-                                           chat_template=chat_template,
+                                           chat_template=chat_template, tools=tools,
                                            **(chat_template_kwargs or {}))
 
 

@@ -574,8 +574,10 @@ def test_vllm_text_options_truncate_ban_words_and_shape_the_text(engine, client)
     assert out.choices[0].text == btext
 
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+TEMPLATE = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
+            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if shout %}!!{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOL = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
 
 
 def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, server, client):
@@ -588,7 +590,9 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
         (dict(chat_template=TEMPLATE, chat_template_kwargs={"shout": True}),
          "<user>hi there<assistant>ok!!<assistant>"),
         (dict(chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True),
-         "<user>hi there<assistant>ok")]
+         "<user>hi there<assistant>ok"),
+        (dict(chat_template=TEMPLATE, tools=[TOOL]),
+         "[look]<user>hi there<assistant>ok<assistant>")]
     one = SamplingParams(temperature=0, max_tokens=1)
     with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
         for options, text in cases:

@@ -115,6 +115,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    tools: list | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -209,7 +210,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest) -> dict:
     """The body's conversation as a prompt dict: its messages and how to render them."""
-    options = {name: getattr(req, name) for name in CHAT_OPTIONS}
+    options = {name: getattr(req, name, None) for name in CHAT_OPTIONS}
     try:
         check_chat_options(options)
     except ValueError as e:
