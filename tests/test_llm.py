@@ -138,10 +138,10 @@ def test_logprobs_are_returned_for_the_sampled_token(checkpoints):
 def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
     """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
     streams get the same tokens as LLM, and leaving a stream early frees its blocks."""
-    async def collect(llm, prompt):
+    async def collect(llm, prompt, request_id=None):
         tokens = []
-        async for delta in llm.generate(prompt, GREEDY):
-            assert delta.error is None
+        async for delta in llm.generate(prompt, GREEDY, request_id):  # vLLM's third argument
+            assert delta.error is None and delta.request_id == (request_id or delta.request_id)
             tokens.extend(delta.outputs[0].token_ids)
         return tokens
 
@@ -154,7 +154,8 @@ def test_async_llm_in_process_streams_concurrent_requests(checkpoints, reference
         prompts = _prompts(llm.engine.vocab_size)
 
         async def scenario():
-            got = await asyncio.gather(*[collect(llm, p) for p in prompts])
+            got = await asyncio.gather(*[collect(llm, p, f"r{i}" if i % 2 else None)
+                                         for i, p in enumerate(prompts)])
             await leave_early(llm, prompts[2])
             return got
 
