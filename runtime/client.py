@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import os
 import threading
-from typing import AsyncIterator, Iterator, Protocol
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import (
@@ -216,7 +216,7 @@ class AsyncLLM:
                 if stopped:
                     self.engine.stop(stopped)
                 for o in batch:
-                    delta = to_delta(request, o, name, done.prompt)
+                    delta = to_delta(request, o, name, done.prompt, outputs.decoder(rid))
                     delta.finished = outputs.finished(rid)  # every sample has finished
                     yield delta
                 if outputs.finished(rid):
@@ -283,11 +283,11 @@ def connect(name: str, namespace: str | None = None) -> AsyncLLM:
 
 
 def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
-             prompt: str | None) -> RequestOutput:
+             prompt: str | None, decode: Callable[[int], str] | None = None) -> RequestOutput:
     reason = str(FinishReason(o.finish_reason)) if o.finish_reason is not None else None
     logprobs = None
     if request.sampling_params.logprobs is not None:
-        logprobs = [logprob_dict(lp) for lp in o.logprobs]
+        logprobs = [logprob_dict(lp, decode) for lp in o.logprobs]
     completion = CompletionOutput(o.index, o.new_text, list(o.new_token_ids), None, logprobs,
                                   reason)
     return RequestOutput(request_id, prompt, list(o.prompt_token_ids), [completion],
@@ -296,5 +296,5 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
                          error=o.error or None,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
                          if o.error else None,
-                         prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs, decode)
                          if o.prompt_logprobs else None)

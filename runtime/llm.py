@@ -123,7 +123,7 @@ class LLM:
                 for delta in outputs:
                     result = by_id.get(delta.req_id)
                     if result is not None:
-                        result.add(delta)
+                        result.add(delta, processor.decoder(delta.req_id))
                         bar.update(int(result.finished))
         finally:
             bar.close()

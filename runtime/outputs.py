@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from tierserve.scheduler.messages import EngineCoreOutput
 from tierserve.scheduler.params import ErrorKind, FinishReason
@@ -64,19 +65,20 @@ class RequestOutput:
         out.finished, out.error, out.error_kind = True, error, str(ErrorKind.BAD_REQUEST)
         return out
 
-    def add(self, delta: EngineCoreOutput) -> None:
-        """Folds one step's delta in (the cumulative, non-streaming view). The request has
-        finished once each of its samples has, or at once on an error."""
+    def add(self, delta: EngineCoreOutput, decode: Callable[[int], str] | None = None) -> None:
+        """Folds one step's delta in (the cumulative, non-streaming view); `decode` gives the
+        logprobs' decoded_token. The request has finished once each of its samples has, or
+        at once on an error."""
         completion = self.outputs[delta.index if delta.index < len(self.outputs) else 0]
         if delta.prompt_token_ids:
             self.prompt_token_ids = delta.prompt_token_ids
         if delta.prompt_logprobs:
-            self.prompt_logprobs = prompt_logprobs_of(delta.prompt_logprobs)
+            self.prompt_logprobs = prompt_logprobs_of(delta.prompt_logprobs, decode)
         completion.token_ids.extend(delta.new_token_ids)
         completion.text += delta.new_text
         if completion.logprobs is not None:
             for lp in delta.logprobs:
-                completion.logprobs.append(logprob_dict(lp))
+                completion.logprobs.append(logprob_dict(lp, decode))
                 completion.cumulative_logprob += lp.logprobs[0]
         self.num_cached_tokens = max(delta.num_cached_tokens, 0)
         self.num_tier_cached_tokens = delta.num_tier_cached_tokens
@@ -89,14 +91,19 @@ class RequestOutput:
                                                      for c in self.outputs)
 
 
-def prompt_logprobs_of(lps) -> list[dict[int, Logprob] | None]:
-    return [None] + [logprob_dict(lp) for lp in lps]
+def prompt_logprobs_of(lps, decode: Callable[[int], str] | None = None
+                       ) -> list[dict[int, Logprob] | None]:
+    return [None] + [logprob_dict(lp, decode) for lp in lps]
 
 
-def logprob_dict(lp) -> dict[int, Logprob]:
-    out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank)}
+def logprob_dict(lp, decode: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+    """token id -> Logprob, the sampled token first, then the top-n; `decode` (a token's
+    text) fills decoded_token."""
+    text = decode or (lambda tid: None)
+    out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, text(lp.token_ids[0]))}
     for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
-        out.setdefault(tid, Logprob(value, rank))
+        if tid not in out:
+            out[tid] = Logprob(value, rank, text(tid))
     return out
 
 

@@ -22,6 +22,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 
@@ -256,6 +257,16 @@ class OutputProcessor:
                 state.left -= 1
             kept.append(o)
         return kept, stopped
+
+    def decoder(self, req_id: str) -> Callable[[int], str] | None:
+        """One token's text (a logprob's decoded_token) for a request that detokenizes."""
+        state = self._requests.get(req_id)
+        if self.tokenizer is None or state is None or not state.params.detokenize:
+            return None
+        return self._token_text
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _detokenizer(self, state: _RequestState) -> IncrementalDetokenizer | None:
         params = state.params

@@ -574,6 +574,36 @@ def test_vllm_text_options_truncate_ban_words_and_shape_the_text(engine, client)
     assert out.choices[0].text == btext
 
 
+def test_logprobs_carry_each_tokens_text_as_vllm_does(checkpoint, engine):
+    import asyncio
+
+    from tierserve import LLM, SamplingParams
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+
+    def texts(entries):
+        return [{t: lp.decoded_token for t, lp in e.items()} for e in entries if e is not None]
+
+    def expected(entries):
+        return [{t: tok.decode([t], skip_special_tokens=False) for t in e} for e in entries
+                if e is not None]
+
+    async def streamed():
+        out = []
+        async for d in engine.generate("the cat sat", params):
+            out += d.outputs[0].logprobs
+        return out
+    lps = asyncio.run(streamed())
+    assert len(lps) == 6 and texts(lps) == expected(lps)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        out = llm.generate("the cat sat", params, use_tqdm=False)[0]
+        quiet = llm.generate("the cat sat", SamplingParams(
+            temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)[0]
+    assert texts(out.outputs[0].logprobs) == expected(out.outputs[0].logprobs) == texts(lps)
+    assert texts(out.prompt_logprobs) == expected(out.prompt_logprobs)
+    assert all(lp.decoded_token is None for e in quiet.outputs[0].logprobs for lp in e.values())
+
+
 TEMPLATE = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
             "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if shout %}!!{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
