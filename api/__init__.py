@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
+           "StructuredOutputsParams",
            "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
            "stop", "analyze"]
@@ -25,6 +26,7 @@ _EXPORTS = {
     "RequestOutput": "tierserve.runtime.outputs",
     "SamplingParams": "tierserve.scheduler.params",
     "StructuredOutputs": "tierserve.scheduler.params",
+    "RequestOutputKind": "tierserve.scheduler.params",
     "StructuredOutputsParams": "tierserve.scheduler.params",
     "analyze": "tierserve.runtime.analyze",
 }

@@ -26,7 +26,9 @@ from tierserve.runtime.outputs import (
     CompletionOutput, RequestOutput, logprob_dict, prompt_logprobs_of,
 )
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import ErrorKind, FinishReason, SamplingParams
+from tierserve.scheduler.params import (
+    ErrorKind, FinishReason, RequestOutputKind, SamplingParams,
+)
 
 __all__ = ["EngineClient", "SyncEngineClient", "AsyncEngineClient", "Deployments",
            "set_deployments", "deployments", "AsyncLLM", "connect", "to_delta",
@@ -209,17 +211,28 @@ class AsyncLLM:
             return
         request = done.request
         outputs.add(request)
+        kind = params.output_kind
+        # The request so far, for outputs other than deltas.
+        view = None if kind == RequestOutputKind.DELTA else RequestOutput.start(
+            name, done.prompt, params.logprobs is not None, params.n)
         stream = self.engine.generate([request])
         try:
             async for batch in stream:
                 batch, stopped = outputs.process(batch)
                 if stopped:
                     self.engine.stop(stopped)
-                for o in batch:
-                    delta = to_delta(request, o, name, done.prompt, outputs.decoder(rid))
-                    delta.finished = outputs.finished(rid)  # every sample has finished
-                    yield delta
-                if outputs.finished(rid):
+                decode, finished = outputs.decoder(rid), outputs.finished(rid)
+                if view is None:
+                    for o in batch:
+                        delta = to_delta(request, o, name, done.prompt, decode)
+                        delta.finished = finished  # every sample has finished
+                        yield delta
+                else:
+                    for o in batch:
+                        view.add(o, decode)
+                    if batch and (finished or kind == RequestOutputKind.CUMULATIVE):
+                        yield view.snapshot()
+                if finished:
                     return
         finally:
             outputs.remove(rid)

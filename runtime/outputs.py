@@ -1,6 +1,7 @@
 """User-facing results, shaped like vLLM's RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +65,13 @@ class RequestOutput:
         out.outputs[0].finish_reason = str(FinishReason.ERROR)
         out.finished, out.error, out.error_kind = True, error, str(ErrorKind.BAD_REQUEST)
         return out
+
+    def snapshot(self) -> "RequestOutput":
+        """A copy that later add()s leave as it is."""
+        return dataclasses.replace(self, prompt_token_ids=list(self.prompt_token_ids), outputs=[
+            dataclasses.replace(c, token_ids=list(c.token_ids),
+                                logprobs=None if c.logprobs is None else list(c.logprobs))
+            for c in self.outputs])
 
     def add(self, delta: EngineCoreOutput, decode: Callable[[int], str] | None = None) -> None:
         """Folds one step's delta in (the cumulative, non-streaming view); `decode` gives the

@@ -12,7 +12,7 @@ from json import dumps as _json_text
 import msgspec
 
 __all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
-           "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
+           "RequestOutputKind", "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
@@ -40,6 +40,14 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:  # vLLM's user-facing strings
         return self.name.lower()
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What AsyncLLM.generate yields per step (vLLM's names and values): everything so far,
+    the new part, or only the finished request."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class ErrorKind(enum.IntEnum):
@@ -157,6 +165,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     skip_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
+    # What AsyncLLM.generate yields (LLM returns finished requests whatever it says); vLLM's
+    # AsyncLLM defaults to CUMULATIVE, ours to the deltas a stream is made of.
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -222,6 +233,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True (stop_token_ids "
                              "need no text)")
+        if type(self.output_kind) is not RequestOutputKind:
+            try:
+                if isinstance(self.output_kind, bool):
+                    raise ValueError
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind "
+                                 f"(0, 1, 2), got {self.output_kind!r}") from None
         if self.truncate_prompt_tokens is not None:
             _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens",
                        lambda v: v == -1 or 1 <= v < 2**63, "must be -1 or >= 1")

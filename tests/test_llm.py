@@ -3,12 +3,13 @@ token, under prefix caching on/off, chunked prefill and forced preemption."""
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from tests.checkpoints import (
     TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2,
 )
-from tierserve import LLM, AsyncLLM, SamplingParams
+from tierserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 
 MAX_NEW = 10
 
@@ -160,6 +161,22 @@ def test_async_llm_in_process_streams_concurrent_requests(checkpoints, reference
             return got
 
         assert asyncio.run(scenario()) == references["llama"]
+
+        async def kinds(prompt):  # vLLM's output kinds: everything so far, or the end only
+            got = {}
+            for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+                params = msgspec.structs.replace(GREEDY, output_kind=kind, n=2)
+                got[kind] = [o async for o in llm.generate(prompt, params)]
+            return got
+        got = asyncio.run(kinds(prompts[1]))
+        views, (final,) = got[RequestOutputKind.CUMULATIVE], got[RequestOutputKind.FINAL_ONLY]
+        assert len(views) > 2 and final.finished and views[-1].finished
+        assert views[-1].outputs == final.outputs
+        assert [c.token_ids for c in final.outputs] == [references["llama"][1]] * 2
+        for before, after in zip(views, views[1:]):
+            assert not before.finished and all(
+                a.token_ids[:len(b.token_ids)] == b.token_ids and len(a.token_ids) >= len(
+                    b.token_ids) for a, b in zip(after.outputs, before.outputs))
         # A second event loop drives the same engine.
         assert asyncio.run(collect(llm, prompts[0])) == references["llama"][0]
         deadline = time.monotonic() + 10
