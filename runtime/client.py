@@ -179,12 +179,13 @@ class AsyncLLM:
                        sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields RequestOutput deltas (the new tokens and text of each step). A prompt is text,
-        token ids, a list of chat messages, or a prompt dict (LLM.generate's). request_id is
-        the third argument, as in vLLM's AsyncLLM.generate, and optional. Leaving the loop
-        early aborts the request. A bad prompt or parameter gives one delta with `error` set;
-        a request_id naming an unfinished request of this client raises
-        DuplicateRequestError."""
+        """Yields RequestOutput deltas (the new tokens and text of each step; with
+        sampling_params.output_kind CUMULATIVE the request so far each step, FINAL_ONLY the
+        finished request alone). A prompt is text, token ids, a list of chat messages, or a
+        prompt dict (LLM.generate's). request_id is the third argument, as in vLLM's
+        AsyncLLM.generate, and optional. Leaving the loop early aborts the request. A bad
+        prompt or parameter gives one delta with `error` set; a request_id naming an
+        unfinished request of this client raises DuplicateRequestError."""
         if request_id is not None and request_id in self._live:
             raise DuplicateRequestError(f"request_id {request_id!r} names an unfinished "
                                         f"request")
