@@ -95,6 +95,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
     from tierserve.runtime.client import AsyncLLM
     keys = KeyTable.single(args.api_key) if args.api_key else \
         KeyTable.from_file(args.api_keys_file) if args.api_keys_file else None
+    chat_template = chat_template_of(args.chat_template)
     options = engine_options(args)
     if args.name is not None:
         from tierserve.deploy.ray_engine import serve
@@ -107,6 +108,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                               model_name(info.get("model")),
                               max_queued_requests=info["max_queued_requests"],
                               max_body_bytes=args.max_body_bytes, keys=keys,
+                              chat_template=chat_template,
                               body_timeout_s=args.body_timeout,
                               connections=ConnectionLimits(args.header_timeout,
                                                            args.max_connections_per_client))
@@ -117,6 +119,19 @@ def cmd_api_server(args: argparse.Namespace) -> int:
         if args.name is None:
             engine.shutdown()
     return 0
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """--chat-template's template: the file it names, else the text itself when it reads as
+    a Jinja template (vLLM's rule); a name of no file and no template is an error."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def model_name(model: str | None) -> str:

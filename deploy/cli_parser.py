@@ -77,6 +77,10 @@ def _api_server_parser(sub) -> None:
     api.add_argument("--served-model-name", default=None,
                      help="the `model` requests name (default: the model's file or folder "
                           "name)")
+    api.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="a Jinja chat template (its file, or the template itself) for chat "
+                          "requests that send none, in place of the model's (default: the "
+                          "model's)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
     api.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",

@@ -640,6 +640,24 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        extra_body={"chat_template_kwargs": ["x"]})
+    # The server's template (api-server --chat-template) where a body sends none.
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    with Server(engine, chat_template=TEMPLATE) as own:
+        body = dict(model=MODEL, messages=messages)
+        assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids(
+            "<user>hi there<assistant>ok<assistant>")
+        body["chat_template"] = "{{ messages[0]['content'] }}"
+        assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids("hi there")
+
+
+def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
+    from tierserve.deploy.cli_inference import chat_template_of
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert chat_template_of(str(path)) == TEMPLATE == chat_template_of(TEMPLATE)
+    assert chat_template_of(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        chat_template_of(str(tmp_path / "missing.jinja"))
 
 
 def test_regex_and_choice_outputs_match(client):

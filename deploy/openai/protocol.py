@@ -208,9 +208,13 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest) -> dict:
-    """The body's conversation as a prompt dict: its messages and how to render them."""
+def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
+                template: str | None = None) -> dict:
+    """The body's conversation as a prompt dict: its messages and how to render them (with
+    `template`, the server's, where the body sends no chat_template)."""
     options = {name: getattr(req, name, None) for name in CHAT_OPTIONS}
+    if options["chat_template"] is None:
+        options["chat_template"] = template
     try:
         check_chat_options(options)
     except ValueError as e:

@@ -60,6 +60,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     # A request head's deadline and the cap on connections per client address.
     connections: ConnectionLimits = ConnectionLimits()
+    # The chat template of chat requests that send none (None: the model's).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -201,7 +203,7 @@ class OpenAIServer:
         self.check_model(body.model)
         tok = self._tok()
         if isinstance(body, TokenizeChatRequest):
-            prompt = chat_prompt(body)
+            prompt = chat_prompt(body, self.config.chat_template)
             try:
                 text = tok.render_chat(prompt.pop("messages"), **prompt)
             except ValueError:
@@ -227,7 +229,8 @@ class OpenAIServer:
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
         tools = tool_plan(body.tools, body.tool_choice)
-        return await self.generate("chat", [chat_prompt(body)], body, request, tenant, tools)
+        prompt = chat_prompt(body, self.config.chat_template)
+        return await self.generate("chat", [prompt], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:
         collector = self.metrics.engine
