@@ -157,7 +157,7 @@ def test_bad_parameters_are_400_naming_the_field(client, engine, kwargs, param):
     wait_idle(engine)
 
 
-def test_too_long_prompt_is_400_and_unknown_model_404(client):
+def test_too_long_prompt_is_400_and_unknown_model_404(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[5] * 400, max_tokens=2)
     assert "max_model_len" in e.value.body["message"]
@@ -166,6 +166,8 @@ def test_too_long_prompt_is_400_and_unknown_model_404(client):
     assert e.value.body["param"] == "model"
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    import tierserve
+    assert httpx.get(server.base + "/version").json() == {"version": tierserve.__version__}
 
 
 def test_a_two_megabyte_body_is_413(server):

@@ -300,6 +300,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     async def health():
         return await server.health()
 
+    @app.get("/version")
+    async def version():  # vLLM's route and shape
+        import tierserve
+        return {"version": tierserve.__version__}
+
     @app.get("/metrics")
     async def metrics():
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
