@@ -110,6 +110,9 @@ def check_request(request: EngineCoreRequest) -> list[int]:
         raise ValueError(f"label must be a string, got {type(request.label).__name__}")
     _check_text("label", request.label)
     check_params(request.sampling_params, request.priority, request.cache_salt)
+    if request.sampling_params.bad_words:
+        raise ValueError("bad_words are text, which the engine never reads: the frontend "
+                         "tokenizes them into bad_words_token_ids")
     return token_ids(request.prompt_token_ids)
 
 

@@ -113,6 +113,11 @@ def test_bad_requests_fail_alone_and_leak_nothing(checkpoints, references):
         assert "temperature" in errors[4]
         assert "tokenizer" in errors[5]
         assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
+        # A request that skipped the frontend: the engine takes no text.
+        from tierserve.scheduler.messages import EngineCoreRequest
+        raw = EngineCoreRequest("raw", SamplingParams(bad_words=["x"]), prompt_token_ids=good)
+        (out,), = list(llm.engine.stream_batch([raw]))
+        assert "bad_words are text" in out.error
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == 0
