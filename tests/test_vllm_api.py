@@ -1,0 +1,192 @@
+"""vLLM's Python API and server fields as code written for vLLM uses them: structured outputs
+with a schema dict, SamplingParams' text options, logprobs' decoded tokens, chat template
+options; over an in-process engine on a tiny checkpoint with a tokenizer trained here."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.http_thread import MODEL, Server
+from tests.test_http_server import PERSON
+from tierserve import AsyncLLM
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with Server(engine) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_python_api_takes_a_schema_as_a_dict_as_vllm_does(engine):
+    import asyncio
+
+    import jsonschema
+
+    from tierserve import SamplingParams, StructuredOutputsParams
+    params = SamplingParams(max_tokens=160, temperature=1.0, seed=4,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    assert params.structured_outputs.json == json.dumps(PERSON)
+
+    async def text():
+        return "".join([d.outputs[0].text async for d in engine.generate("who?", params)])
+    jsonschema.validate(json.loads(asyncio.run(text())), PERSON)
+    with pytest.raises(ValueError, match="structured_outputs.json is not a JSON schema"):
+        StructuredOutputsParams(json={"enum": {1, 2}})
+
+
+def _stream(engine, prompt, params) -> tuple[str, list[int], list[int]]:
+    """(text, token ids, prompt token ids) of one request through the Python API."""
+    import asyncio
+
+    async def run():
+        text, ids, prompt_ids = "", [], []
+        async for d in engine.generate(prompt, params):
+            assert d.error is None, d.error
+            text, ids = text + d.outputs[0].text, ids + d.outputs[0].token_ids
+            prompt_ids = prompt_ids or d.prompt_token_ids
+        return text, ids, prompt_ids
+    return asyncio.run(run())
+
+
+def test_vllm_text_options_truncate_ban_words_and_shape_the_text(engine, client):
+    from tierserve import SamplingParams
+    from tierserve.runtime.processor import bad_word_ids
+    tok = engine.tokenizer
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = tok.encode("one two three four five six seven eight")
+    # The prompt's last k tokens, as if they alone were sent.
+    alone = _stream(engine, ids[-3:], SamplingParams(**greedy))
+    cut = _stream(engine, ids, SamplingParams(**greedy, truncate_prompt_tokens=3))
+    assert cut == alone and cut[2] == ids[-3:]
+    # A bad word the free output writes (as one token) is never written.
+    text, free, _ = _stream(engine, "the cat", SamplingParams(**greedy))
+    word = next(w for w in (tok.decode([t]).strip() for t in free)
+                if w and any([t] in bad_word_ids([w], tok) for t in free))
+    banned = bad_word_ids([word], tok)
+    btext, out, _ = _stream(engine, "the cat", SamplingParams(**greedy, bad_words=[word]))
+    assert out != free and not any(out[i:i + len(b)] == b for b in banned
+                                   for i in range(len(out)))
+    # Token ids without text; stop strings then have nothing to match.
+    assert _stream(engine, "the cat", SamplingParams(**greedy, detokenize=False))[:2] == \
+        ("", free)
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    # Special tokens' text only when asked for.
+    special = tok.hf.all_special_ids[0]
+    only = dict(greedy, max_tokens=2, allowed_token_ids=[special])
+    assert _stream(engine, "hi", SamplingParams(**only))[0] == ""
+    assert _stream(engine, "hi", SamplingParams(**only, skip_special_tokens=False))[0] == \
+        tok.decode([special] * 2, skip_special_tokens=False)
+    # The same options on the HTTP server.
+    body = dict(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    out = client.completions.create(**body)
+    assert out.usage.prompt_tokens == 3 and out.choices[0].text == alone[0]
+    out = client.completions.create(model=MODEL, prompt="the cat", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert out.choices[0].text == btext
+
+
+def test_logprobs_carry_each_tokens_text_as_vllm_does(checkpoint, engine):
+    import asyncio
+
+    from tierserve import LLM, SamplingParams
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+
+    def texts(entries):
+        return [{t: lp.decoded_token for t, lp in e.items()} for e in entries if e is not None]
+
+    def expected(entries):
+        return [{t: tok.decode([t], skip_special_tokens=False) for t in e} for e in entries
+                if e is not None]
+
+    async def streamed():
+        out = []
+        async for d in engine.generate("the cat sat", params):
+            out += d.outputs[0].logprobs
+        return out
+    lps = asyncio.run(streamed())
+    assert len(lps) == 6 and texts(lps) == expected(lps)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        out = llm.generate("the cat sat", params, use_tqdm=False)[0]
+        quiet = llm.generate("the cat sat", SamplingParams(
+            temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)[0]
+    assert texts(out.outputs[0].logprobs) == expected(out.outputs[0].logprobs) == texts(lps)
+    assert texts(out.prompt_logprobs) == expected(out.prompt_logprobs)
+    assert all(lp.decoded_token is None for e in quiet.outputs[0].logprobs for lp in e.values())
+
+
+TEMPLATE = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
+            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if shout %}!!{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOL = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
+
+
+def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, server, client):
+    from tierserve import LLM, SamplingParams
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok"}]
+    cases = [  # options -> the text the template writes
+        (dict(), tok.render_chat(messages)),
+        (dict(chat_template=TEMPLATE), "<user>hi there<assistant>ok<assistant>"),
+        (dict(chat_template=TEMPLATE, chat_template_kwargs={"shout": True}),
+         "<user>hi there<assistant>ok!!<assistant>"),
+        (dict(chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True),
+         "<user>hi there<assistant>ok"),
+        (dict(chat_template=TEMPLATE, tools=[TOOL]),
+         "[look]<user>hi there<assistant>ok<assistant>")]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        for options, text in cases:
+            out = llm.chat(messages, one, use_tqdm=False, **options)[0]
+            assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), options
+            body = dict(model=MODEL, messages=messages, **options)
+            r = httpx.post(server.base + "/tokenize", json=body).json()
+            assert r["tokens"] == out.prompt_token_ids
+            chat = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                extra_body={k: v for k, v in options.items()})
+            assert chat.usage.prompt_tokens == len(out.prompt_token_ids)
+        bad = llm.chat(messages, one, use_tqdm=False, continue_final_message=True)[0]
+        assert "cannot both be true" in bad.error
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": ["x"]})
+    # The server's template (api-server --chat-template) where a body sends none.
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    with Server(engine, chat_template=TEMPLATE) as own:
+        body = dict(model=MODEL, messages=messages)
+        assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids(
+            "<user>hi there<assistant>ok<assistant>")
+        body["chat_template"] = "{{ messages[0]['content'] }}"
+        assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids("hi there")
+
+
+def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
+    from tierserve.deploy.cli_inference import chat_template_of
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert chat_template_of(str(path)) == TEMPLATE == chat_template_of(TEMPLATE)
+    assert chat_template_of(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        chat_template_of(str(tmp_path / "missing.jinja"))
