@@ -578,6 +578,12 @@ def test_forced_tool_calls_parse_match_and_stream_the_same(client, tool_choice):
             _check_call(call)
         if isinstance(tool_choice, dict):
             assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    if tool_choice == "required":  # a seed that writes two calls writes one without parallel
+        sampled = dict(kwargs, temperature=1.0)
+        seed = next(seed for seed in range(40) if len(client.chat.completions.create(
+            seed=seed, **sampled).choices[0].message.tool_calls or ()) > 1)
+        one = client.chat.completions.create(seed=seed, parallel_tool_calls=False, **sampled)
+        assert len(one.choices[0].message.tool_calls) == 1
     full = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     reasons = []
@@ -682,6 +688,15 @@ def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, 
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, json.loads(c.function.arguments))
             for c in choice.message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    # Two calls written: both parsed, or with parallel_tool_calls false only the first.
+    two = call + call.replace("UTC", "CET")
+    for parallel, zones in ((True, ["UTC", "CET"]), (False, ["UTC"])):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
+            max_tokens=200, parallel_tool_calls=parallel, extra_body={
+                "guided_regex": two.replace("{", r"\{").replace("}", r"\}")})
+        assert [json.loads(c.function.arguments)["zone"]
+                for c in out.choices[0].message.tool_calls] == zones
     history = [{"role": "user", "content": "time?"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "c1", "type": "function", "function": {

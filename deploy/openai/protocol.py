@@ -92,6 +92,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     # How the template renders the conversation (vLLM's fields; runtime/requests.py checks).
     add_generation_prompt: bool = True
     continue_final_message: bool = False

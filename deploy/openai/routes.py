@@ -228,7 +228,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
-        tools = tool_plan(body.tools, body.tool_choice)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         prompt = chat_prompt(body, self.config.chat_template)
         return await self.generate("chat", [prompt], body, request, tenant, tools)
 

@@ -93,9 +93,10 @@ class ToolPlan:
     tools: dict[str, dict]          # name -> the function's parameters schema
     named: str | None = None
     schema: dict | None = None
+    parallel: bool = True           # OpenAI's parallel_tool_calls: False keeps one call
 
 
-def tool_plan(tools: list | None, tool_choice) -> ToolPlan | None:
+def tool_plan(tools: list | None, tool_choice, parallel: bool = True) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "tool_choice needs tools")
@@ -113,13 +114,15 @@ def tool_plan(tools: list | None, tool_choice) -> ToolPlan | None:
         by_name[fn["name"]] = params
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, by_name)
+        return ToolPlan(choice, by_name, parallel=parallel)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": p},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, p in by_name.items()]
-        return ToolPlan("required", by_name, schema={
-            "type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan("required", by_name, schema=schema, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type", "function") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in by_name:
@@ -154,7 +157,7 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]
                 calls.append(_call(name, args if isinstance(args, str) else json.dumps(args)))
         if calls:
             rest = _HERMES.sub("", text).strip()
-            return calls, rest or None
+            return calls if plan.parallel else calls[:1], rest or None
     return [], text
 
 
