@@ -11,33 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.http_fixtures import *  # noqa: F403 (checkpoint, engine, server, client)
 from tests.http_thread import MODEL, Server, wait_idle
 from tierserve import AsyncLLM
 from tierserve.deploy.openai import KeyTable
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama"))
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=256)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = Server(engine)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 
 
 def test_chat_and_completions_with_usage(client, engine):

@@ -7,33 +7,9 @@ import httpx
 import openai
 import pytest
 
-from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+from tests.http_fixtures import *  # noqa: F403 (checkpoint, engine, server, client)
 from tests.http_thread import MODEL, Server
 from tests.test_http_server import PERSON
-from tierserve import AsyncLLM
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return add_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "llama"))
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    llm = AsyncLLM(str(checkpoint), block_size=4, max_model_len=256)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with Server(engine) as srv:
-        yield srv
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 
 
 def test_the_python_api_takes_a_schema_as_a_dict_as_vllm_does(engine):
