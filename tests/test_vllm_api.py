@@ -145,9 +145,10 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
             assert chat.usage.prompt_tokens == len(out.prompt_token_ids)
         bad = llm.chat(messages, one, use_tqdm=False, continue_final_message=True)[0]
         assert "cannot both be true" in bad.error
-    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs") as e:
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        extra_body={"chat_template_kwargs": ["x"]})
+    assert e.value.body["param"] == "chat_template_kwargs"
     # The server's template (api-server --chat-template) where a body sends none.
     ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     with Server(engine, chat_template=TEMPLATE) as own:

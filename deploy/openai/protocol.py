@@ -218,13 +218,9 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
         options["chat_template"] = template
     try:
         check_chat_options(options)
-    except ValueError as e:
-        raise BadField(_chat_param(str(e)), str(e)) from None
+    except ValueError as e:  # its message opens with the option's name
+        raise BadField(param_of(str(e)) or "messages", str(e)) from None
     return {"messages": chat_messages(req), **options}
-
-
-def _chat_param(message: str) -> str:
-    return next((name for name in CHAT_OPTIONS if message.startswith(name)), "messages")
 
 
 def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
