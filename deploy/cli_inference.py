@@ -109,6 +109,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                               max_queued_requests=info["max_queued_requests"],
                               max_body_bytes=args.max_body_bytes, keys=keys,
                               chat_template=chat_template,
+                              response_store_bytes=args.response_store_bytes,
                               body_timeout_s=args.body_timeout,
                               connections=ConnectionLimits(args.header_timeout,
                                                            args.max_connections_per_client))

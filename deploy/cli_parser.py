@@ -83,6 +83,10 @@ def _api_server_parser(sub) -> None:
                           "model's)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
+    api.add_argument("--response-store-bytes", type=int, default=64 << 20, metavar="BYTES",
+                     help="memory for stored responses (/v1/responses with store: true), the "
+                          "least recently used dropped first; 0 keeps none (default: "
+                          "67108864)")
     api.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="a request head must arrive whole within this long, else 408 "
                           "(default: 10)")

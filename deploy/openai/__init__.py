@@ -2,7 +2,8 @@
 engine client (an in-process AsyncEngine or a Ray deployment), with Prometheus metrics.
 
 One module per concern: protocol (request bodies -> prompts and SamplingParams), responses (the
-fold of output deltas, response and chunk JSON), streaming (a body's engine requests as one
+fold of output deltas, response and chunk JSON), responses_* (the Responses API: its body, its
+output and events, stored responses, the endpoint), streaming (a body's engine requests as one
 stream, disconnects), admission (body size, the first-token queue bound), errors (OpenAI's
 error JSON), tenants (API keys, tenants' salts and rate limits), metrics (Prometheus),
 routes (the app).

@@ -1,4 +1,5 @@
-"""The server's routes: completions and chat (full or streamed), models, health, metrics.
+"""The server's routes: completions, chat and responses (full or streamed), models, health,
+metrics.
 
 Every call to the engine has a deadline: /health answers within HEALTH_DEADLINE_S whatever
 the engine does (503 "engine unresponsive" when it cannot tell), /metrics serves the last
@@ -31,13 +32,17 @@ from tierserve.deploy.openai.protocol import (
     sampling_params,
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
+from tierserve.deploy.openai.responses_endpoint import ResponsesEndpoint
+from tierserve.deploy.openai.responses_protocol import ResponsesRequest
+from tierserve.deploy.openai.responses_store import ResponseStore
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
-from tierserve.deploy.openai.tenants import KeyTable, Tenant
+from tierserve.deploy.openai.tenants import KeyTable, Tenant, namespace_of
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.processor import check_text_bytes
+from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
 
@@ -62,6 +67,8 @@ class ServerConfig:
     connections: ConnectionLimits = ConnectionLimits()
     # The chat template of chat requests that send none (None: the model's).
     chat_template: str | None = None
+    # Stored responses (Responses API, `store: true`) kept in memory, least recently used out.
+    response_store_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -70,6 +77,8 @@ class ServerConfig:
             raise ValueError("max_queued_requests and max_body_bytes must be >= 1")
         if not self.body_timeout_s > 0:
             raise ValueError("body_timeout_s must be > 0")
+        if self.response_store_bytes < 0:
+            raise ValueError("response_store_bytes must be >= 0")
 
 
 class OpenAIServer:
@@ -88,6 +97,7 @@ class OpenAIServer:
         tok = self.tokenizer = engine.tokenizer
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
+        self.responses = ResponsesEndpoint(self, ResponseStore(config.response_store_bytes))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -109,6 +119,25 @@ class OpenAIServer:
         """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
         text, which its choices begin with."""
         params = sampling_params(body, tools, self.generation_defaults)
+        base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
+                                     f"{uuid.uuid4().hex}"
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
+                              self._decode_one, params.logprobs or 0, include_usage, tools)
+        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
+        try:
+            stream = await self.start(kind, prompts, body, params, base_id, request, tenant)
+        except ClientGone:
+            return Response(status_code=499)
+        if body.stream:
+            return StreamingResponse(self._chunks(stream, fold, responder),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, self._full(stream, fold, responder), stream)
+
+    async def start(self, kind: str, prompts: list, body, params: SamplingParams, base_id: str,
+                    request: Request, tenant: Tenant | None) -> EngineStream:
+        """Admits a body's prompts and waits for their first output: their stream, or the
+        error of the first (ClientGone when the client leaves first)."""
         if len(prompts) > self.config.max_queued_requests:  # no retry could ever be admitted
             raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
                            f"{self.config.max_queued_requests} (max_queued_requests) fit a "
@@ -116,27 +145,15 @@ class OpenAIServer:
         self._check_text_bytes(kind, prompts)  # before the queue: no retry could fit it
         if tenant is not None:
             tenant.admit(len(prompts))
-        base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
-                                     f"{uuid.uuid4().hex}"
         salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
         stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
                               self.admission, self.metrics, tenant,
-                              _id_prefix(request, tenant) if body.request_id else "")
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
-                              self._decode_one, params.logprobs or 0, include_usage, tools)
-        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
-        try:
-            first = await stream.first(request)
-        except ClientGone:
-            return Response(status_code=499)
+                              namespace_of(request, tenant) if body.request_id else "")
+        first = await stream.first(request)
         if first is not None and first.error:
             await stream.aclose()
             raise error_of(first)
-        if body.stream:
-            return StreamingResponse(self._chunks(stream, fold, responder),
-                                     media_type="text/event-stream")
-        return await until_disconnect(request, self._full(stream, fold, responder), stream)
+        return stream
 
     async def _full(self, stream: EngineStream, fold: Fold, responder: Responder):
         async for i, delta in stream:
@@ -283,6 +300,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
         return await server.chat(body, request, tenant)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request, tenant: Tenant | None = auth):
+        return await server.responses.create(body, request, tenant)
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(rid: str, request: Request, tenant: Tenant | None = auth):
+        return server.responses.retrieve(rid, request, tenant)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str, request: Request, tenant: Tenant | None = auth):
+        return server.responses.delete(rid, request, tenant)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest,
                        tenant: Tenant | None = auth):
@@ -310,13 +339,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return BodyLimit(app, config.max_body_bytes, config.body_timeout_s)
-
-
-def _id_prefix(request: Request, tenant: Tenant | None) -> str:
-    """The namespace of a client's own request ids: its tenant, else its address."""
-    if tenant is not None:
-        return f"{tenant.name}:"
-    return f"{request.client.host if request.client else ''}:"
 
 
 def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:

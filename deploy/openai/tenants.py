@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 from tierserve.deploy.openai.errors import ApiError
 
-__all__ = ["TenantLimits", "Tenant", "KeyTable", "TokenBucket", "SALT_SEPARATOR"]
+__all__ = ["TenantLimits", "Tenant", "KeyTable", "TokenBucket", "SALT_SEPARATOR",
+           "namespace_of"]
 
 SALT_SEPARATOR = "|"
 _LIMIT_FIELDS = {"requests_per_second", "tokens_per_minute", "kv_share"}
@@ -201,3 +202,11 @@ class KeyTable:
         if found is None or not hmac.compare_digest(found[0], presented):
             raise ApiError(401, "the API key is not valid")
         return found[1]
+
+
+def namespace_of(request, tenant: Tenant | None) -> str:
+    """The namespace of a client's own request ids and stored responses: its tenant, else its
+    address."""
+    if tenant is not None:
+        return f"{tenant.name}:"
+    return f"{request.client.host if request.client else ''}:"
