@@ -187,7 +187,7 @@ def _api_server_and_curls(flow: _Flow) -> None:
     try:
         _wait_healthy(flow.port, server, log)
         flow.times.append((line[:60] + " (until healthy)", time.monotonic() - t0))
-        chat, completion = _block_after("<!-- ci:curls -->")
+        chat, completion, responses = _block_after("<!-- ci:curls -->")
         body = json.loads(flow.ok(chat).stdout)
         answer = body["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
@@ -195,6 +195,9 @@ def _api_server_and_curls(flow: _Flow) -> None:
         assert events[-1] == "data: [DONE]", events[-3:]
         usage = json.loads(events[-2][len("data: "):])["usage"]
         assert usage["completion_tokens"] >= 1 and usage["prompt_tokens"] >= 1
+        body = json.loads(flow.ok(responses).stdout)
+        text = body["output"][0]["content"][0]["text"]
+        assert body["object"] == "response" and "Paris" in text, body
     finally:
         server.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
         try:
