@@ -7,6 +7,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.http_fixtures import *  # noqa: F403
 from tierserve.deploy.openai.responses_store import ResponseStore
@@ -161,6 +163,8 @@ def test_logprobs_come_on_the_output_text(client):
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, 400,
+     "tools[0].parameters"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format"),
     ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning"),
     ({"input": "x", "frobnicate": 1}, 400, "frobnicate"),
@@ -191,3 +195,55 @@ def test_the_store_is_bounded_by_bytes_and_kept_per_client():
     assert store.get("a:", "big") is None  # larger than the store: not kept
     assert not store.delete("b:", "r5") and store.delete("a:", "r5")
     assert ResponseStore(0).put("a:", {"id": "r"}, []) is None and len(ResponseStore(0)) == 0
+
+
+# ---------------------------------------------------------------------------- any body
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2, 400), st.text(max_size=6),
+                  st.floats(allow_nan=False, allow_infinity=False, width=32))
+_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+_part = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]) | _json,
+    "text": st.text(max_size=8) | _json})
+_item = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"])
+    | _json,
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | _json,
+    "content": st.text(max_size=8) | st.lists(_part, max_size=2) | _json,
+    "call_id": st.text(max_size=6) | _json, "name": st.text(max_size=6) | _json,
+    "arguments": st.just('{"city": "x"}') | _json, "output": st.text(max_size=6) | _json})
+_tool = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["function", "web_search"]) | _json,
+    "name": st.sampled_from(["get_weather", ""]) | _json,
+    "parameters": st.just(WEATHER["parameters"]) | _json})
+_body = st.fixed_dictionaries({
+    "input": st.text(min_size=1, max_size=12) | st.lists(_item, max_size=3) | _json,
+    "max_output_tokens": st.integers(-1, 3)}, optional={
+    "instructions": st.text(max_size=8) | _json, "temperature": _leaf, "top_p": _leaf,
+    "top_logprobs": _leaf, "include": st.lists(st.sampled_from(
+        ["message.output_text.logprobs", "x"]), max_size=2) | _json,
+    "text": st.fixed_dictionaries({"format": st.sampled_from(
+        [{"type": "json_object"}, {"type": "json_schema", "schema": {"type": "integer"}},
+         {"type": "text"}]) | _json}) | _json,
+    "tools": st.lists(_tool, max_size=2) | _json,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | _json,
+    "previous_response_id": st.text(max_size=6) | _json, "store": _leaf,
+    "stream": st.booleans(), "metadata": _json, "seed": _leaf})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_body)
+def test_any_body_is_answered_or_refused_never_a_500(server, body):
+    """Whatever a client sends, the answer is a response or an error naming the request's
+    fault (400, 404), never a server error; the server goes on serving."""
+    r = httpx.post(server.base + "/v1/responses", json=dict(body, model=MODEL), timeout=60)
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["message"], r.text
+    elif body.get("stream"):
+        last = [e for e in r.text.split("\n\n") if e.strip()][-1]
+        assert last.split("\n")[0] in ("event: response.completed",
+                                       "event: response.incomplete"), last
+    else:
+        assert r.json()["status"] in ("completed", "incomplete"), r.text

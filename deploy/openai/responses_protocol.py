@@ -165,7 +165,9 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
 
 
 def renamed(param: str | None) -> str | None:
-    """A chat field's name as this body calls it."""
+    """A chat field's name as this body calls it (its tools are flat: tools[i].parameters)."""
+    if param is not None and param.startswith("tools["):
+        return param.replace(".function.", ".")
     return _RENAMED.get(param, param)
 
 
@@ -198,10 +200,11 @@ def _chat_tools(tools: list[dict] | None) -> list | None:
         return None
     out = []
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function" or not isinstance(tool.get("name"), str):
             raise BadField(f"tools[{i}]", f"only function tools ({{\"type\": \"function\", "
                                           f"\"name\", \"parameters\"}}) are supported, got "
-                                          f"type {tool.get('type')!r}")
+                                          f"{kind!r}")
         out.append({"type": "function", "function": {
             "name": tool["name"], "parameters": tool.get("parameters"),
             "description": tool.get("description")}})
