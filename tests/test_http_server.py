@@ -684,6 +684,47 @@ def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, 
     assert call in text and "12:00" in text
 
 
+def _regex_of(text: str) -> str:
+    return "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in text)
+
+
+@pytest.mark.parametrize("written", [
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+    'Sure, <tool the clock:\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}'
+    '</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+    'no call: <tool_call>{"name": "nope"}</tool_call> after',
+])
+def test_auto_tool_calls_stream_as_the_full_response_gives_them(client, written):
+    """A streamed `auto` choice sends its text as content while it may not be a call, then
+    its calls as tool_calls deltas: content deltas join to the full response's content (None
+    there: none sent), calls and finish reason equal; text whose calls do not parse streams
+    whole."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}],
+                  tools=[WEATHER, CLOCK], max_tokens=200, temperature=0,
+                  extra_body={"guided_regex": _regex_of(written)})
+    full = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, reasons, deltas = "", {}, [], 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        reasons.append(choice.finish_reason)
+        if choice.delta.content:
+            content += choice.delta.content
+            deltas += 1
+            assert "<tool_call>" not in choice.delta.content or full.message.tool_calls is None
+        for tc in choice.delta.tool_calls or ():
+            calls[tc.index] = (tc.function.name, tc.function.arguments)
+    assert reasons[-1] == full.finish_reason
+    assert (content or None) == full.message.content
+    assert [calls[i] for i in sorted(calls)] == [
+        (c.function.name, c.function.arguments) for c in full.message.tool_calls or ()]
+    if full.message.tool_calls is None:
+        assert full.message.content == written and full.finish_reason == "stop"
+    else:
+        assert full.finish_reason == "tool_calls"
+    if written.startswith("Sure"):
+        assert full.message.content == "Sure, <tool the clock:\n" and deltas >= 2
+
+
 def test_api_keys_files_in_toml_and_json(tmp_path):
     toml = tmp_path / "keys.toml"
     toml.write_text('secret = "s"\n[keys]\n"sk-1" = "acme"\n"sk-2" = "acme"\n"sk-3" = "globex"\n'

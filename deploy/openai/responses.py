@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
+from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["Fold", "Piece", "Responder", "sse", "usage_json", "chat_logprobs",
@@ -87,6 +87,7 @@ class Responder:
         self.chunk_head = self.head if kind == "completion" else \
             dict(self.head, object="chat.completion.chunk")
         self._announced: set[int] = set()  # choices whose prompt logprobs were streamed
+        self._sent: dict[int, int] = {}  # auto tools: each choice's text sent as content
 
     def full(self, fold: Fold) -> dict:
         choices = [self._choice(k, c) for k, c in enumerate(fold.choices)]
@@ -139,11 +140,34 @@ class Responder:
                 self._announced.add(p.index)
                 self._prompt_logprobs(choice, fold, p.index)
             return [self._chunk(choice)]
-        if self.tools is not None and self.tools.mode in ("named", "required"):
-            return self._tool_piece(p, fold)
+        if self.tools is not None:
+            return self._tool_piece(p, fold) if self.tools.mode in ("named", "required") \
+                else self._auto_piece(p, fold)
         return [self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},
                              "logprobs": chat_logprobs(c, self.decode, self.k),
                              "finish_reason": c.finish_reason})]
+
+    def _auto_piece(self, p: Piece, fold: Fold) -> list[bytes]:
+        """`auto`: the text as content while it may not be a call; then, once it ends, its
+        calls as OpenAI streams them whole (with the content around them), or, where none
+        parses, the text held back. Content deltas join to the full response's content."""
+        c, text = p.output, fold.choices[p.index].text
+        sent = self._sent.get(p.index, 0)
+        lp = chat_logprobs(c, self.decode, self.k)
+        if c.finish_reason is None:
+            end = max(sent, held_from(text))
+            self._sent[p.index] = end
+            return [self._chunk({"index": p.index, "delta": {"content": text[sent:end]}
+                                 if end > sent else {}, "logprobs": lp,
+                                 "finish_reason": None})]
+        calls, content = parse_tool_calls(self.tools, text)
+        rest = (content or "")[sent:] if calls else text[sent:]
+        delta: dict = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        return [self._chunk({"index": p.index, "delta": delta, "logprobs": lp,
+                             "finish_reason": reason})]
 
     def _tool_piece(self, p: Piece, fold: Fold) -> list[bytes]:
         """A forced call streams as OpenAI streams calls: a named function's arguments as they

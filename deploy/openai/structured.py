@@ -12,7 +12,8 @@ from tierserve.deploy.openai.errors import BadField
 from tierserve.scheduler.params import StructuredOutputs
 from tierserve.workers.grammar import check_structured
 
-__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call"]
+__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call",
+           "held_from"]
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -132,6 +133,7 @@ def tool_plan(tools: list | None, tool_choice, parallel: bool = True) -> ToolPla
                               "\"function\": {\"name\": ...}}")
 
 
+_CALL_OPEN = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -155,10 +157,24 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]
             name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
             if name in plan.tools:
                 calls.append(_call(name, args if isinstance(args, str) else json.dumps(args)))
-        if calls:
-            rest = _HERMES.sub("", text).strip()
-            return calls if plan.parallel else calls[:1], rest or None
+        if calls:  # the text around the calls, as written (a stream sent it so)
+            rest = _HERMES.sub("", text)
+            return calls if plan.parallel else calls[:1], rest if rest.strip() else None
     return [], text
+
+
+def held_from(text: str) -> int:
+    """Where a streamed `auto` text stops being sent as content before it ends: at its first
+    Hermes call, or at a tail that may begin one; none of it while it is all whitespace (a
+    text of calls alone has no content)."""
+    at = text.find(_CALL_OPEN)
+    if at < 0:
+        at = len(text)
+        for k in range(min(len(_CALL_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(_CALL_OPEN[:k]):
+                at = len(text) - k
+                break
+    return at if text[:at].strip() else 0
 
 
 def written_call(call: dict, param: str) -> str:
