@@ -247,3 +247,47 @@ def test_any_body_is_answered_or_refused_never_a_500(server, body):
                                        "event: response.incomplete"), last
     else:
         assert r.json()["status"] in ("completed", "incomplete"), r.text
+
+
+def test_auto_tool_text_streams_until_a_call_begins_then_the_calls_whole():
+    """The builder alone (a model trained for Hermes calls writes them unconstrained): text
+    before a call streams as deltas, a tail that may begin one waits, the calls come as
+    function_call items when the text ends, and what was streamed equals the response."""
+    from tierserve.deploy.openai.responses import Fold
+    from tierserve.deploy.openai.responses_output import ResponseBuilder
+    from tierserve.deploy.openai.responses_protocol import ResponsesRequest
+    from tierserve.deploy.openai.structured import tool_plan
+    from tierserve.runtime.outputs import CompletionOutput, RequestOutput
+    from tierserve.scheduler.params import SamplingParams
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    chunks = ["Let me ", "check. <to", "ol", call[5:30], call[30:]]
+    for with_call in (True, False):
+        texts = chunks if with_call else chunks[:3] + [" and no call"]
+        plan = tool_plan([{"type": "function", "function": {
+            "name": "get_weather", "parameters": WEATHER["parameters"]}}], "auto")
+        builder = ResponseBuilder("resp_x", MODEL, ResponsesRequest(input="x"),
+                                  SamplingParams(), plan, str, 0)
+        fold = Fold(1, 1, False)
+        events = builder.opening()
+        for k, text in enumerate(texts):
+            last = k == len(texts) - 1
+            delta = RequestOutput("r", None, [1, 2] if k == 0 else [], [CompletionOutput(
+                0, text, [7], None, None, "stop" if last else None)], finished=last)
+            for piece in fold.add(0, delta):
+                events += builder.piece(piece, fold)
+        events += builder.closing(fold)
+        parsed = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in events]
+        deltas = [e["delta"] for e in parsed if e["type"] == "response.output_text.delta"]
+        final = parsed[-1]["response"]
+        assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+        if with_call:
+            assert deltas == ["Let me ", "check. "]  # "<to" waited, then the call began
+            assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+            assert final["output"][0]["content"][0]["text"] == "Let me check. "
+            assert json.loads(final["output"][1]["arguments"]) == {"city": "Paris"}
+            assert [e["type"] for e in parsed].count("response.output_item.added") == 2
+        else:
+            assert "".join(deltas) == "Let me check. <tool and no call"
+            assert deltas[:2] == ["Let me ", "check. "]
+            assert [o["type"] for o in final["output"]] == ["message"]
+        assert parsed[-1]["type"] == "response.completed"

@@ -88,7 +88,7 @@ class ResponsesEndpoint:
                         yield event
                     return
                 for piece in fold.add(i, delta):
-                    for event in builder.piece(piece):
+                    for event in builder.piece(piece, fold):
                         yield event
             for event in builder.closing(fold):
                 yield event

@@ -1,9 +1,9 @@
 """What a Responses API body gets back: the response object (output items, status, usage) and,
 streamed, OpenAI's typed events, each `event: <type>` with its `sequence_number`.
 
-Text streams as `response.output_text.delta` events as it comes. With tools the model may call,
-what the text is (a message or calls) is known only once it ends, so its items are sent then,
-each with its added / delta / done events as OpenAI sends them.
+Text streams as `response.output_text.delta` events as it comes; with `auto` tools, until a
+call may begin (then the calls and any text held back come when it ends); a forced call comes
+whole at the end. Each item has its added / delta / done events as OpenAI sends them.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import msgspec
 from tierserve.deploy.openai.errors import ApiError
 from tierserve.deploy.openai.responses import Fold, Piece, chat_logprobs
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
-from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
+from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput
 from tierserve.scheduler.params import SamplingParams
 
@@ -35,6 +35,9 @@ class ResponseBuilder:
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.seq = 0
         self._final: dict | None = None
+        self._opened = False       # the message item's opening events sent
+        self._sent = 0             # text sent in deltas
+        self._pending: list = []   # logprobs of tokens not yet in a delta
         fmt = (body.text or {}).get("format") or {"type": "text"}
         self.fields = {
             "model": model, "instructions": body.instructions,
@@ -104,52 +107,61 @@ class ResponseBuilder:
 
     def opening(self) -> list[bytes]:
         head = self.response("in_progress", [], None)
-        out = [self.event("response.created", response=head),
-               self.event("response.in_progress", response=head)]
-        if self.tools is None:
-            out += self._open_message()
-        return out
+        return [self.event("response.created", response=head),
+                self.event("response.in_progress", response=head)]
 
     def _open_message(self) -> list[bytes]:
+        """The message item's opening events, once (before its first text)."""
+        if self._opened:
+            return []
+        self._opened = True
         return [self.event("response.output_item.added", output_index=0, item={
                     "id": self.msg_id, "type": "message", "status": "in_progress",
                     "role": "assistant", "content": []}),
                 self.event("response.content_part.added", item_id=self.msg_id, output_index=0,
                            content_index=0, part=self._part("", None))]
 
-    def piece(self, p: Piece) -> list[bytes]:
-        """A sample's new text, as it comes (with tools, nothing until the end)."""
-        if self.tools is not None or not p.output.text:
+    def piece(self, p: Piece, fold: Fold) -> list[bytes]:
+        """The sample's text as it comes: all of it without tools; with `auto` tools, while it
+        may not be a call (structured.held_from); with forced calls, nothing until the end.
+        Each delta carries the logprobs of the tokens since the last one."""
+        self._pending += self._logprobs(p.output)
+        if self.tools is not None and self.tools.mode != "auto":
             return []
-        return [self.event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                           content_index=0, delta=p.output.text,
-                           logprobs=self._logprobs(p.output))]
+        text = fold.choices[0].text
+        end = len(text) if self.tools is None else max(self._sent, held_from(text))
+        if end <= self._sent:
+            return []
+        out = self._open_message() + [self._delta(0, text[self._sent:end])]
+        self._sent = end
+        return out
+
+    def _delta(self, i: int, text: str) -> bytes:
+        lps, self._pending = self._pending, []
+        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=i,
+                          content_index=0, delta=text, logprobs=lps)
 
     def closing(self, fold: Fold) -> list[bytes]:
-        """Each item's closing events (with tools, its whole events), then the response."""
+        """Each item's events not yet sent, then the response."""
         final = self.full(fold)
-        items = final["output"]
         out = []
-        for i, item in enumerate(items):
-            if self.tools is not None:
-                out += self._open_message() if item["type"] == "message" else [
-                    self.event("response.output_item.added", output_index=i,
-                               item=dict(item, arguments="", status="in_progress"))]
-            out += self._close_item(i, item)
-        return out + [self.event(f"response.{final['status']}", response=final)]
-
-    def _close_item(self, i: int, item: dict) -> list[bytes]:
-        if item["type"] == "function_call":
-            return [self.event("response.function_call_arguments.delta", item_id=item["id"],
+        for i, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                out += self._open_message() + self._close_message(i, item)
+                continue
+            out += [self.event("response.output_item.added", output_index=i,
+                               item=dict(item, arguments="", status="in_progress")),
+                    self.event("response.function_call_arguments.delta", item_id=item["id"],
                                output_index=i, delta=item["arguments"]),
                     self.event("response.function_call_arguments.done", item_id=item["id"],
                                output_index=i, name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=i, item=item)]
+        return out + [self.event(f"response.{final['status']}", response=final)]
+
+    def _close_message(self, i: int, item: dict) -> list[bytes]:
         part = item["content"][0]
-        out = [self.event("response.output_text.delta", item_id=self.msg_id, output_index=i,
-                          content_index=0, delta=part["text"], logprobs=part["logprobs"])] \
-            if self.tools is not None and part["text"] else []
-        return out + [
+        rest = part["text"][self._sent:]
+        return ([self._delta(i, rest)] if rest else []) + [
             self.event("response.output_text.done", item_id=self.msg_id, output_index=i,
                        content_index=0, text=part["text"], logprobs=part["logprobs"]),
             self.event("response.content_part.done", item_id=self.msg_id, output_index=i,
