@@ -651,6 +651,49 @@ def test_prompt_logprobs_equal_the_full_forwards_log_softmax(client, checkpoint)
             assert int(best[0]) == int(ref[i - 1].argmax())
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(
+        client, checkpoint, engine):
+    """lm-evaluation-harness' loglikelihood request (token ids, echo, logprobs 1, max_tokens 1)
+    and OpenAI's max_tokens 0: the prompt's tokens carry their logprobs (the first None) and
+    top k, then the made token's; streamed, the same pieces."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    tok = engine.tokenizer
+    prompt = tok.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    text = tok.decode(prompt, skip_special_tokens=False)
+    base = dict(model=MODEL, prompt=[prompt], echo=True, logprobs=2, temperature=0, seed=1234)
+    one = client.completions.create(max_tokens=1, **base).choices[0]
+    lp = one.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(prompt) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, prompt[i]].item()) < 1e-4
+        want = {}  # keyed by token text, as OpenAI's shape is (rank order: the last kept)
+        for t in ref[i - 1].topk(2).indices.tolist():
+            want[tok.decode([t], skip_special_tokens=False)] = ref[i - 1, t].item()
+        assert lp.top_logprobs[i].keys() == want.keys()
+        assert all(abs(lp.top_logprobs[i][t] - v) < 1e-4 for t, v in want.items())
+    made = tok.decode([int(ref[-1].argmax())], skip_special_tokens=False)
+    assert lp.tokens[-1] == made and one.text == text + made
+    assert abs(lp.token_logprobs[-1] - ref[-1].max().item()) < 1e-4
+    assert one.text.startswith(text) and lp.text_offset[0] == 0
+    assert lp.text_offset[-1] == len(text) and lp.text_offset == sorted(lp.text_offset)
+    zero = client.completions.create(max_tokens=0, **base)
+    assert zero.choices[0].text == text and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert zero.choices[0].finish_reason == "length"
+    assert getattr(zero.choices[0], "prompt_logprobs", None) is None  # not asked for
+    chunks = [c.choices[0] for c in client.completions.create(max_tokens=1, stream=True,
+                                                                **base)]
+    assert "".join(c.text for c in chunks) == one.text
+    assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == \
+        lp.token_logprobs
+    assert sum((c.logprobs.text_offset for c in chunks if c.logprobs), []) == lp.text_offset
+
+
 def test_auto_parses_tool_calls_and_earlier_calls_go_back_in_the_prompt(client, server,
                                                                          engine):
     """auto: text in the Hermes format becomes tool_calls (here forced by a regex, as a

@@ -143,11 +143,16 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
             raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
+        if req.echo and max_tokens == 0:  # the prompt scored alone: its one token is dropped
+            max_tokens = 1
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")  # None: the rest of the context
     if not 1 <= req.n <= MAX_N:
         raise BadField("n", f"n must be in [1, {MAX_N}], got {req.n}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    prompt_logprobs = req.prompt_logprobs
+    if getattr(req, "echo", False) and logprobs is not None:  # the echoed prompt's logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     fields = dict(
         temperature=_given(req.temperature, defaults, "temperature", 1.0),
         top_p=_given(req.top_p, defaults, "top_p", 1.0),
@@ -163,7 +168,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         bad_words=req.bad_words, skip_special_tokens=req.skip_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        prompt_logprobs=req.prompt_logprobs)
+        prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as e:

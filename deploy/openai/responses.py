@@ -15,7 +15,7 @@ from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_c
 from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["Fold", "Piece", "Responder", "sse", "usage_json", "chat_logprobs",
-           "completion_logprobs"]
+           "completion_logprobs", "prompt_logprobs_json"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -33,10 +33,13 @@ class Fold:
     """A body's choices (text, tokens, logprobs, finish reason so far) and usage."""
 
     def __init__(self, num_prompts: int, n: int, want_logprobs: bool,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, prompt_only: bool = False) -> None:
         self.n = n
         # With echo, each choice's text begins with its prompt's.
         self.echo = echo
+        # The prompt scored alone (echo, max_tokens 0): the one token made is not sent.
+        self.prompt_only = prompt_only
+        self.prompt_ids: list[list[int]] = [[] for _ in range(num_prompts)]
         self.choices = [CompletionOutput(k % n, echo[k // n] if echo else "", [], None,
                                          [] if want_logprobs else None)
                         for k in range(num_prompts * n)]
@@ -49,11 +52,15 @@ class Fold:
         """Folds prompt i's delta in; returns its pieces with something to send."""
         if delta.prompt_token_ids:
             self.prompt_tokens[i] = len(delta.prompt_token_ids)
+            self.prompt_ids[i] = delta.prompt_token_ids
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[i] = delta.prompt_logprobs
         self.cached_tokens[i] = max(self.cached_tokens[i], delta.num_cached_tokens)
         pieces = []
         for c in delta.outputs:
+            if self.prompt_only:
+                c = CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [],
+                                     c.finish_reason and "length")
             self.completion_tokens += len(c.token_ids)
             if not (c.text or c.token_ids or c.finish_reason):
                 continue
@@ -77,9 +84,16 @@ class Responder:
     """The JSON of one body's response and stream chunks: `kind` is "completion" or "chat"."""
 
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
-                 include_usage: bool, tools: ToolPlan | None = None) -> None:
+                 include_usage: bool, tools: ToolPlan | None = None, echo_logprobs: bool = False,
+                 show_prompt_logprobs: bool = True) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
         self.include_usage = include_usage
+        # Completions' echo with logprobs: the echoed prompt's tokens carry theirs (OpenAI's
+        # shape: the first token's None), before the generated ones'.
+        self.echo_logprobs = echo_logprobs
+        # vLLM's prompt_logprobs field, when the body asked for it (echo's alone do not).
+        self.show_prompt_logprobs = show_prompt_logprobs
+        self._echoed: set[int] = set()  # streamed choices whose echo was sent
         # Chat with tools the model may call (not "none"): its text may be tool calls.
         self.tools = tools if tools is not None and tools.mode != "none" else None
         obj = "text_completion" if kind == "completion" else "chat.completion"
@@ -90,7 +104,7 @@ class Responder:
         self._sent: dict[int, int] = {}  # auto tools: each choice's text sent as content
 
     def full(self, fold: Fold) -> dict:
-        choices = [self._choice(k, c) for k, c in enumerate(fold.choices)]
+        choices = [self._choice(k, c, fold) for k, c in enumerate(fold.choices)]
         for k, choice in enumerate(choices):
             self._prompt_logprobs(choice, fold, k)
         return dict(self.head, choices=choices, usage=fold.usage())
@@ -98,16 +112,21 @@ class Responder:
     def _prompt_logprobs(self, choice: dict, fold: Fold, index: int) -> dict:
         """vLLM's prompt_logprobs of the choice's prompt, when it was asked for."""
         lps = fold.prompt_logprobs[index // fold.n]
-        if lps is not None:
+        if lps is not None and self.show_prompt_logprobs:
             choice["prompt_logprobs"] = [None if e is None else {
                 str(t): {"logprob": lp.logprob, "rank": lp.rank,
                          "decoded_token": self.decode(t)} for t, lp in e.items()} for e in lps]
         return choice
 
-    def _choice(self, index: int, c: CompletionOutput) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, fold: Fold) -> dict:
         if self.kind == "completion":
-            return {"index": index, "text": c.text,
-                    "logprobs": completion_logprobs(c, self.decode, self.k),
+            if not self.echo_logprobs:
+                lps = completion_logprobs(c, self.decode, self.k)
+            else:
+                echoed = self._echo_logprobs(index, fold)
+                made = completion_logprobs(c, self.decode, self.k, len(fold.echo[index // fold.n]))
+                lps = {key: echoed[key] + made[key] for key in echoed}
+            return {"index": index, "text": c.text, "logprobs": lps,
                     "finish_reason": c.finish_reason}
         message = {"role": "assistant", "content": c.text}
         reason = c.finish_reason
@@ -119,13 +138,18 @@ class Responder:
         return {"index": index, "message": message,
                 "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
 
+    def _echo_logprobs(self, index: int, fold: Fold) -> dict:
+        i = index // fold.n
+        return prompt_logprobs_json(fold.prompt_ids[i], fold.prompt_logprobs[i], self.decode,
+                                    self.k)
+
     def opening(self, fold: Fold) -> list[bytes]:
         """Chunks before any output: chat announces each choice's role; an echoing completion
-        sends each choice's prompt."""
+        sends each choice's prompt (with logprobs, with its first output: they come with it)."""
         if self.kind == "completion":
             return [self._chunk({"index": k, "text": c.text, "logprobs": None,
                                  "finish_reason": None})
-                    for k, c in enumerate(fold.choices) if c.text]
+                    for k, c in enumerate(fold.choices) if c.text and not self.echo_logprobs]
         return [self._chunk({"index": k, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
                 for k in range(len(fold.choices))]
@@ -133,13 +157,19 @@ class Responder:
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         c = p.output
         if self.kind == "completion":
+            out = []
+            if self.echo_logprobs and p.index not in self._echoed:
+                self._echoed.add(p.index)
+                out.append(self._chunk({"index": p.index, "text": fold.echo[p.index // fold.n],
+                                        "logprobs": self._echo_logprobs(p.index, fold),
+                                        "finish_reason": None}))
             choice = {"index": p.index, "text": c.text,
                       "logprobs": completion_logprobs(c, self.decode, self.k, p.text_offset),
                       "finish_reason": c.finish_reason}
             if p.index not in self._announced:
                 self._announced.add(p.index)
                 self._prompt_logprobs(choice, fold, p.index)
-            return [self._chunk(choice)]
+            return out + [self._chunk(choice)]
         if self.tools is not None:
             return self._tool_piece(p, fold) if self.tools.mode in ("named", "required") \
                 else self._auto_piece(p, fold)
@@ -239,6 +269,23 @@ def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
             "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
                               "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
     return {"content": content}
+
+
+def prompt_logprobs_json(ids: list[int], lps: list | None, decode, k: int) -> dict:
+    """An echoed prompt's part of completions' logprobs: each token's logprob and top k (None
+    for the first, which nothing precedes), offsets from the prompt's start."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for pos, tid in enumerate(ids):
+        token = decode(tid)
+        entries = lps[pos] if lps is not None else None
+        tokens.append(token)
+        token_lps.append(None if entries is None else entries[tid].logprob)
+        tops.append(None if entries is None else
+                    {decode(i): lp.logprob for i, lp in _top(entries, k)})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def completion_logprobs(completion: CompletionOutput, decode, k: int,

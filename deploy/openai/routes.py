@@ -122,9 +122,12 @@ class OpenAIServer:
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        echo_logprobs = echo is not None and params.logprobs is not None
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
-                              self._decode_one, params.logprobs or 0, include_usage, tools)
-        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo)
+                              self._decode_one, params.logprobs or 0, include_usage, tools,
+                              echo_logprobs, body.prompt_logprobs is not None)
+        fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
+                    prompt_only=echo is not None and body.max_tokens == 0)
         try:
             stream = await self.start(kind, prompts, body, params, base_id, request, tenant)
         except ClientGone:
@@ -185,9 +188,6 @@ class OpenAIServer:
         prompts = completion_prompts(body)
         echo = None
         if body.echo:
-            if body.logprobs is not None:
-                raise BadField("echo", "echo with logprobs needs prompt logprobs, which this "
-                                       "server does not compute")
             echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
         return await self.generate("completion", prompts, body, request, tenant, echo=echo)
 
