@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
-           "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
            "stop", "analyze"]
 __version__ = "0.1.0"
@@ -29,6 +29,9 @@ _EXPORTS = {
     "RequestOutputKind": "tierserve.scheduler.params",
     "StructuredOutputsParams": "tierserve.scheduler.params",
     "analyze": "tierserve.runtime.analyze",
+    "BeamSearchParams": "tierserve.runtime.beam_search",
+    "BeamSearchOutput": "tierserve.runtime.beam_search",
+    "BeamSearchSequence": "tierserve.runtime.beam_search",
 }
 
 

@@ -21,6 +21,9 @@ import os
 import threading
 from typing import AsyncIterator, Callable, Iterator, Protocol
 
+from tierserve.runtime.beam_search import (
+    BeamSearch, BeamSearchOutput, BeamSearchParams, round_requests, step_params, take_round,
+)
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import (
     CompletionOutput, RequestOutput, logprob_dict, prompt_logprobs_of,
@@ -238,6 +241,35 @@ class AsyncLLM:
         finally:
             outputs.remove(rid)
             await stream.aclose()
+
+    async def beam_search(self, prompt, params: BeamSearchParams, *, priority: int = 0,
+                          cache_salt: str | None = None) -> BeamSearchOutput:
+        """LLM.beam_search for one prompt: each round's beams run as concurrent requests
+        (cancelling the call aborts them). A bad prompt raises ValueError."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        inputs, _ = await self.processors()
+        probe = SamplingParams(max_tokens=1)
+        done = await inputs.process_async(next(self._ids), prompt, probe, priority, cache_salt)
+        tok = self.engine.tokenizer
+        search = BeamSearch(list(done.request.prompt_token_ids), params,
+                            tok.eos_token_id if tok is not None else None)
+        step = SamplingParams(**step_params(params), output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def last(ids: list[int]) -> RequestOutput:
+            out = None
+            async for out in self.generate({"prompt_token_ids": ids}, step, priority=priority,
+                                           cache_salt=cache_salt):
+                pass
+            return out
+
+        for _ in range(params.max_tokens):
+            live, seqs = round_requests([search], self.engine.max_model_len)
+            if not live:
+                break
+            take_round(live, await asyncio.gather(*(last(q) for q in seqs)))
+        return BeamSearchOutput(search.result(
+            (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None))
 
     async def abort(self, request_id: str) -> None:
         """Aborts this client's unfinished request of that request_id, if there is one."""

@@ -11,6 +11,9 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from tierserve.runtime.beam_search import (
+    BeamSearch, BeamSearchOutput, BeamSearchParams, round_requests, step_params, take_round,
+)
 from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import RequestOutput
@@ -81,6 +84,34 @@ class LLM:
                        tools=tools)
         return self.generate([{"messages": list(c), **options} for c in conversations],
                              sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    *, use_tqdm: bool = False,
+                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (runtime/beam_search.py): per prompt, the best beam_width
+        sequences, best first, each its prompt's tokens then the generated ones, with the
+        generated text. A bad prompt raises ValueError naming it."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        tok = self.tokenizer
+        eos = tok.eos_token_id if tok is not None else None
+        searches = [BeamSearch(self._prompt_ids(p, cache_salt), params, eos)
+                    for p in _as_batch(prompts)]
+        step = SamplingParams(**step_params(params))
+        for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
+            live, seqs = round_requests(searches, self.engine.max_model_len)
+            if not live:
+                break
+            take_round(live, self.generate([{"prompt_token_ids": q} for q in seqs], step,
+                                           use_tqdm=False, cache_salt=cache_salt))
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None
+        return [BeamSearchOutput(s.result(decode)) for s in searches]
+
+    def _prompt_ids(self, prompt: PromptType, cache_salt: str | None) -> list[int]:
+        processed = self._request(prompt, SamplingParams(max_tokens=1), cache_salt, 0)
+        if isinstance(processed, RequestOutput):
+            raise ValueError(processed.error)
+        return list(processed.request.prompt_token_ids)
 
     @property
     def processors(self) -> tuple[InputProcessor, OutputProcessor]:

@@ -63,6 +63,9 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(_Common):
@@ -195,6 +198,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _refuse_unsupported(req) -> None:
+    if req.length_penalty != 1.0:
+        raise BadField("length_penalty", "length_penalty applies to use_beam_search only")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise BadField("suffix", "suffix is not supported")

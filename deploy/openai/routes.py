@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from tierserve.deploy.openai.admission import Admission, BodyLimit
+from tierserve.deploy.openai.beam import beam_response
 from tierserve.deploy.openai.connections import ConnectionLimits, uvicorn_config
 from tierserve.deploy.openai.errors import (
     ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
@@ -118,6 +119,8 @@ class OpenAIServer:
                        echo: list[str] | None = None):
         """Runs a body's prompts; the response, streamed or whole. `echo`: each prompt's
         text, which its choices begin with."""
+        if body.use_beam_search:
+            return await beam_response(self, kind, prompts, body, request, tenant, echo)
         params = sampling_params(body, tools, self.generation_defaults)
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
@@ -141,13 +144,7 @@ class OpenAIServer:
                     request: Request, tenant: Tenant | None) -> EngineStream:
         """Admits a body's prompts and waits for their first output: their stream, or the
         error of the first (ClientGone when the client leaves first)."""
-        if len(prompts) > self.config.max_queued_requests:  # no retry could ever be admitted
-            raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
-                           f"{self.config.max_queued_requests} (max_queued_requests) fit a "
-                           f"body")
-        self._check_text_bytes(kind, prompts)  # before the queue: no retry could fit it
-        if tenant is not None:
-            tenant.admit(len(prompts))
+        self.check_prompts(kind, prompts, tenant)
         salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
         stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
                               self.admission, self.metrics, tenant,
@@ -190,6 +187,17 @@ class OpenAIServer:
         if body.echo:
             echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
         return await self.generate("completion", prompts, body, request, tenant, echo=echo)
+
+    def check_prompts(self, kind: str, prompts: list, tenant: Tenant | None) -> None:
+        """What a body's prompts pass before they queue: their number, their texts' bytes
+        (no retry could fit either), the tenant's rate."""
+        if len(prompts) > self.config.max_queued_requests:
+            raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
+                           f"{self.config.max_queued_requests} (max_queued_requests) fit a "
+                           f"body")
+        self._check_text_bytes(kind, prompts)
+        if tenant is not None:
+            tenant.admit(len(prompts))
 
     def _check_text_bytes(self, kind: str, prompts: list) -> None:
         if self.tokenizer is None or self.max_model_len is None:

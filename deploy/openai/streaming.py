@@ -18,7 +18,7 @@ from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 
-__all__ = ["EngineStream", "until_disconnect", "ClientGone"]
+__all__ = ["EngineStream", "until_disconnect", "ClientGone", "disconnected"]
 
 log = logging.getLogger("tierserve.http")
 
@@ -91,7 +91,7 @@ class EngineStream:
         will come). A client that leaves meanwhile (its prompt still tokenizing, queued, or
         prefilling) closes the stream, aborting its requests, and raises ClientGone."""
         head = asyncio.ensure_future(self._next())
-        watch = asyncio.ensure_future(_disconnected(request))
+        watch = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({head, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -120,7 +120,7 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
     """The response of `work`, unless the client goes away first: then its requests are
     aborted (their blocks freed) and nothing is sent."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    watch = asyncio.ensure_future(disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -133,7 +133,7 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
         await stream.aclose()
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns once the client has gone (the body was read before: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -1,0 +1,91 @@
+"""vLLM's `use_beam_search` on completions and chat: `n` is the beam width and the response
+holds each prompt's best `n` sequences (runtime/beam_search.py, through AsyncLLM.beam_search),
+whole, never streamed. Fields a beam search has no meaning for are refused, naming them."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tierserve.deploy.openai.errors import ApiError, BadField
+from tierserve.deploy.openai.responses import usage_json
+from tierserve.deploy.openai.streaming import disconnected
+from tierserve.deploy.openai.tenants import Tenant
+from tierserve.runtime.beam_search import BeamSearchParams
+
+__all__ = ["beam_params", "beam_response"]
+
+# Body fields (and their values that mean "not asked for") a beam search cannot honour.
+_NOT_WITH_BEAMS = {"logprobs": (None, False), "top_logprobs": (None,), "stop": (None, [], ""),
+                   "stop_token_ids": (None, []), "response_format": (None,),
+                   "structured_outputs": (None,), "guided_json": (None,),
+                   "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+                   "tools": (None, []), "logit_bias": (None, {}), "bad_words": (None, []),
+                   "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+                   "min_tokens": (0,), "stream": (False,)}
+
+
+def beam_params(body, defaults: dict) -> BeamSearchParams:
+    for name, unset in _NOT_WITH_BEAMS.items():
+        if getattr(body, name, None) not in unset:
+            raise BadField(name, f"{name} is not supported with use_beam_search")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens \
+        or defaults.get("max_tokens") or 16
+    try:
+        return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens,
+                                ignore_eos=body.ignore_eos, temperature=body.temperature or 0.0,
+                                length_penalty=body.length_penalty)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise BadField("n" if name == "beam_width" else name,
+                       str(e).replace("beam_width", "n (the beam width)")) from None
+
+
+async def beam_response(server, kind: str, prompts: list, body, request: Request,
+                        tenant: Tenant | None, echo: list[str] | None) -> Response:
+    params = beam_params(body, server.generation_defaults)
+    server.check_prompts(kind, prompts, tenant)
+    salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
+    server.admission.admit(len(prompts))
+    work = asyncio.ensure_future(asyncio.gather(*(
+        server.engine.beam_search(p, params, priority=body.priority, cache_salt=salt)
+        for p in prompts)))
+    watch = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: its searches' requests are aborted
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=499)
+        try:
+            outputs = work.result()
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt" if kind == "completion" else "messages") \
+                from None
+    finally:
+        watch.cancel()
+        for _ in prompts:
+            server.admission.started()
+    return JSONResponse(_body(kind, server.config.served_model_name, outputs, echo))
+
+
+def _body(kind: str, model: str, outputs: list, echo: list[str] | None) -> dict:
+    choices, prompt_tokens, made = [], 0, 0
+    for i, out in enumerate(outputs):
+        prompt_len = len(out.sequences[0].tokens) - len(out.sequences[0].logprobs)
+        prompt_tokens += prompt_len
+        for seq in out.sequences:
+            made += len(seq.tokens) - prompt_len
+            text = (echo[i] if echo else "") + (seq.text or "")
+            index = len(choices)
+            choices.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": seq.finish_reason} if kind == "completion" else
+                           {"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": seq.finish_reason})
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+            "object": "text_completion" if kind == "completion" else "chat.completion",
+            "choices": choices, "usage": usage_json(prompt_tokens, made)}
