@@ -67,6 +67,18 @@ def make_tiny_qwen2(path: Path, *, vocab_size: int = 320, hidden_size: int = 64,
     return _save(Qwen2ForCausalLM, config, path, seed)
 
 
+def make_tiny_qwen3(path: Path, *, vocab_size: int = 320, hidden_size: int = 64,
+                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    seed: int = 5) -> Path:
+    """Qwen3: RMSNorm on each query and key head, no q/k/v bias, head_dim given."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**_common(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads),
+                         head_dim=32, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return _save(Qwen3ForCausalLM, config, path, seed)
+
+
 def make_tiny_mistral(path: Path, *, seed: int = 3, sliding_window: int | None = None) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -220,7 +232,8 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _HF_TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -231,9 +244,10 @@ def _llama_cpp_permute(w, n_head: int):
 
 
 def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool | str = False) -> Path:
-    """Convert a tiny HF Llama folder to a GGUF the way llama.cpp lays it out: F32, or with
-    quantize (True or "q4_1") the layers' matrices Q4_1 and the embedding and output Q8_0 (as
-    SmolLM2's file), or ("q8_0") every matrix Q8_0."""
+    """Convert a tiny HF Llama (or Qwen3) folder to a GGUF the way llama.cpp lays it out: F32,
+    or with quantize (True or "q4_1") the layers' matrices Q4_1 and the embedding and output
+    Q8_0 (as SmolLM2's file), or ("q8_0") every matrix Q8_0. llama.cpp permutes the q/k rows of
+    llama alone."""
     import json
 
     import gguf
@@ -242,7 +256,8 @@ def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool | str = 
     cfg = json.loads((Path(hf_folder) / "config.json").read_text())
     tensors = load_file(str(Path(hf_folder) / "model.safetensors"))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(out_file), "llama")
+    arch = cfg["model_type"]
+    writer = gguf.GGUFWriter(str(out_file), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -250,6 +265,8 @@ def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool | str = 
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
@@ -260,7 +277,7 @@ def write_llama_gguf(hf_folder: Path, out_file: Path, *, quantize: bool | str = 
         if stem.startswith("model.layers."):
             _, _, layer, module = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
-            if module.endswith(("q_proj", "k_proj")):
+            if arch == "llama" and module.endswith(("q_proj", "k_proj")):
                 array = _llama_cpp_permute(array, heads if module.endswith("q_proj") else kv_heads)
         else:
             gguf_name = f"{_HF_TO_GGUF_GLOBAL[stem]}.{kind}"

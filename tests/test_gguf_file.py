@@ -470,10 +470,11 @@ def test_tiny_tokenizers_equal_transformers(tmp_path, kind):
     assert saved(ours, tmp_path / "ours") == saved(theirs, tmp_path / "theirs")
 
 
-@pytest.mark.parametrize("arch, name", [("qwen2", "tiny"), ("llama", "Mistral-7B")])
+@pytest.mark.parametrize("arch, name", [("qwen2", "tiny"), ("qwen3", "tiny"),
+                                        ("llama", "Mistral-7B")])
 def test_other_tokenizer_classes_go_through_transformers(tmp_path, arch, name):
-    """transformers may give these another tokenizer class (qwen2: Qwen2Tokenizer; a llama file
-    named after Mistral reads as mistral), so they keep its full conversion."""
+    """transformers may give these another tokenizer class (qwen2, qwen3: Qwen2Tokenizer; a
+    llama file named after Mistral reads as mistral), so they keep its full conversion."""
     path = write_tokenizer_gguf(tmp_path / "tiny.gguf", arch, "gpt2", name)
     assert not tokenizer_mod._direct_conversion_applies(open_gguf(path))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", local_files_only=True)

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from tests.checkpoints import (
-    TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2,
+    TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3,
 )
 from tierserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 
@@ -22,6 +22,7 @@ def checkpoints(tmp_path_factory):
         "llama3rope": make_tiny_llama(root / "llama3", rope_scaling=TINY_LLAMA3_ROPE,
                                       tie_word_embeddings=True, seed=3),
         "qwen2": make_tiny_qwen2(root / "qwen2"),
+        "qwen3": make_tiny_qwen3(root / "qwen3"),
     }
 
 
@@ -58,7 +59,7 @@ MODES = {
 
 @pytest.mark.parity
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2", "qwen3"])
 def test_greedy_equals_transformers(checkpoints, references, name, mode, backend):
     options = MODES[mode]
     with LLM(str(checkpoints[name]), cpu_isa=backend.name, **options) as llm:

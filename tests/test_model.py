@@ -19,6 +19,7 @@ from tests.checkpoints import (
     make_tiny_mistral,
     make_tiny_qwen2,
     make_tiny_qwen2_sliding,
+    make_tiny_qwen3,
     write_llama_gguf,
 )
 from tierserve.workers.attention import AttentionMetadata
@@ -46,6 +47,7 @@ def tiny_ckpts(tmp_path_factory):
         "llama": make_tiny_llama(root / "llama"),
         "llama3_rope": make_tiny_llama(root / "llama3", rope_scaling=TINY_LLAMA3_ROPE, seed=2),
         "qwen2": make_tiny_qwen2(root / "qwen2"),
+        "qwen3": make_tiny_qwen3(root / "qwen3"),
         "mistral": make_tiny_mistral(root / "mistral"),
     }
 
@@ -55,7 +57,7 @@ def hf_models(tiny_ckpts):
     return {name: load_hf(path) for name, path in tiny_ckpts.items()}
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "llama3_rope", "qwen2", "qwen3", "mistral"])
 def pair(request, tiny_ckpts, hf_models, backend):
     """(HF reference model, our model on the pinned CPU backend) on one tiny checkpoint."""
     path = tiny_ckpts[request.param]
@@ -216,6 +218,9 @@ def test_model_config_from_hf_dicts(tiny_ckpts):
     qwen = load_model_config(str(tiny_ckpts["qwen2"]))
     assert (qwen.architecture, qwen.attention_bias, qwen.tie_word_embeddings) == ("qwen2", True, True)
     assert qwen.eos_token_ids == (2,) and qwen.rope_theta == 1e6
+    qwen3 = load_model_config(str(tiny_ckpts["qwen3"]))
+    assert (qwen3.architecture, qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == \
+        ("qwen3", True, False, 32)
     # transformers 4.x layout: rope_theta at top level, rope_scaling with "type".
     old = ModelConfig.from_hf_config({
         "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -275,6 +280,19 @@ def test_gguf_loader_undoes_llama_cpp_permutation(tiny_ckpts, tmp_path):
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parity
+def test_a_qwen3_gguf_runs_as_its_hf_folder(tiny_ckpts, hf_models, tmp_path, backend):
+    folder = tiny_ckpts["qwen3"]
+    gguf_file = write_llama_gguf(folder, tmp_path / "qwen3.gguf")
+    config = load_model_config(str(gguf_file))
+    assert (config.architecture, config.qk_norm, config.head_dim) == ("qwen3", True, 32)
+    ours = load_model(str(gguf_file), backend=backend)[1]
+    rng = random.Random(6)
+    prompts = [_tokens(rng, n, config.vocab_size) for n in (3, 9)]
+    got = PagedRunner(ours, num_blocks=64, seed=2).greedy(prompts, 8)
+    assert got == [hf_greedy(hf_models["qwen3"], p, 8) for p in prompts]
 
 
 @pytest.fixture(scope="session")

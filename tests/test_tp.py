@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.checkpoints import TINY_LLAMA3_ROPE, PagedRunner, Work, make_tiny_llama, make_tiny_qwen2
+from tests.checkpoints import (
+    TINY_LLAMA3_ROPE, PagedRunner, Work, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3,
+)
 from tierserve.workers.model.layers import partition_heads
 from tierserve.workers.model.loader import load_model, load_model_config
 from tierserve.workers.model.llama import LlamaForCausalLM
@@ -126,6 +128,7 @@ def test_tp2_llama_and_qwen2(tmp_path, backend):
         make_tiny_llama(tmp_path / "llama"),
         make_tiny_llama(tmp_path / "llama3", rope_scaling=TINY_LLAMA3_ROPE, seed=2),
         make_tiny_qwen2(tmp_path / "qwen2"),  # tied embeddings, q/k/v bias
+        make_tiny_qwen3(tmp_path / "qwen3"),  # per-head q/k norms, replicated on the ranks
     ]
     ranks = _run_tp(2, ckpts, tmp_path, backend.name)
     for ckpt in ckpts:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _freeze(value: Any) -> Any:
@@ -35,6 +35,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
     attention_output_bias: bool = False  # bias on o_proj (Llama's attention_bias only)
     mlp_bias: bool = False
+    # RMSNorm of each query and key head before RoPE (Qwen3).
+    qk_norm: bool = False
     # Sliding-window attention: a token sees the last sliding_window tokens of its context, in
     # every layer, or (layer_types given) in the layers marked "sliding_attention" only.
     sliding_window: int | None = None
@@ -97,6 +99,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else llama_bias,
+            qk_norm=arch == "qwen3",
             attention_output_bias=llama_bias if arch == "llama" else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
             sliding_window=_sliding_window(arch, cfg),
@@ -126,7 +129,7 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any],
 
 
 def _sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None

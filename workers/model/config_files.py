@@ -37,8 +37,9 @@ def _gguf_file(path: str) -> GGUFFile:
 def _gguf_config(path: str) -> ModelConfig:
     gguf_file = _gguf_file(path)
     arch = gguf_file.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, "
+                         f"qwen3)")
     tensors = {t.name: t for t in gguf_file.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
@@ -66,6 +67,7 @@ def _gguf_config(path: str) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_output_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=gguf_file.get(f"{arch}.attention.sliding_window"),
         bos_token_id=gguf_file.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),

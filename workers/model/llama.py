@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV pool, built from TP layers.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV pool, built from TP
+layers.
 
 Module names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`, so
 `load_weights` maps checkpoint names with a small table.
@@ -73,6 +74,18 @@ class LlamaAttention(nn.Module):
             config.attention_output_bias, dtype, device,
         )
         self.rotary = rotary
+        if config.qk_norm:  # one weight [D] over every head (replicated across ranks)
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(config.head_dim, eps, dtype, device, backend)
+            self.k_norm = RMSNorm(config.head_dim, eps, dtype, device, backend)
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each query and key head RMS-normed (Qwen3), V as it is."""
+        t, d = qkv.shape[0], self.head_dim
+        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        q = self.q_norm(qkv[:, :q_end].reshape(-1, d)).view(t, q_end)
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, d)).view(t, k_end - q_end)
+        return torch.cat([q, k, qkv[:, k_end:]], dim=1)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn: AttentionMetadata,
@@ -80,6 +93,8 @@ class LlamaAttention(nn.Module):
         """[T, hidden] -> [T, hidden], or [len(keep), hidden]: every token's K/V is written,
         and only the kept tokens' outputs are projected."""
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * D]
+        if hasattr(self, "q_norm"):
+            qkv = self._norm_heads(qkv)
         q, k, v = self.backend.rotary_write_kv(qkv, cos, sin, kv_cache, attn.slot_mapping,
                                                self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.backend.attention(q, k, v, kv_cache, attn, self.scale, self.window)
@@ -159,8 +174,8 @@ class LlamaModel(nn.Module):
 
     def layer_stack(self):
         """The backend's route for a step's layers in one call, or None (backends/stack.py)."""
-        if not self.use_layer_stack or get_tp_size() != 1:
-            return None
+        if not self.use_layer_stack or get_tp_size() != 1 or self.config.qk_norm:
+            return None  # the one-call route has no per-head norms
         if not self._stack_built:
             layers = [layer.stack_layer() for layer in self.layers]
             if any(layer is None for layer in layers):
