@@ -110,6 +110,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes, keys=keys,
                               chat_template=chat_template,
                               response_store_bytes=args.response_store_bytes,
+                              reasoning_parser=args.reasoning_parser,
                               body_timeout_s=args.body_timeout,
                               connections=ConnectionLimits(args.header_timeout,
                                                            args.max_connections_per_client))

@@ -83,6 +83,9 @@ def _api_server_parser(sub) -> None:
                           "model's)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
+    api.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                     help="return a thinking model's <think> text apart from its answer, as "
+                          "chat's `reasoning` (and `reasoning_content`) (default: none)")
     api.add_argument("--response-store-bytes", type=int, default=64 << 20, metavar="BYTES",
                      help="memory for stored responses (/v1/responses with store: true), the "
                           "least recently used dropped first; 0 keeps none (default: "

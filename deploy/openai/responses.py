@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tierserve.deploy.openai.reasoning import opens_inside, split_reasoning
 from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -85,7 +86,7 @@ class Responder:
 
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
                  include_usage: bool, tools: ToolPlan | None = None, echo_logprobs: bool = False,
-                 show_prompt_logprobs: bool = True) -> None:
+                 show_prompt_logprobs: bool = True, reasoning: bool = False) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
         self.include_usage = include_usage
         # Completions' echo with logprobs: the echoed prompt's tokens carry theirs (OpenAI's
@@ -101,7 +102,11 @@ class Responder:
         self.chunk_head = self.head if kind == "completion" else \
             dict(self.head, object="chat.completion.chunk")
         self._announced: set[int] = set()  # choices whose prompt logprobs were streamed
-        self._sent: dict[int, int] = {}  # auto tools: each choice's text sent as content
+        self._sent: dict[int, int] = {}  # chat: each choice's answer text sent as content
+        # Chat: a thinking model's reasoning apart from its answer (reasoning.py).
+        self.reasoning = reasoning
+        self._sent_reasoning: dict[int, int] = {}
+        self._inside: dict[int, bool] = {}  # per prompt: it leaves a <think> open
 
     def full(self, fold: Fold) -> dict:
         choices = [self._choice(k, c, fold) for k, c in enumerate(fold.choices)]
@@ -128,12 +133,16 @@ class Responder:
                 lps = {key: echoed[key] + made[key] for key in echoed}
             return {"index": index, "text": c.text, "logprobs": lps,
                     "finish_reason": c.finish_reason}
-        message = {"role": "assistant", "content": c.text}
+        reasoning, text = self._split(index, fold, True)
+        message = {"role": "assistant", "content": text}
+        if self.reasoning:
+            message.update(content=text or None, reasoning=reasoning or None,
+                           reasoning_content=reasoning or None)
         reason = c.finish_reason
         if self.tools is not None:
-            calls, content = parse_tool_calls(self.tools, c.text)
+            calls, content = parse_tool_calls(self.tools, text)
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                message.update(content=content, tool_calls=calls)
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
                 "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
@@ -170,29 +179,56 @@ class Responder:
                 self._announced.add(p.index)
                 self._prompt_logprobs(choice, fold, p.index)
             return out + [self._chunk(choice)]
+        if self.tools is not None and self.tools.mode in ("named", "required"):
+            return self._tool_piece(p, fold)
+        reasoning, text = self._split(p.index, fold, c.finish_reason is not None)
+        delta = self._reasoning_delta(p.index, reasoning)
         if self.tools is not None:
-            return self._tool_piece(p, fold) if self.tools.mode in ("named", "required") \
-                else self._auto_piece(p, fold)
-        return [self._chunk({"index": p.index, "delta": {"content": c.text} if c.text else {},
+            return self._auto_piece(p, text, delta)
+        sent = self._sent.get(p.index, 0)
+        if len(text) > sent:
+            delta["content"] = text[sent:]
+            self._sent[p.index] = len(text)
+        return [self._chunk({"index": p.index, "delta": delta,
                              "logprobs": chat_logprobs(c, self.decode, self.k),
                              "finish_reason": c.finish_reason})]
 
-    def _auto_piece(self, p: Piece, fold: Fold) -> list[bytes]:
-        """`auto`: the text as content while it may not be a call; then, once it ends, its
+    def _split(self, index: int, fold: Fold, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of a chat choice's text (all answer without a parser)."""
+        text = fold.choices[index].text
+        if not self.reasoning:
+            return "", text
+        i = index // fold.n
+        if i not in self._inside:
+            tail = "".join(self.decode(t) for t in fold.prompt_ids[i][-8:])
+            self._inside[i] = opens_inside(tail)
+        return split_reasoning(text, self._inside[i], final)
+
+    def _reasoning_delta(self, index: int, reasoning: str) -> dict:
+        sent = self._sent_reasoning.get(index, 0)
+        if len(reasoning) <= sent:
+            return {}
+        self._sent_reasoning[index] = len(reasoning)
+        return {"reasoning": reasoning[sent:], "reasoning_content": reasoning[sent:]}
+
+    def _auto_piece(self, p: Piece, text: str, delta: dict) -> list[bytes]:
+        """`auto`: the answer as content while it may not be a call; then, once it ends, its
         calls as OpenAI streams them whole (with the content around them), or, where none
         parses, the text held back. Content deltas join to the full response's content."""
-        c, text = p.output, fold.choices[p.index].text
+        c = p.output
         sent = self._sent.get(p.index, 0)
         lp = chat_logprobs(c, self.decode, self.k)
         if c.finish_reason is None:
             end = max(sent, held_from(text))
             self._sent[p.index] = end
-            return [self._chunk({"index": p.index, "delta": {"content": text[sent:end]}
-                                 if end > sent else {}, "logprobs": lp,
+            if end > sent:
+                delta["content"] = text[sent:end]
+            return [self._chunk({"index": p.index, "delta": delta, "logprobs": lp,
                                  "finish_reason": None})]
         calls, content = parse_tool_calls(self.tools, text)
         rest = (content or "")[sent:] if calls else text[sent:]
-        delta: dict = {"content": rest} if rest else {}
+        if rest:
+            delta["content"] = rest
         if calls:
             delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason

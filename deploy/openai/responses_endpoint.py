@@ -40,8 +40,10 @@ class ResponsesEndpoint:
         except BadField as e:
             raise BadField(renamed(e.param), str(e)) from None
         rid = f"resp_{uuid.uuid4().hex}"
+        reasoning = server.config.reasoning_parser is not None \
+            and params.structured_outputs is None
         builder = ResponseBuilder(rid, server.config.served_model_name, body, params, tools,
-                                  server._decode_one, params.logprobs or 0)
+                                  server._decode_one, params.logprobs or 0, reasoning)
         try:
             stream = await server.start("chat", [prompt], chat, params, body.request_id or rid,
                                         request, tenant)

@@ -14,6 +14,7 @@ import msgspec
 
 from tierserve.deploy.openai.errors import ApiError
 from tierserve.deploy.openai.responses import Fold, Piece, chat_logprobs
+from tierserve.deploy.openai.reasoning import opens_inside, split_reasoning
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
 from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput
@@ -28,7 +29,8 @@ class ResponseBuilder:
     """The response object and events of one body (one prompt, one sample)."""
 
     def __init__(self, rid: str, model: str, body: ResponsesRequest, params: SamplingParams,
-                 tools: ToolPlan | None, decode, num_logprobs: int) -> None:
+                 tools: ToolPlan | None, decode, num_logprobs: int,
+                 reasoning: bool = False) -> None:
         self.rid, self.created = rid, int(time.time())
         self.decode, self.k = decode, num_logprobs
         self.tools = tools if tools is not None and tools.mode != "none" else None
@@ -38,6 +40,11 @@ class ResponseBuilder:
         self._opened = False       # the message item's opening events sent
         self._sent = 0             # text sent in deltas
         self._pending: list = []   # logprobs of tokens not yet in a delta
+        # A thinking model's reasoning as an item of its own (reasoning.py), before the answer.
+        self.reasoning, self.rs_id = reasoning, f"rs_{uuid.uuid4().hex}"
+        self._inside: bool | None = None   # the prompt leaves a <think> open
+        self._sent_r = 0                   # reasoning sent in deltas
+        self._r_state = 0                  # the reasoning item: 0 unsent, 1 open, 2 done
         fmt = (body.text or {}).get("format") or {"type": "text"}
         self.fields = {
             "model": model, "instructions": body.instructions,
@@ -68,19 +75,35 @@ class ResponseBuilder:
         """The finished response (built once: its items' ids are the ones streamed)."""
         if self._final is None:
             status = self._status(fold)
-            self._final = self.response(status, self.items(fold.choices[0]), fold)
+            self._final = self.response(status, self.items(fold), fold)
         return self._final
 
-    def items(self, c: CompletionOutput) -> list[dict]:
-        """The output items of a finished sample: a message, or calls (after any text)."""
-        text = c.text
+    def items(self, fold: Fold) -> list[dict]:
+        """The output items of a finished sample: its reasoning, if any, then a message, or
+        calls (after any text)."""
+        c = fold.choices[0]
+        reasoning, text = self._split(fold, True)
+        head = [self._reasoning_item(reasoning)] if reasoning else []
         if self.tools is not None:
             calls, content = parse_tool_calls(self.tools, text)
             if calls:
-                head = [self._message(content, c, "completed")] if content else []
+                head += [self._message(content, c, "completed")] if content else []
                 return head + [_function_call(call) for call in calls]
-        return [self._message(text, c, "incomplete" if c.finish_reason == "length"
-                              else "completed")]
+        return head + [self._message(text, c, "incomplete" if c.finish_reason == "length"
+                                     else "completed")]
+
+    def _split(self, fold: Fold, final: bool) -> tuple[str, str]:
+        text = fold.choices[0].text
+        if not self.reasoning:
+            return "", text
+        if self._inside is None:
+            self._inside = opens_inside("".join(self.decode(t)
+                                                for t in fold.prompt_ids[0][-8:]))
+        return split_reasoning(text, self._inside, final)
+
+    def _reasoning_item(self, text: str) -> dict:
+        return {"id": self.rs_id, "type": "reasoning", "status": "completed", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def _message(self, text: str, c: CompletionOutput, status: str) -> dict:
         return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant",
@@ -115,11 +138,37 @@ class ResponseBuilder:
         if self._opened:
             return []
         self._opened = True
-        return [self.event("response.output_item.added", output_index=0, item={
+        i = self._msg_index
+        return [self.event("response.output_item.added", output_index=i, item={
                     "id": self.msg_id, "type": "message", "status": "in_progress",
                     "role": "assistant", "content": []}),
-                self.event("response.content_part.added", item_id=self.msg_id, output_index=0,
+                self.event("response.content_part.added", item_id=self.msg_id, output_index=i,
                            content_index=0, part=self._part("", None))]
+
+    @property
+    def _msg_index(self) -> int:
+        return 1 if self._r_state else 0
+
+    def _reasoning_events(self, reasoning: str, done: bool) -> list[bytes]:
+        """The reasoning item's events for its text so far: opened with its first text, its
+        deltas, and (done) its closing ones."""
+        out = []
+        if reasoning and not self._r_state:
+            self._r_state = 1
+            out.append(self.event("response.output_item.added", output_index=0, item=dict(
+                self._reasoning_item(""), status="in_progress", content=[])))
+        if len(reasoning) > self._sent_r:
+            out.append(self.event("response.reasoning_text.delta", item_id=self.rs_id,
+                                  output_index=0, content_index=0,
+                                  delta=reasoning[self._sent_r:]))
+            self._sent_r = len(reasoning)
+        if done and self._r_state == 1:
+            self._r_state = 2
+            out += [self.event("response.reasoning_text.done", item_id=self.rs_id,
+                               output_index=0, content_index=0, text=reasoning),
+                    self.event("response.output_item.done", output_index=0,
+                               item=self._reasoning_item(reasoning))]
+        return out
 
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         """The sample's text as it comes: all of it without tools; with `auto` tools, while it
@@ -128,11 +177,13 @@ class ResponseBuilder:
         self._pending += self._logprobs(p.output)
         if self.tools is not None and self.tools.mode != "auto":
             return []
-        text = fold.choices[0].text
+        reasoning, text = self._split(fold, p.output.finish_reason is not None)
         end = len(text) if self.tools is None else max(self._sent, held_from(text))
+        # The answer's first text closes the reasoning: it is whole by then.
+        out = self._reasoning_events(reasoning, end > self._sent)
         if end <= self._sent:
-            return []
-        out = self._open_message() + [self._delta(0, text[self._sent:end])]
+            return out
+        out += self._open_message() + [self._delta(self._msg_index, text[self._sent:end])]
         self._sent = end
         return out
 
@@ -146,6 +197,9 @@ class ResponseBuilder:
         final = self.full(fold)
         out = []
         for i, item in enumerate(final["output"]):
+            if item["type"] == "reasoning":
+                out += self._reasoning_events(item["content"][0]["text"], True)
+                continue
             if item["type"] == "message":
                 out += self._open_message() + self._close_message(i, item)
                 continue
@@ -193,6 +247,8 @@ def conversation_of(items: list[dict]) -> list[dict]:
     """A response's output items as the chat messages a later turn continues from."""
     out: list[dict] = []
     for item in items:
+        if item["type"] == "reasoning":  # not carried into the next turn's prompt
+            continue
         if item["type"] == "message":
             out.append({"role": "assistant", "content": item["content"][0]["text"]})
             continue

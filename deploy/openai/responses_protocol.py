@@ -82,6 +82,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # a response's reasoning sent back: not re-read
+            continue
         elif kind == "function_call_output":
             _str(item, "call_id", where)
             output = item.get("output")

@@ -27,6 +27,7 @@ from tierserve.deploy.openai.errors import (
     ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
 )
 from tierserve.deploy.openai.metrics import Metrics
+from tierserve.deploy.openai.reasoning import REASONING_PARSERS
 from tierserve.deploy.openai.protocol import (
     BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, completion_prompts,
@@ -70,6 +71,8 @@ class ServerConfig:
     chat_template: str | None = None
     # Stored responses (Responses API, `store: true`) kept in memory, least recently used out.
     response_store_bytes: int = 64 << 20
+    # Chat's reasoning apart from its answer (deploy/openai/reasoning.py), or None.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -80,6 +83,9 @@ class ServerConfig:
             raise ValueError("body_timeout_s must be > 0")
         if self.response_store_bytes < 0:
             raise ValueError("response_store_bytes must be >= 0")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 class OpenAIServer:
@@ -126,9 +132,12 @@ class OpenAIServer:
                                      f"{uuid.uuid4().hex}"
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         echo_logprobs = echo is not None and params.logprobs is not None
+        # A constrained output (a schema, forced calls) has no reasoning before it.
+        reasoning = kind == "chat" and self.config.reasoning_parser is not None \
+            and params.structured_outputs is None
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
                               self._decode_one, params.logprobs or 0, include_usage, tools,
-                              echo_logprobs, body.prompt_logprobs is not None)
+                              echo_logprobs, body.prompt_logprobs is not None, reasoning)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
                     prompt_only=echo is not None and body.max_tokens == 0)
         try:

@@ -1,0 +1,144 @@
+"""`--reasoning-parser`: a thinking model's `<think>` text comes back as chat's `reasoning`
+apart from its answer, whole and streamed alike."""
+import openai
+import pytest
+
+from tests.http_fixtures import *  # noqa: F403 (checkpoint, engine)
+from tests.http_thread import MODEL, Server
+from tierserve.deploy.openai.reasoning import split_reasoning
+from tierserve.deploy.openai.responses import Fold, Responder
+from tierserve.runtime.outputs import CompletionOutput, RequestOutput
+
+# A template that opens the model's reasoning for it (as DeepSeek-R1's and Qwen3.5's do).
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.parametrize("text, inside, want", [
+    ("<think>\nplan</think>\n\nanswer", False, ("\nplan", "answer")),
+    ("  <think>plan</think>answer", False, ("plan", "answer")),
+    ("just an answer", False, ("", "just an answer")),
+    ("plan</think>answer", True, ("plan", "answer")),
+    ("plan, cut short", True, ("plan, cut short", "")),
+    ("<think>plan, cut short", False, ("plan, cut short", "")),
+    ("<think>\n</think>\n\nanswer", True, ("\n", "answer")),  # an empty think the model wrote
+])
+def test_split(text, inside, want):
+    assert split_reasoning(text, inside, final=True) == want
+    for k in range(len(text) + 1):  # streamed: every prefix's parts grow toward the end's
+        r, a = split_reasoning(text[:k], inside, final=False)
+        assert want[0].startswith(r) and want[1].startswith(a), (k, r, a)
+
+
+def _deltas(text_pieces: list[str], prompt_ids: list[int]) -> list[RequestOutput]:
+    out = []
+    for k, piece in enumerate(text_pieces):
+        last = k == len(text_pieces) - 1
+        out.append(RequestOutput("r", None, prompt_ids if k == 0 else [], [CompletionOutput(
+            0, piece, [9], None, None, "stop" if last else None)], finished=last))
+    return out
+
+
+@pytest.mark.parametrize("prompt_tail", ["x", "<think>\n"])
+def test_streamed_reasoning_joins_to_the_full_response(prompt_tail):
+    """The parts a stream sends join to the full response's reasoning and content."""
+    decode = {1: "user: hi\n", 2: prompt_tail}.get
+    body = "<think>" if prompt_tail == "x" else ""
+    pieces = [body + "\nI", " should", " say hi.</th", "ink>", "\n\nHel", "lo!"]
+    responder = Responder("chat", "c", 0, MODEL, decode, 0, False, reasoning=True)
+    fold = Fold(1, 1, False)
+    reasoning = content = ""
+    for delta in _deltas(pieces, [1, 2]):
+        for piece in fold.add(0, delta):
+            for chunk in responder.piece(piece, fold):
+                d = openai.types.chat.ChatCompletionChunk.model_validate_json(
+                    chunk[len(b"data: "):]).choices[0].delta
+                extra = d.model_extra or {}
+                assert extra.get("reasoning") == extra.get("reasoning_content")
+                reasoning += extra.get("reasoning") or ""
+                content += d.content or ""
+    message = responder.full(fold)["choices"][0]["message"]
+    assert (reasoning, content) == ("\nI should say hi.", "Hello!")
+    assert message["reasoning"] == message["reasoning_content"] == reasoning
+    assert message["content"] == content
+
+
+@pytest.fixture(scope="module")
+def thinking_client(engine):
+    with Server(engine, reasoning_parser="qwen3", chat_template=THINKING) as srv:
+        yield openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_prompt_that_opens_the_reasoning_returns_it_apart(thinking_client):
+    """The template leaves <think> open and the tiny model never closes it: everything it
+    writes is reasoning, none of it answer, whole and streamed."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                  temperature=0)
+    full = thinking_client.chat.completions.create(**kwargs).choices[0].message
+    extra = full.model_extra
+    assert full.content is None and extra["reasoning"] and extra["reasoning_content"]
+    streamed = ""
+    for chunk in thinking_client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        streamed += (delta.model_extra or {}).get("reasoning") or ""
+    assert streamed == extra["reasoning"]
+    # Without the open tag (the model's own template), the text is all answer.
+    plain = thinking_client.chat.completions.create(**kwargs, extra_body={
+        "chat_template": THINKING.replace("<think>\n", "")}).choices[0].message
+    assert plain.content and plain.model_extra["reasoning"] is None
+
+
+def test_an_unknown_parser_is_refused():
+    from tierserve.deploy.openai import ServerConfig
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerConfig(served_model_name="m", reasoning_parser="granite")
+
+
+def test_the_responses_api_gives_reasoning_an_item_of_its_own(thinking_client):
+    kwargs = dict(model=MODEL, input="hi", max_output_tokens=12, temperature=0)
+    chat = thinking_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+        temperature=0).choices[0].message.model_extra["reasoning"]
+    r = thinking_client.responses.create(**kwargs)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == chat and r.output_text == ""
+    events = list(thinking_client.responses.create(stream=True, **kwargs))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+    # A response's output, reasoning included, goes back as input.
+    again = thinking_client.responses.create(model=MODEL, max_output_tokens=4, input=[
+        {"role": "user", "content": "hi"}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "and?"}])
+    assert again.status in ("completed", "incomplete")
+
+
+def test_streamed_reasoning_and_answer_items_in_order():
+    """The builder alone: the reasoning item opens with its first text and closes when the
+    answer begins; the message comes after it, at output index 1."""
+    import json
+
+    from tierserve.deploy.openai.responses_output import ResponseBuilder
+    from tierserve.deploy.openai.responses_protocol import ResponsesRequest
+    from tierserve.scheduler.params import SamplingParams
+    builder = ResponseBuilder("resp_x", MODEL, ResponsesRequest(input="x"), SamplingParams(),
+                              None, {1: "a"}.get, 0, reasoning=True)
+    fold = Fold(1, 1, False)
+    events = builder.opening()
+    for delta in _deltas(["<think>pl", "an</think>\n", "\nans", "wer"], [1]):
+        for piece in fold.add(0, delta):
+            events += builder.piece(piece, fold)
+    events += builder.closing(fold)
+    parsed = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in events]
+    kinds = [(e["type"], e.get("output_index")) for e in parsed]
+    assert kinds[2:] == [
+        ("response.output_item.added", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0),
+        ("response.output_item.done", 0), ("response.output_item.added", 1),
+        ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.delta", 1), ("response.output_text.done", 1),
+        ("response.content_part.done", 1), ("response.output_item.done", 1),
+        ("response.completed", None)]
+    final = parsed[-1]["response"]["output"]
+    assert final[0]["content"][0]["text"] == "plan" and final[1]["content"][0]["text"] == \
+        "answer"
