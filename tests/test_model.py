@@ -370,13 +370,14 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
 
 @pytest.mark.parametrize("name,dtype,quant", [
     ("llama", torch.float32, None), ("qwen2", torch.bfloat16, None),  # qwen2: biases
-    ("mistral", torch.float32, None), ("qwen2", torch.float32, "q4_1")])  # mistral: windows
+    ("mistral", torch.float32, None), ("qwen2", torch.float32, "q4_1"),  # mistral: windows
+    ("qwen3", torch.float32, None), ("qwen3", torch.bfloat16, None)])  # per-head q/k norms
 def test_layer_stack_is_bitwise_the_layer_by_layer_path(tiny_ckpts, kernels, name, dtype, quant,
                                                         monkeypatch):
     """A kernel backend runs a step's layers in one call (backends/stack.py) where every piece
     takes a kernel: prefills, single decodes, batches and mixed steps projecting some rows give
     the very logits and pools of the model's layer-by-layer path (biases, sliding windows,
-    quantized linears included)."""
+    quantized linears, per-head q/k norms included)."""
     from tierserve.workers.backends.stack import KernelLayerStack
     taken = []
     run = KernelLayerStack.run

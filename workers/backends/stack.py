@@ -27,12 +27,14 @@ _PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1, _CODED_F32, _CODED_PAIRS = range(6)
 
 class StackLayer(NamedTuple):
     """One decoder layer in plain values: its norms' weights, its four linears in order
-    (qkv, o, gate_up, down) as (method, bias), and its sliding window (None: full)."""
+    (qkv, o, gate_up, down) as (method, bias), its sliding window (None: full), and its
+    per-head query and key norms' weights (Qwen3; None: none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     linears: tuple[tuple[Any, torch.Tensor | None], ...]
     window: int | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _Plan(NamedTuple):
@@ -79,6 +81,8 @@ class KernelLayerStack:
 
     def __post_init__(self) -> None:
         self._norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        self._qk_norms = [t for layer in self.layers for t in (layer.qk_norms or ())]
+        assert len(self._qk_norms) in (0, 2 * len(self.layers)), "qk norms in some layers"
         self._windows = [layer.window or 0 for layer in self.layers]
         # Row count -> plan: one row and several rows may run different kernels (oneDNN
         # weights take the panel kernel for a single row only).
@@ -118,5 +122,5 @@ class KernelLayerStack:
         pools = [t for pair in kv_caches for t in pair]  # [k0, v0, k1, v1, ...]
         return self.ops.layer_stack(
             hidden, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
-            plan.weights, plan.biases, plan.kinds, plan.widths, pools, self._windows, self.heads,
+            self._qk_norms, plan.weights, plan.biases, plan.kinds, plan.widths, pools, self._windows, self.heads,
             self.scale, self.eps)

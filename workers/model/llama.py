@@ -150,8 +150,9 @@ class LlamaDecoderLayer(nn.Module):
                                                       mlp.gate_up_proj, mlp.down_proj))
         if any(method is None for method, _ in linears):
             return None
+        qk = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else None
         return StackLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                          linears, attn.window)
+                          linears, attn.window, qk)
 
 
 class LlamaModel(nn.Module):
@@ -174,8 +175,8 @@ class LlamaModel(nn.Module):
 
     def layer_stack(self):
         """The backend's route for a step's layers in one call, or None (backends/stack.py)."""
-        if not self.use_layer_stack or get_tp_size() != 1 or self.config.qk_norm:
-            return None  # the one-call route has no per-head norms
+        if not self.use_layer_stack or get_tp_size() != 1:
+            return None
         if not self._stack_built:
             layers = [layer.stack_layer() for layer in self.layers]
             if any(layer is None for layer in layers):

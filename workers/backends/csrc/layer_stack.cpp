@@ -10,8 +10,10 @@
 //
 // Linears are described by slot s = 4 l + j (j: qkv, o, gate_up, down): kinds[s] (LinearKind),
 // widths[s] (output features), weights[3 s .. 3 s + 2] (the kind's tensors, unused ones None),
-// biases[s]. Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention). Pools:
-// kv[2 l], kv[2 l + 1]; windows[l] (0: the whole context).
+// biases[s]. Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention); with
+// per-head query and key norms (Qwen3), qk_norms[2 l] and qk_norms[2 l + 1] (else empty), as
+// the model's path applies them: each head of qkv's q and k parts, gathered, RMS-normed, put
+// back. Pools: kv[2 l], kv[2 l + 1]; windows[l] (0: the whole context).
 
 namespace tierserve {
 namespace {
@@ -101,11 +103,23 @@ class ResidualStream {
   Buffer next_ = kResidualA;
 };
 
-void check_stack(const at::Tensor& hidden, at::TensorList norms,
+// Each `count`-wide head of qkv's columns [first, first + count * d) RMS-normed by w.
+void norm_heads(at::Tensor& qkv, int64_t first, int64_t count, int64_t d, const at::Tensor& w,
+                double eps) {
+  at::Tensor part = qkv.narrow(1, first, count * d);
+  const at::Tensor heads = part.reshape({-1, d});  // a copy: the rows of a head each
+  at::Tensor normed = at::empty_like(heads), unused;
+  rms_norm_into(heads, std::nullopt, w, eps, normed, unused);
+  part.copy_(normed.view({qkv.size(0), count * d}));
+}
+
+void check_stack(const at::Tensor& hidden, at::TensorList norms, at::TensorList qk_norms,
                  const c10::List<std::optional<at::Tensor>>& weights,
                  const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
                  at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows) {
   TORCH_CHECK(!windows.empty(), "layer_stack: no layers");
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * windows.size(),
+              "layer_stack: qk_norms must be empty or two a layer");
   TORCH_CHECK(norms.size() == 2 * windows.size() && kv.size() == 2 * windows.size() &&
                   kinds.size() == 4 * windows.size() && widths.size() == kinds.size() &&
                   biases.size() == kinds.size() && weights.size() == 3 * kinds.size(),
@@ -118,11 +132,11 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& rows, const std::optional<at::Tensor>& keep, at::TensorList norms,
-    const c10::List<std::optional<at::Tensor>>& weights,
+    at::TensorList qk_norms, const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
     at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows, int64_t heads,
     double scale, double eps) {
-  check_stack(hidden_in, norms, weights, biases, kinds, widths, kv, windows);
+  check_stack(hidden_in, norms, qk_norms, weights, biases, kinds, widths, kv, windows);
   const int64_t layers = static_cast<int64_t>(windows.size()), tokens = hidden_in.size(0);
   const int64_t kv_heads = kv[0].size(2), d = kv[0].size(3);
   StackBuffers buf(tokens, hidden_in.options());
@@ -139,6 +153,10 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor h = residual.norm(buf, hidden, norms[2 * l], eps);
     at::Tensor& qkv = buf.view(kQkv, tokens, widths[s]);
     stack_linear(h, kinds[s], widths[s], weights, s, biases.get(s), qkv);
+    if (!qk_norms.empty()) {
+      norm_heads(qkv, 0, heads, d, qk_norms[2 * l], eps);
+      norm_heads(qkv, heads * d, kv_heads, d, qk_norms[2 * l + 1], eps);
+    }
     rotary_write_kv_into(qkv, cos, sin, kv[2 * l], kv[2 * l + 1], slot_mapping, heads, q, k);
     paged_decode_attention_into(q, kv[2 * l], kv[2 * l + 1], block_tables, seq_lens, scale,
                                 windows[l], table_rows, att_heads);
@@ -168,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("layer_stack(Tensor hidden, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor? keep, "
-        "Tensor[] norms, "
+        "Tensor[] norms, Tensor[] qk_norms, "
         "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor(a!)[] kv, "
         "int[] windows, int heads, float scale, float eps) -> (Tensor, Tensor)");
 }
