@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama, make_tiny_mistral, \
-    make_tiny_qwen2
+    make_tiny_qwen2, make_tiny_qwen3
 from tierserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,6 +28,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
     return {"llama": str(make_tiny_llama(root / "llama")),
             "qwen2": str(make_tiny_qwen2(root / "qwen2")),
+            "qwen3": str(make_tiny_qwen3(root / "qwen3")),
             "mistral": str(make_tiny_mistral(root / "mistral"))}
 
 
@@ -52,7 +53,7 @@ def _all_blocks_free(llm) -> None:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_equals_transformers_on_cuda(checkpoints, name, mode):
     hf = load_hf(checkpoints[name])
     prompts = _prompts(hf.config.vocab_size)
