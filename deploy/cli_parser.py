@@ -83,6 +83,10 @@ def _api_server_parser(sub) -> None:
                           "model's)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
+    api.add_argument("--tool-call-parser", default="hermes",
+                     choices=("hermes", "llama3_json", "mistral"),
+                     help="how the model writes tool calls, read back for tool_choice auto "
+                          "(default: hermes, <tool_call> blocks)")
     api.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
                      help="return a thinking model's <think> text apart from its answer, as "
                           "chat's `reasoning` (and `reasoning_content`) (default: none)")

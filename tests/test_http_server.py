@@ -768,6 +768,43 @@ def test_auto_tool_calls_stream_as_the_full_response_gives_them(client, written)
         assert full.message.content == "Sure, <tool the clock:\n" and deltas >= 2
 
 
+@pytest.mark.parametrize("parser, written, content", [
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}', None),
+    ("mistral", 'Let me see. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Let me see. "),
+])
+def test_other_tool_call_formats_parse_and_stream_alike(engine, parser, written, content):
+    """--tool-call-parser: Llama 3's JSON calls and Mistral's [TOOL_CALLS] list become
+    tool_calls, whole and streamed, and an earlier turn's call is written back in the same
+    format."""
+    with Server(engine, tool_call_parser=parser) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}],
+                      tools=[WEATHER, CLOCK], max_tokens=200, temperature=0,
+                      extra_body={"guided_regex": _regex_of(written)})
+        full = client.chat.completions.create(**kwargs).choices[0]
+        assert full.finish_reason == "tool_calls" and full.message.content == content
+        assert [json.loads(c.function.arguments)["zone"] for c in full.message.tool_calls] == \
+            ["UTC", "CET"]
+        streamed, calls = "", {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            streamed += delta.content or ""
+            for tc in delta.tool_calls or ():
+                calls[tc.index] = (tc.function.name, tc.function.arguments)
+        assert (streamed or None) == content
+        assert [calls[i] for i in sorted(calls)] == [
+            (c.function.name, c.function.arguments) for c in full.message.tool_calls]
+        history = [{"role": "user", "content": "time?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {
+                           "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}]
+        r = httpx.post(srv.base + "/tokenize", json={"messages": history}, timeout=10).json()
+        text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+        assert ("[TOOL_CALLS]" if parser == "mistral" else '"parameters"') in text
+
+
 def test_api_keys_files_in_toml_and_json(tmp_path):
     toml = tmp_path / "keys.toml"
     toml.write_text('secret = "s"\n[keys]\n"sk-1" = "acme"\n"sk-2" = "acme"\n"sk-3" = "globex"\n'

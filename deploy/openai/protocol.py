@@ -10,7 +10,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.deploy.openai.errors import BadField, param_of
-from tierserve.deploy.openai.structured import ToolPlan, structured_of, written_call
+from tierserve.deploy.openai.structured import HERMES, ToolPlan, structured_of, written_call
+from tierserve.deploy.openai.tool_parsers import ToolCallFormat
 from tierserve.runtime.requests import CHAT_OPTIONS, check_chat_options
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
@@ -220,7 +221,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
-                template: str | None = None) -> dict:
+                template: str | None = None, fmt: ToolCallFormat = HERMES) -> dict:
     """The body's conversation as a prompt dict: its messages and how to render them (with
     `template`, the server's, where the body sends no chat_template)."""
     options = {name: getattr(req, name, None) for name in CHAT_OPTIONS}
@@ -230,10 +231,11 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
         check_chat_options(options)
     except ValueError as e:  # its message opens with the option's name
         raise BadField(param_of(str(e)) or "messages", str(e)) from None
-    return {"messages": chat_messages(req), **options}
+    return {"messages": chat_messages(req, fmt), **options}
 
 
-def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest,
+                  fmt: ToolCallFormat = HERMES) -> list[dict[str, str]]:
     """Messages as the engine takes them: content parts of type text joined, others refused;
     an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []
@@ -251,7 +253,7 @@ def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict
             content = "".join(texts)
         if m.tool_calls:
             content = "\n".join([content] * bool(content) + [
-                written_call(call, f"messages[{i}].tool_calls[{j}]")
+                written_call(call, f"messages[{i}].tool_calls[{j}]", fmt)
                 for j, call in enumerate(m.tool_calls)])
         msg = {"role": m.role, "content": content}
         if m.name is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tierserve.deploy.openai.reasoning import opens_inside, split_reasoning
-from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
+from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["Fold", "Piece", "Responder", "sse", "usage_json", "chat_logprobs",
@@ -219,7 +219,7 @@ class Responder:
         sent = self._sent.get(p.index, 0)
         lp = chat_logprobs(c, self.decode, self.k)
         if c.finish_reason is None:
-            end = max(sent, held_from(text))
+            end = max(sent, self.tools.format.held_from(text))
             self._sent[p.index] = end
             if end > sent:
                 delta["content"] = text[sent:end]

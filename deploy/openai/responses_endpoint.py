@@ -34,8 +34,9 @@ class ResponsesEndpoint:
         history = self._history(namespace, body.previous_response_id)
         chat = chat_body(body, history)
         try:
-            tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-            prompt = chat_prompt(chat, server.config.chat_template)
+            tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                              server.tool_format)
+            prompt = chat_prompt(chat, server.config.chat_template, server.tool_format)
             params = sampling_params(chat, tools, server.generation_defaults)
         except BadField as e:
             raise BadField(renamed(e.param), str(e)) from None

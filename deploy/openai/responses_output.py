@@ -16,7 +16,7 @@ from tierserve.deploy.openai.errors import ApiError
 from tierserve.deploy.openai.responses import Fold, Piece, chat_logprobs
 from tierserve.deploy.openai.reasoning import opens_inside, split_reasoning
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
-from tierserve.deploy.openai.structured import ToolPlan, held_from, parse_tool_calls
+from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
 from tierserve.runtime.outputs import CompletionOutput
 from tierserve.scheduler.params import SamplingParams
 
@@ -172,13 +172,13 @@ class ResponseBuilder:
 
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         """The sample's text as it comes: all of it without tools; with `auto` tools, while it
-        may not be a call (structured.held_from); with forced calls, nothing until the end.
+        may not be a call (its format's held_from); with forced calls, nothing until the end.
         Each delta carries the logprobs of the tokens since the last one."""
         self._pending += self._logprobs(p.output)
         if self.tools is not None and self.tools.mode != "auto":
             return []
         reasoning, text = self._split(fold, p.output.finish_reason is not None)
-        end = len(text) if self.tools is None else max(self._sent, held_from(text))
+        end = len(text) if self.tools is None else max(self._sent, self.tools.format.held_from(text))
         # The answer's first text closes the reasoning: it is whole by then.
         out = self._reasoning_events(reasoning, end > self._sent)
         if end <= self._sent:

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -22,12 +21,11 @@ from starlette.exceptions import HTTPException
 
 from tierserve.deploy.openai.admission import Admission, BodyLimit
 from tierserve.deploy.openai.beam import beam_response
-from tierserve.deploy.openai.connections import ConnectionLimits, uvicorn_config
+from tierserve.deploy.openai.connections import uvicorn_config
 from tierserve.deploy.openai.errors import (
     ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
 )
 from tierserve.deploy.openai.metrics import Metrics
-from tierserve.deploy.openai.reasoning import REASONING_PARSERS
 from tierserve.deploy.openai.protocol import (
     BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, completion_prompts,
@@ -38,15 +36,17 @@ from tierserve.deploy.openai.responses_endpoint import ResponsesEndpoint
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
 from tierserve.deploy.openai.responses_store import ResponseStore
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
+from tierserve.deploy.openai.server_config import ServerConfig
 from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
-from tierserve.deploy.openai.tenants import KeyTable, Tenant, namespace_of
+from tierserve.deploy.openai.tenants import Tenant, namespace_of
+from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.processor import check_text_bytes
 from tierserve.scheduler.params import SamplingParams
 
-__all__ = ["ServerConfig", "OpenAIServer", "build_app", "serve_http"]
+__all__ = ["OpenAIServer", "build_app", "serve_http"]
 
 log = logging.getLogger("tierserve.http")
 
@@ -54,38 +54,6 @@ log = logging.getLogger("tierserve.http")
 HEALTH_DEADLINE_S = 1.5
 # /metrics reads the engine's stats for this long at most, else serves the last ones.
 STATS_DEADLINE_S = 1.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    max_queued_requests: int = 256
-    max_body_bytes: int = 1 << 20
-    # API keys and their tenants; None: no authentication, the client's cache_salt as sent.
-    keys: KeyTable | None = field(default=None, compare=False)
-    # A request body must arrive whole within this long (else 408).
-    body_timeout_s: float = 30.0
-    # A request head's deadline and the cap on connections per client address.
-    connections: ConnectionLimits = ConnectionLimits()
-    # The chat template of chat requests that send none (None: the model's).
-    chat_template: str | None = None
-    # Stored responses (Responses API, `store: true`) kept in memory, least recently used out.
-    response_store_bytes: int = 64 << 20
-    # Chat's reasoning apart from its answer (deploy/openai/reasoning.py), or None.
-    reasoning_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
-        if self.max_queued_requests < 1 or self.max_body_bytes < 1:
-            raise ValueError("max_queued_requests and max_body_bytes must be >= 1")
-        if not self.body_timeout_s > 0:
-            raise ValueError("body_timeout_s must be > 0")
-        if self.response_store_bytes < 0:
-            raise ValueError("response_store_bytes must be >= 0")
-        if self.reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")
 
 
 class OpenAIServer:
@@ -105,6 +73,8 @@ class OpenAIServer:
         self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
         self.responses = ResponsesEndpoint(self, ResponseStore(config.response_store_bytes))
+        # How the model writes tool calls (tool_parsers.py).
+        self.tool_format = TOOL_CALL_PARSERS[config.tool_call_parser]
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -237,7 +207,7 @@ class OpenAIServer:
         self.check_model(body.model)
         tok = self._tok()
         if isinstance(body, TokenizeChatRequest):
-            prompt = chat_prompt(body, self.config.chat_template)
+            prompt = chat_prompt(body, self.config.chat_template, self.tool_format)
             try:
                 text = tok.render_chat(prompt.pop("messages"), **prompt)
             except ValueError:
@@ -262,8 +232,9 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
-        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt = chat_prompt(body, self.config.chat_template)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          self.tool_format)
+        prompt = chat_prompt(body, self.config.chat_template, self.tool_format)
         return await self.generate("chat", [prompt], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:

@@ -4,16 +4,17 @@ and the parsing of what the model wrote back into OpenAI's `tool_calls`."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
 from tierserve.deploy.openai.errors import BadField
+from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS, ToolCallFormat
 from tierserve.scheduler.params import StructuredOutputs
 from tierserve.workers.grammar import check_structured
 
-__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call",
-           "held_from"]
+__all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call"]
+
+HERMES = TOOL_CALL_PARSERS["hermes"]
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -95,9 +96,11 @@ class ToolPlan:
     named: str | None = None
     schema: dict | None = None
     parallel: bool = True           # OpenAI's parallel_tool_calls: False keeps one call
+    format: ToolCallFormat = HERMES  # how the model writes calls (`auto` parses them)
 
 
-def tool_plan(tools: list | None, tool_choice, parallel: bool = True) -> ToolPlan | None:
+def tool_plan(tools: list | None, tool_choice, parallel: bool = True,
+              fmt: ToolCallFormat = HERMES) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "tool_choice needs tools")
@@ -115,7 +118,7 @@ def tool_plan(tools: list | None, tool_choice, parallel: bool = True) -> ToolPla
         by_name[fn["name"]] = params
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, by_name, parallel=parallel)
+        return ToolPlan(choice, by_name, parallel=parallel, format=fmt)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": p},
                   "required": ["name", "parameters"], "additionalProperties": False}
@@ -133,10 +136,6 @@ def tool_plan(tools: list | None, tool_choice, parallel: bool = True) -> ToolPla
                               "\"function\": {\"name\": ...}}")
 
 
-_CALL_OPEN = "<tool_call>"
-_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]:
     """(tool calls, remaining content) of a finished choice's text; no calls: ([], text)."""
     if plan.mode == "named":
@@ -148,37 +147,16 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]
             return [], text  # cut short by max_tokens: the text as it is
         return [_call(it["name"], json.dumps(it["parameters"])) for it in items], None
     if plan.mode == "auto":
-        calls = []
-        for m in _HERMES.finditer(text):
-            try:
-                obj = json.loads(m.group(1))
-            except ValueError:
-                continue
-            name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
-            if name in plan.tools:
-                calls.append(_call(name, args if isinstance(args, str) else json.dumps(args)))
-        if calls:  # the text around the calls, as written (a stream sent it so)
-            rest = _HERMES.sub("", text)
-            return calls if plan.parallel else calls[:1], rest if rest.strip() else None
+        found = plan.format.found(text)
+        calls = [_call(name, args if isinstance(args, str) else json.dumps(args))
+                 for name, args in (found[0] if found else ()) if name in plan.tools]
+        if calls:
+            return calls if plan.parallel else calls[:1], found[1]
     return [], text
 
 
-def held_from(text: str) -> int:
-    """Where a streamed `auto` text stops being sent as content before it ends: at its first
-    Hermes call, or at a tail that may begin one; none of it while it is all whitespace (a
-    text of calls alone has no content)."""
-    at = text.find(_CALL_OPEN)
-    if at < 0:
-        at = len(text)
-        for k in range(min(len(_CALL_OPEN) - 1, len(text)), 0, -1):
-            if text.endswith(_CALL_OPEN[:k]):
-                at = len(text) - k
-                break
-    return at if text[:at].strip() else 0
-
-
-def written_call(call: dict, param: str) -> str:
-    """An earlier turn's tool call as text in the Hermes format `auto` parses back."""
+def written_call(call: dict, param: str, fmt: ToolCallFormat = HERMES) -> str:
+    """An earlier turn's tool call as text, as the model writes it (what `auto` parses)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise _bad(param, "a tool call is {\"type\": \"function\", \"function\": {\"name\", "
@@ -188,7 +166,7 @@ def written_call(call: dict, param: str) -> str:
         args = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         raise _bad(param, "a tool call's arguments are a JSON string") from None
-    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
+    return fmt.write(fn["name"], args)
 
 
 def _call(name: str, arguments: str) -> dict:

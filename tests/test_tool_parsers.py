@@ -1,0 +1,43 @@
+"""The tool-call formats `auto` reads (deploy/openai/tool_parsers.py), on texts alone."""
+import json
+
+import pytest
+
+from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
+
+H, L, M = (TOOL_CALL_PARSERS[n] for n in ("hermes", "llama3_json", "mistral"))
+
+
+@pytest.mark.parametrize("fmt, text, want", [
+    (H, 'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b',
+     ([("f", {"x": 1})], "a  b")),
+    (H, "<tool_call>{broken}</tool_call>", None),
+    (L, '{"name": "f", "parameters": {"x": 1}}', ([("f", {"x": 1})], None)),
+    (L, '<|python_tag|>{"name": "f", "parameters": {}};{"name": "g", "arguments": {"y": 2}}',
+     ([("f", {}), ("g", {"y": 2})], None)),
+    (L, '{"name": "f", "parameters": {}} and then prose', None),
+    (L, '{"not a call": 1}', None),
+    (L, "Plain prose.", None),
+    (M, 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', ([("f", {"x": 1})],
+                                                                   "Sure. ")),
+    (M, '[TOOL_CALLS] {"name": "f", "arguments": {}}', ([("f", {})], None)),
+    (M, "[TOOL_CALLS] not json", None),
+])
+def test_found(fmt, text, want):
+    assert fmt.found(text) == want
+
+
+@pytest.mark.parametrize("fmt, text, held", [
+    (H, "Hello <tool", 6), (H, "Hello <tool_call>{", 6), (H, "  ", 0), (H, "Hello", 5),
+    (L, "{", 0), (L, " <|python", 0), (L, "Hello {", 7), (L, "", 0),
+    (M, "Hi [TOOL", 3), (M, "Hi there", 8), (M, "\n", 0),
+])
+def test_held_from(fmt, text, held):
+    assert fmt.held_from(text) == held
+
+
+@pytest.mark.parametrize("fmt", [H, L, M])
+def test_a_written_call_reads_back(fmt):
+    text = fmt.write("f", {"x": [1, 2]})
+    calls, _ = fmt.found(text)
+    assert calls == [("f", {"x": [1, 2]})] and json.dumps(calls[0][1])
