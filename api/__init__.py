@@ -9,7 +9,7 @@ import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
            "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "RequestOutput", "CompletionOutput",
+           "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
            "stop", "analyze"]
 __version__ = "0.1.0"
@@ -32,6 +32,8 @@ _EXPORTS = {
     "BeamSearchParams": "tierserve.runtime.beam_search",
     "BeamSearchOutput": "tierserve.runtime.beam_search",
     "BeamSearchSequence": "tierserve.runtime.beam_search",
+    "PoolingParams": "tierserve.runtime.pooling",
+    "EmbeddingRequestOutput": "tierserve.runtime.pooling",
 }
 
 

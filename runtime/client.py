@@ -21,12 +21,17 @@ import os
 import threading
 from typing import AsyncIterator, Callable, Iterator, Protocol
 
+import msgspec
+
 from tierserve.runtime.beam_search import (
     BeamSearch, BeamSearchOutput, BeamSearchParams, round_requests, step_params, take_round,
 )
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.pooling import (
+    EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
+)
 from tierserve.runtime.outputs import (
-    CompletionOutput, RequestOutput, logprob_dict, prompt_logprobs_of,
+    CompletionOutput, RequestOutput, floats_of, logprob_dict, prompt_logprobs_of,
 )
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import (
@@ -242,6 +247,20 @@ class AsyncLLM:
             outputs.remove(rid)
             await stream.aclose()
 
+    async def encode(self, prompt, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, truncate_prompt_tokens: int | None = None,
+                     priority: int = 0, cache_salt: str | None = None
+                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's AsyncLLM.encode for embeddings (runtime/pooling.py): yields the prompt's
+        vector once it is computed. A bad prompt raises ValueError."""
+        params = msgspec.structs.replace(embed_params(pooling_params, truncate_prompt_tokens),
+                                         output_kind=RequestOutputKind.FINAL_ONLY)
+        last = None
+        async for last in self.generate(prompt, params, request_id, priority=priority,
+                                        cache_salt=cache_salt):
+            pass
+        yield embedding_of(last, pooling_params)
+
     async def beam_search(self, prompt, params: BeamSearchParams, *, priority: int = 0,
                           cache_salt: str | None = None) -> BeamSearchOutput:
         """LLM.beam_search for one prompt: each round's beams run as concurrent requests
@@ -343,4 +362,5 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
                          if o.error else None,
                          prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs, decode)
-                         if o.prompt_logprobs else None)
+                         if o.prompt_logprobs else None,
+                         embedding=floats_of(o.pooled) if o.pooled else None)

@@ -201,8 +201,10 @@ class EngineCore:
         book = self._requests
         if reply.prompt_logprobs:
             book.gather(out.scheduled_req_ids(), reply.prompt_logprobs)
+        if reply.pooled:
+            book.gather_pooled(out.scheduled_req_ids(), reply.pooled)
         outputs = self.scheduler.update_from_output(out, reply)
-        if book.labels or book.prompt_logprobs:
+        if book.labels or book.prompt_logprobs or book.pooled:
             book.after_outputs(outputs)
         return outputs
 

@@ -41,6 +41,8 @@ class RequestBook:
         self.labels: dict[str, str] = {}
         # Prompt logprobs of requests that asked for them and have no output yet.
         self.prompt_logprobs: dict[str, list] = {}
+        # Embedding requests' pooled hidden states, until their finishing output.
+        self.pooled: dict[str, bytes] = {}
         # Outputs of sequences finished between steps (stop), for the next step.
         self.staged: list[EngineCoreOutput] = []
 
@@ -91,13 +93,22 @@ class RequestBook:
             if lps and rid in self.prompt_logprobs:  # not a recompute's, after the first
                 self.prompt_logprobs[rid].extend(lps)
 
+    def gather_pooled(self, req_ids, pooled: list[bytes]) -> None:
+        """A step's pooled hidden states, one per scheduled request (in req_ids' order)."""
+        for rid, vec in zip(req_ids, pooled):
+            if vec:
+                self.pooled[rid] = vec
+
     def after_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """A request's first output carries its prompt logprobs; a finished request's label
-        goes."""
+        """A request's first output carries its prompt logprobs (and an embedding request's
+        its pooled state); a finished request's label goes."""
         for o in outputs:
             lps = self.prompt_logprobs.pop(o.req_id, None)
             if lps is not None:
                 o.prompt_logprobs = lps
+            vec = self.pooled.pop(o.req_id, None)
+            if vec is not None:
+                o.pooled = vec
             if o.finish_reason is not None and not self.has_request(o.req_id):
                 self.labels.pop(o.req_id, None)
 
@@ -149,11 +160,12 @@ class RequestBook:
     def _forget(self, seqs) -> None:
         """Drops the state of requests whose last sequence finished (given as (request id,
         sample index))."""
-        if self.labels or self.prompt_logprobs:
+        if self.labels or self.prompt_logprobs or self.pooled:
             for rid, _ in seqs:
                 if not self.has_request(rid):
                     self.labels.pop(rid, None)
                     self.prompt_logprobs.pop(rid, None)
+                    self.pooled.pop(rid, None)
 
 
 def stream_batch(core: EngineCore,

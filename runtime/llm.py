@@ -17,6 +17,9 @@ from tierserve.runtime.beam_search import (
 from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.outputs import RequestOutput
+from tierserve.runtime.pooling import (
+    EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
+)
 from tierserve.runtime.processor import InputProcessor, OutputProcessor, Processed
 from tierserve.scheduler.params import SamplingParams
 
@@ -84,6 +87,16 @@ class LLM:
                        tools=tools)
         return self.generate([{"messages": list(c), **options} for c in conversations],
                              sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed (runtime/pooling.py): each prompt's vector, in input order. A bad
+        prompt raises ValueError naming why."""
+        params = embed_params(pooling_params, truncate_prompt_tokens)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        return [embedding_of(o, pooling_params) for o in outs]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     *, use_tqdm: bool = False,

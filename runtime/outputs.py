@@ -1,6 +1,7 @@
 """User-facing results, shaped like vLLM's RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
+import array
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +50,8 @@ class RequestOutput:
     error_kind: str | None = None
     # With prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An embedding request's pooled hidden state (SamplingParams.pooling), once finished.
+    embedding: list[float] | None = None
 
     @classmethod
     def start(cls, request_id: str, prompt: str | None, want_logprobs: bool,
@@ -82,6 +85,8 @@ class RequestOutput:
             self.prompt_token_ids = delta.prompt_token_ids
         if delta.prompt_logprobs:
             self.prompt_logprobs = prompt_logprobs_of(delta.prompt_logprobs, decode)
+        if delta.pooled:
+            self.embedding = floats_of(delta.pooled)
         completion.token_ids.extend(delta.new_token_ids)
         completion.text += delta.new_text
         if completion.logprobs is not None:
@@ -97,6 +102,11 @@ class RequestOutput:
             completion.finish_reason = str(FinishReason(delta.finish_reason))
             self.finished = bool(delta.error) or all(c.finish_reason is not None
                                                      for c in self.outputs)
+
+
+def floats_of(raw: bytes) -> list[float]:
+    """float32 bytes (a pooled hidden state on the wire) -> floats."""
+    return array.array("f", raw).tolist()
 
 
 def prompt_logprobs_of(lps, decode: Callable[[int], str] | None = None

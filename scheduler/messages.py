@@ -200,6 +200,9 @@ class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):
     # req_ids_digest of the step's scheduled request ids: the engine checks that a reply
     # answers the requests it scheduled, in its order.
     req_ids_digest: bytes = b""
+    # Aligned with sampled_token_ids where a request asked for pooling (Pooling): its pooled
+    # hidden state, float32 bytes; b"" elsewhere.
+    pooled: list[bytes] = []
 
 
 def req_ids_digest(req_ids: list[str]) -> bytes:
@@ -237,6 +240,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     prompt_logprobs: list[SampleLogprobs] = []
     # Of num_cached_tokens, those the CPU tier held (loaded from SSD or demoted there).
     num_tier_cached_tokens: int = 0
+    # An embedding request's pooled hidden state (float32 bytes), with its finishing output.
+    pooled: bytes = b""
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

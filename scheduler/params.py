@@ -12,7 +12,8 @@ from json import dumps as _json_text
 import msgspec
 
 __all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
-           "RequestOutputKind", "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
+           "RequestOutputKind", "Pooling", "FinishReason", "ErrorKind", "QueueFullError",
+           "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
@@ -48,6 +49,14 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+class Pooling(enum.IntEnum):
+    """What an embedding request returns beside its one token: the final hidden state of its
+    last prompt token (LAST), or that vector divided by its L2 norm (LAST_NORMALIZED)."""
+    NONE = 0
+    LAST = 1
+    LAST_NORMALIZED = 2
 
 
 class ErrorKind(enum.IntEnum):
@@ -168,6 +177,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # What AsyncLLM.generate yields (LLM returns finished requests whatever it says); vLLM's
     # AsyncLLM defaults to CUMULATIVE, ours to the deltas a stream is made of.
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # Set by the embedding frontends (LLM.embed, AsyncLLM.encode, /v1/embeddings), not a
+    # sampling choice: the request's output carries its pooled hidden state (Pooling).
+    pooling: Pooling = Pooling.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -244,6 +256,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if self.truncate_prompt_tokens is not None:
             _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens",
                        lambda v: v == -1 or 1 <= v < 2**63, "must be -1 or >= 1")
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        try:
+            self.pooling = Pooling(self.pooling)
+        except ValueError:
+            raise ValueError(f"SamplingParams.pooling must be a Pooling (0, 1, 2), got "
+                             f"{self.pooling!r}") from None
+        if self.pooling and (self.max_tokens != 1 or self.n != 1 or self.logprobs is not None
+                             or self.prompt_logprobs is not None
+                             or self.structured_outputs is not None):
+            raise ValueError("SamplingParams.pooling needs max_tokens 1 and n 1, without "
+                             "logprobs or structured outputs")
 
     def _check_token_fields(self) -> None:
         _check_int(self.min_tokens, "min_tokens", lambda v: 0 <= v < 2**63, "must be >= 0")

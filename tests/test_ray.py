@@ -104,8 +104,13 @@ def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
         assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c.text) for c in out.outputs), out
         got = _prompt_logprobs(llm)
         assert max(abs(a - b) for a, b in zip(got, reference["prompt_logprobs"])) < 1e-4
+        # Embeddings: rank 0's pooled hidden states (after the ranks' all-reduce).
+        vectors = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    with LLM(tiny["llama"], block_size=4) as alone:
+        want = [o.outputs.embedding for o in alone.embed(PROMPTS, use_tqdm=False)]
+    assert max(abs(a - b) for v, w in zip(vectors, want) for a, b in zip(v, w)) < 1e-5
 
 
 def test_speculation_on_ray_tp3_equals_plain_in_process(tiny):

@@ -179,6 +179,9 @@ class InputBatch:
         self.num_prompt = np.zeros(rows, dtype=np.int64)  # tokens the request arrived with
         # Rows of requests that want prompt logprobs and have prompt positions left to score.
         self.prompt_logprob_rows: set[int] = set()
+        # Rows of embedding requests (SamplingParams.pooling): their sampled row's hidden
+        # state goes back with the step's reply.
+        self.pooling_rows: set[int] = set()
         self.blocks = BlockTable(rows, -(-cols // block_size), self.device)
         self.to_device = HostToDevice(self.device)
 
@@ -237,6 +240,8 @@ class InputBatch:
             self.blocks.append(rows, np.arange(len(rows)), new.block_ids)
         self.rows[new.req_id] = row
         self.params[row] = new.sampling_params
+        if new.sampling_params.pooling:
+            self.pooling_rows.add(row)
         self.sampling.add_request(new.req_id, new.sampling_params,
                                   new.prompt_token_ids[:prompt_end],
                                   new.prompt_token_ids[prompt_end:])
@@ -297,6 +302,7 @@ class InputBatch:
         if row is not None:
             self.params[row] = None
             self.prompt_logprob_rows.discard(row)
+            self.pooling_rows.discard(row)
             self._free_rows.append(row)
             self.sampling.remove_request(rid)
 

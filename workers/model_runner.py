@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from tierserve.scheduler.messages import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from tierserve.scheduler.params import Pooling
 from tierserve.workers import parallel
 from tierserve.workers.cuda_graphs import DecodeGraphs
 from tierserve.workers.kv_pool import copy_blocks
@@ -124,6 +125,14 @@ class ModelRunner:
         hidden = self._forward(inputs, torch.from_numpy(keep).to(self.device))
         if not len(inputs.sample_rows) and prompt is None:
             return ModelRunnerOutput(out.step_id, sampled)
+        reply = self._sample(out, inputs, rows, prompt, keep, hidden, sampled)
+        if self.is_driver and self.batch.pooling_rows:
+            reply.pooled = self._pooled(inputs, rows, keep, hidden, len(sampled))
+        return reply
+
+    def _sample(self, out: SchedulerOutput, inputs: StepInputs, rows: SampleRows,
+                prompt: "PromptPositions | None", keep: np.ndarray, hidden: torch.Tensor,
+                sampled: list[int]) -> ModelRunnerOutput:
         batch = self.batch.sampling.make_batch(rows.req_ids) \
             if self.is_driver and len(inputs.sample_rows) else None
         # A greedy route exists only without tensor parallelism, so the ranks never disagree
@@ -154,6 +163,23 @@ class ModelRunner:
         if prompt_lps is not None:
             reply.prompt_logprobs = prompt_lps
         return reply
+
+    def _pooled(self, inputs: StepInputs, rows: SampleRows, keep: np.ndarray,
+                hidden: torch.Tensor, num_scheduled: int) -> list[bytes]:
+        """Per scheduled request, the pooled final hidden state of an embedding request's
+        sampled row (its last prompt token), float32 bytes; b"" for the others."""
+        pooled = [b""] * num_scheduled
+        packed = inputs.order[inputs.sample_rows].tolist()
+        for j, rid in enumerate(inputs.sample_req_ids):
+            kind = self.batch.params_of(rid).pooling
+            if not kind:
+                continue
+            # hidden holds keep's rows (all of them, in order, where keep is every row).
+            vec = hidden[int(np.searchsorted(keep, rows.keep[rows.first[j]]))].float()
+            if kind == Pooling.LAST_NORMALIZED:
+                vec = vec / vec.norm().clamp_min(1e-12)
+            pooled[packed[j]] = vec.cpu().numpy().tobytes()
+        return pooled
 
     def _prompt_positions(self, inputs: StepInputs) -> "PromptPositions | None":
         """The packed tokens whose logits score a prompt token this step (prompt logprobs)."""

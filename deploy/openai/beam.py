@@ -3,7 +3,6 @@ holds each prompt's best `n` sequences (runtime/beam_search.py, through AsyncLLM
 whole, never streamed. Fields a beam search has no meaning for are refused, naming them."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -12,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.responses import usage_json
-from tierserve.deploy.openai.streaming import disconnected
+from tierserve.deploy.openai.streaming import gather_until_disconnect
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.beam_search import BeamSearchParams
 
@@ -50,25 +49,17 @@ async def beam_response(server, kind: str, prompts: list, body, request: Request
     server.check_prompts(kind, prompts, tenant)
     salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
     server.admission.admit(len(prompts))
-    work = asyncio.ensure_future(asyncio.gather(*(
-        server.engine.beam_search(p, params, priority=body.priority, cache_salt=salt)
-        for p in prompts)))
-    watch = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client left: its searches' requests are aborted
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return Response(status_code=499)
-        try:
-            outputs = work.result()
-        except ValueError as e:
-            raise ApiError(400, str(e), "prompt" if kind == "completion" else "messages") \
-                from None
+        outputs = await gather_until_disconnect(request, (
+            server.engine.beam_search(p, params, priority=body.priority, cache_salt=salt)
+            for p in prompts))
+    except ValueError as e:
+        raise ApiError(400, str(e), "prompt" if kind == "completion" else "messages") from None
     finally:
-        watch.cancel()
         for _ in prompts:
             server.admission.started()
+    if outputs is None:  # the client left: its searches' requests are aborted
+        return Response(status_code=499)
     return JSONResponse(_body(kind, server.config.served_model_name, outputs, echo))
 
 

@@ -1,5 +1,5 @@
-"""The server's routes: completions, chat and responses (full or streamed), models, health,
-metrics.
+"""The server's routes: completions, chat and responses (full or streamed), embeddings,
+models, health, metrics.
 
 Every call to the engine has a deadline: /health answers within HEALTH_DEADLINE_S whatever
 the engine does (503 "engine unresponsive" when it cannot tell), /metrics serves the last
@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from tierserve.deploy.openai.admission import Admission, BodyLimit
 from tierserve.deploy.openai.beam import beam_response
+from tierserve.deploy.openai.embeddings import EmbeddingRequest, embeddings_response
 from tierserve.deploy.openai.connections import uvicorn_config
 from tierserve.deploy.openai.errors import (
     ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
@@ -287,6 +288,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
         return await server.chat(body, request, tenant)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request, tenant: Tenant | None = auth):
+        return await embeddings_response(server, body, request, tenant)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request, tenant: Tenant | None = auth):

@@ -18,7 +18,8 @@ from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 
-__all__ = ["EngineStream", "until_disconnect", "ClientGone", "disconnected"]
+__all__ = ["EngineStream", "until_disconnect", "ClientGone", "disconnected",
+           "gather_until_disconnect"]
 
 log = logging.getLogger("tierserve.http")
 
@@ -131,6 +132,22 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
     finally:
         watch.cancel()
         await stream.aclose()
+
+
+async def gather_until_disconnect(request: Request, coros) -> list | None:
+    """The results of `coros` (gathered), or None when the client goes away first: then they
+    are cancelled, which aborts their engine requests."""
+    work = asyncio.ensure_future(asyncio.gather(*coros))
+    watch = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return None
+        return work.result()
+    finally:
+        watch.cancel()
 
 
 async def disconnected(request: Request) -> None:
