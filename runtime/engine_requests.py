@@ -96,7 +96,7 @@ class RequestBook:
     def gather_pooled(self, req_ids, pooled: list[bytes]) -> None:
         """A step's pooled hidden states, one per scheduled request (in req_ids' order)."""
         for rid, vec in zip(req_ids, pooled):
-            if vec:
+            if vec and self.has_request(rid):  # not one aborted while the step ran
                 self.pooled[rid] = vec
 
     def after_outputs(self, outputs: list[EngineCoreOutput]) -> None:

@@ -137,3 +137,14 @@ def test_the_embeddings_endpoint(tmp_path):
             assert client.embeddings.create(model=MODEL, input="again").data
     finally:
         engine.shutdown()
+
+
+def test_pooled_states_never_outlive_their_requests(ckpts):
+    """A state arrives with its request's finishing output, or not at all: one whose request
+    was aborted while the step ran is dropped, and none is left after the requests end."""
+    with LLM(str(ckpts["llama"]), block_size=4) as llm:
+        llm.embed(PROMPTS, use_tqdm=False)
+        book = llm.engine._requests
+        assert book.pooled == {}
+        book.gather_pooled(["gone"], [b"\0" * 4])
+        assert book.pooled == {}
