@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from tierserve.deploy.openai.errors import ApiError, BadField, param_of
+from tierserve.deploy.openai.protocol import prompts_of
 from tierserve.deploy.openai.streaming import gather_until_disconnect
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.pooling import PoolingParams
@@ -32,17 +33,6 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0
 
 
-def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:
-    value = body.input
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise BadField("input", "input is empty")
-    if all(isinstance(x, int) for x in value):
-        return [list(value)]
-    return list(value)
-
-
 async def embeddings_response(server, body: EmbeddingRequest, request: Request,
                               tenant: Tenant | None) -> Response:
     server.check_model(body.model)
@@ -53,7 +43,7 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
         pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
     except ValueError as e:
         raise BadField("dimensions", str(e).replace("PoolingParams.", "")) from None
-    prompts = _inputs(body)
+    prompts = prompts_of(body.input, "input")
     server.check_prompts("completion", prompts, tenant)
     salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
     server.admission.admit(len(prompts))

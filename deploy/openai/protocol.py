@@ -17,7 +17,7 @@ from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
            "TokenizeChatRequest", "DetokenizeRequest", "BadField", "sampling_params",
-           "completion_prompts", "chat_messages", "chat_prompt", "param_of"]
+           "completion_prompts", "prompts_of", "chat_messages", "chat_prompt", "param_of"]
 
 
 class StreamOptions(BaseModel):
@@ -209,15 +209,19 @@ def _refuse_unsupported(req) -> None:
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """A completions body's prompts: one text, texts, token ids, or lists of token ids."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise BadField("prompt", "prompt is empty")
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]
-    return list(p)
+    """A completions body's prompts."""
+    return prompts_of(req.prompt, "prompt")
+
+
+def prompts_of(value, field: str) -> list[str | list[int]]:
+    """A body's prompts in `field`: one text, texts, token ids, or lists of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadField(field, f"{field} is empty")
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
 
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
