@@ -60,6 +60,13 @@ def test_streaming_equals_non_streaming_and_reports_usage(client):
                                             **{k: v for k, v in kwargs.items()
                                                if k != "max_tokens"}))
     assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    counted = list(client.chat.completions.create(
+        messages=messages, stream=True, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}, **kwargs))
+    made = [c.usage.completion_tokens for c in counted]
+    assert all(c.usage is not None for c in counted) and made == sorted(made)
+    assert made[-1] == 12 and made[0] == 0
 
 
 def test_raw_sse_ends_with_done(server):

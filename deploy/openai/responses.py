@@ -86,9 +86,13 @@ class Responder:
 
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
                  include_usage: bool, tools: ToolPlan | None = None, echo_logprobs: bool = False,
-                 show_prompt_logprobs: bool = True, reasoning: bool = False) -> None:
+                 show_prompt_logprobs: bool = True, reasoning: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        self.continuous_usage = include_usage and continuous_usage
+        self._fold: Fold | None = None
         # Completions' echo with logprobs: the echoed prompt's tokens carry theirs (OpenAI's
         # shape: the first token's None), before the generated ones'.
         self.echo_logprobs = echo_logprobs
@@ -155,6 +159,7 @@ class Responder:
     def opening(self, fold: Fold) -> list[bytes]:
         """Chunks before any output: chat announces each choice's role; an echoing completion
         sends each choice's prompt (with logprobs, with its first output: they come with it)."""
+        self._fold = fold
         if self.kind == "completion":
             return [self._chunk({"index": k, "text": c.text, "logprobs": None,
                                  "finish_reason": None})
@@ -165,6 +170,7 @@ class Responder:
 
     def piece(self, p: Piece, fold: Fold) -> list[bytes]:
         c = p.output
+        self._fold = fold
         if self.kind == "completion":
             out = []
             if self.echo_logprobs and p.index not in self._echoed:
@@ -265,7 +271,8 @@ class Responder:
     def _chunk(self, choice: dict) -> bytes:
         chunk = dict(self.chunk_head, choices=[choice])
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._fold.usage() if self.continuous_usage and self._fold \
+                else None
         return sse(chunk)
 
     def closing(self, fold: Fold) -> list[bytes]:

@@ -101,14 +101,16 @@ class OpenAIServer:
         params = sampling_params(body, tools, self.generation_defaults)
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
         echo_logprobs = echo is not None and params.logprobs is not None
         # A constrained output (a schema, forced calls) has no reasoning before it.
         reasoning = kind == "chat" and self.config.reasoning_parser is not None \
             and params.structured_outputs is None
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
                               self._decode_one, params.logprobs or 0, include_usage, tools,
-                              echo_logprobs, body.prompt_logprobs is not None, reasoning)
+                              echo_logprobs, body.prompt_logprobs is not None, reasoning,
+                              options is not None and options.continuous_usage_stats)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
                     prompt_only=echo is not None and body.max_tokens == 0)
         try:
