@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
+           "ReasoningStart",
            "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
@@ -27,6 +28,7 @@ _EXPORTS = {
     "SamplingParams": "tierserve.scheduler.params",
     "StructuredOutputs": "tierserve.scheduler.params",
     "RequestOutputKind": "tierserve.scheduler.params",
+    "ReasoningStart": "tierserve.scheduler.params",
     "StructuredOutputsParams": "tierserve.scheduler.params",
     "analyze": "tierserve.runtime.analyze",
     "BeamSearchParams": "tierserve.runtime.beam_search",

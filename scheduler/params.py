@@ -12,7 +12,7 @@ from json import dumps as _json_text
 import msgspec
 
 __all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
-           "RequestOutputKind", "Pooling", "FinishReason", "ErrorKind", "QueueFullError",
+           "RequestOutputKind", "Pooling", "ReasoningStart", "FinishReason", "ErrorKind", "QueueFullError",
            "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
@@ -49,6 +49,16 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+class ReasoningStart(enum.IntEnum):
+    """Where a constrained output's reasoning stands (StructuredOutputs.reasoning): none
+    (the constraint holds from the first token); MAY_OPEN, the output may open with a
+    `<think> ... </think>` block; OPEN, it starts inside one (its prompt opened it) that runs
+    to `</think>`."""
+    NONE = 0
+    MAY_OPEN = 1
+    OPEN = 2
 
 
 class Pooling(enum.IntEnum):
@@ -94,6 +104,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """One constraint on a request's output (vLLM's names): `json` a JSON schema (its JSON
     text, or the schema as a dict, which becomes its text), `json_object` any JSON object,
     `regex`, `choice` one of the strings, `grammar` a Lark (or GBNF) grammar.
+    `reasoning` (ReasoningStart; json, json_object, regex and choice): a thinking model
+    reasons freely first, and the constraint holds for the answer after its `</think>`.
     workers/structured.py compiles it."""
 
     json: str | None = None
@@ -101,6 +113,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningStart = ReasoningStart.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):  # as vLLM's StructuredOutputsParams takes it
@@ -113,6 +126,14 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         if len(kinds) != 1:
             raise ValueError(f"SamplingParams.structured_outputs takes exactly one of json, "
                              f"json_object, regex, choice, grammar; got {kinds or 'none'}")
+        try:
+            self.reasoning = ReasoningStart(self.reasoning)
+        except ValueError:
+            raise ValueError(f"SamplingParams.structured_outputs.reasoning must be a "
+                             f"ReasoningStart (0, 1, 2), got {self.reasoning!r}") from None
+        if self.reasoning and kinds == ["grammar"]:
+            raise ValueError("SamplingParams.structured_outputs.reasoning takes json, "
+                             "json_object, regex or choice")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -142,3 +142,54 @@ def test_streamed_reasoning_and_answer_items_in_order():
     final = parsed[-1]["response"]["output"]
     assert final[0]["content"][0]["text"] == "plan" and final[1]["content"][0]["text"] == \
         "answer"
+
+
+@pytest.mark.parametrize("start, accepted, refused", [
+    ("MAY_OPEN", ['{"a":1}', '<think>\nplan\n</think>\n\n{"a":3}'],
+     ['plan</think>{"a":1}', '  {"a":1}', '<think>plan</think>oops']),
+    ("OPEN", ['plan</think>\n\n{"a":1}', '<think>x</think>{"a":2}'],
+     ['plan</think>oops']),
+])
+def test_a_constraint_after_reasoning_holds_the_answer_alone(checkpoint, start, accepted,
+                                                              refused):
+    """The grammar of StructuredOutputs.reasoning: a reasoning block (optional where the
+    output may open one; required, from the first token, where the prompt opened it), then
+    the constraint on the answer alone. Checked token by token with the tiny tokenizer."""
+    import llguidance
+    from transformers import AutoTokenizer
+
+    from tierserve.scheduler.params import ReasoningStart, StructuredOutputs
+    from tierserve.workers.grammar import check_structured
+    hf = AutoTokenizer.from_pretrained(checkpoint)
+    tok = llguidance.LLTokenizer((checkpoint / "tokenizer.json").read_text(), n_vocab=len(hf),
+                                 eos_token=[hf.eos_token_id])
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    grammar = check_structured(StructuredOutputs(json=schema,
+                                                 reasoning=ReasoningStart[start]))
+
+    def takes(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        ok = matcher.consume_tokens(hf.encode(text, add_special_tokens=False))
+        return ok and not matcher.is_error() and matcher.is_accepting()
+    assert [takes(t) for t in accepted] == [True] * len(accepted)
+    assert [takes(t) for t in refused] == [False] * len(refused)
+
+
+def test_a_thinking_servers_constrained_reply_reasons_first(thinking_client):
+    """With the parser on, response_format holds the answer after the reasoning: what comes
+    back as content is the schema's, and a reply cut short is all reasoning."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    for template in (None, THINKING.replace("<think>\n", "")):
+        out = thinking_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a?"}], max_tokens=40,
+            temperature=1.0, seed=3, response_format={"type": "json_schema", "json_schema": {
+                "name": "a", "schema": schema}},
+            extra_body={"chat_template": template} if template else {}).choices[0]
+        if out.message.content is not None:
+            jsonschema.validate(json.loads(out.message.content), schema)
+        else:
+            assert out.finish_reason == "length" and out.message.model_extra["reasoning"]

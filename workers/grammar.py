@@ -6,7 +6,7 @@ from __future__ import annotations
 import json as jsonlib
 import re
 
-from tierserve.scheduler.params import StructuredOutputs
+from tierserve.scheduler.params import ReasoningStart, StructuredOutputs
 
 __all__ = ["grammar_of", "check_structured", "llguidance_module"]
 
@@ -24,9 +24,24 @@ def llguidance_module():
                          "(pip install llguidance)") from None
 
 
+# A thinking model's reasoning before a constrained answer (ReasoningStart): a block from
+# `<think>` (MAY_OPEN: optional), or any text (OPEN: the prompt opened it), lazily up to the
+# first `</think>`; then optional whitespace, then the answer.
+_REASONING = {
+    ReasoningStart.MAY_OPEN: ("start: (reasoning WS)? answer\n"
+                              "reasoning[lazy]: /<think>(.|\\n)*<\\/think>/\n"),
+    ReasoningStart.OPEN: ("start: reasoning WS answer\n"
+                          "reasoning[lazy]: /(.|\\n)*<\\/think>/\n"),
+}
+_ANSWER = "WS: /[ \\t\\r\\n]*/\nanswer: "
+
+
 def grammar_of(spec: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint; ValueError naming the field it cannot parse."""
     matcher = llguidance_module().LLMatcher
+    if spec.reasoning:
+        return matcher.grammar_from_lark(_REASONING[spec.reasoning] + _ANSWER
+                                         + _lark_answer(spec))
     if spec.json is not None:
         try:
             schema = jsonlib.loads(spec.json)
@@ -43,6 +58,21 @@ def grammar_of(spec: StructuredOutputs) -> str:
     if "::=" in grammar:  # GBNF (llama.cpp's), as vLLM's guided_grammar takes it
         grammar = llguidance_module().gbnf_to_lark(grammar)
     return matcher.grammar_from_lark(grammar)
+
+
+def _lark_answer(spec: StructuredOutputs) -> str:
+    """The constraint as the body of a Lark rule."""
+    if spec.json is not None or spec.json_object:
+        try:
+            schema = jsonlib.loads(spec.json) if spec.json is not None else {"type": "object"}
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = dict(schema, **{"x-guidance": _JSON_OPTIONS})
+        return "%json " + jsonlib.dumps(schema)
+    if spec.regex is not None:
+        return "/" + spec.regex.replace("/", "\\/") + "/"
+    return " | ".join(jsonlib.dumps(c) for c in spec.choice)
 
 
 def check_structured(spec: StructuredOutputs) -> str:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tierserve.deploy.openai.errors import ApiError, BadField, error_of
 from tierserve.deploy.openai.protocol import chat_prompt, sampling_params
+from tierserve.deploy.openai.reasoning import constrained_after_reasoning, parses_reasoning
 from tierserve.deploy.openai.responses import Fold
 from tierserve.deploy.openai.responses_output import ResponseBuilder, conversation_of
 from tierserve.deploy.openai.responses_protocol import (
@@ -41,8 +42,12 @@ class ResponsesEndpoint:
         except BadField as e:
             raise BadField(renamed(e.param), str(e)) from None
         rid = f"resp_{uuid.uuid4().hex}"
-        reasoning = server.config.reasoning_parser is not None \
-            and params.structured_outputs is None
+        reasoning = server.config.reasoning_parser is not None
+        if reasoning:
+            params = await constrained_after_reasoning(
+                server.tokenizer, prompt, params,
+                tools is not None and tools.mode in ("named", "required"))
+            reasoning = parses_reasoning(params)
         builder = ResponseBuilder(rid, server.config.served_model_name, body, params, tools,
                                   server._decode_one, params.logprobs or 0, reasoning)
         try:

@@ -27,6 +27,7 @@ from tierserve.deploy.openai.errors import (
     ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
 )
 from tierserve.deploy.openai.metrics import Metrics
+from tierserve.deploy.openai.reasoning import constrained_after_reasoning, parses_reasoning
 from tierserve.deploy.openai.protocol import (
     BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, completion_prompts,
@@ -99,14 +100,17 @@ class OpenAIServer:
         if body.use_beam_search:
             return await beam_response(self, kind, prompts, body, request, tenant, echo)
         params = sampling_params(body, tools, self.generation_defaults)
+        thinking = kind == "chat" and self.config.reasoning_parser is not None
+        if thinking:
+            params = await constrained_after_reasoning(
+                self.tokenizer, prompts[0], params,
+                tools is not None and tools.mode in ("named", "required"))
         base_id = body.request_id or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
                                      f"{uuid.uuid4().hex}"
         options = body.stream_options
         include_usage = options is not None and options.include_usage
         echo_logprobs = echo is not None and params.logprobs is not None
-        # A constrained output (a schema, forced calls) has no reasoning before it.
-        reasoning = kind == "chat" and self.config.reasoning_parser is not None \
-            and params.structured_outputs is None
+        reasoning = thinking and parses_reasoning(params)
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
                               self._decode_one, params.logprobs or 0, include_usage, tools,
                               echo_logprobs, body.prompt_logprobs is not None, reasoning,
