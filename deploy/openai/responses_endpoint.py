@@ -49,7 +49,7 @@ class ResponsesEndpoint:
                 tools is not None and tools.mode in ("named", "required"))
             reasoning = parses_reasoning(params)
         builder = ResponseBuilder(rid, server.config.served_model_name, body, params, tools,
-                                  server._decode_one, params.logprobs or 0, reasoning)
+                                  server.decode_token, params.logprobs or 0, reasoning)
         try:
             stream = await server.start("chat", [prompt], chat, params, body.request_id or rid,
                                         request, tenant)

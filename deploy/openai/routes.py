@@ -72,7 +72,7 @@ class OpenAIServer:
         # What a body's unset sampling fields take (the model's generation config).
         self.generation_defaults = info.get("generation_defaults") or {}
         tok = self.tokenizer = engine.tokenizer
-        self._decode_one = (lambda t: tok.decode([t], skip_special_tokens=False)) \
+        self.decode_token = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
         self.responses = ResponsesEndpoint(self, ResponseStore(config.response_store_bytes))
         # How the model writes tool calls (tool_parsers.py).
@@ -112,7 +112,7 @@ class OpenAIServer:
         echo_logprobs = echo is not None and params.logprobs is not None
         reasoning = thinking and parses_reasoning(params)
         responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
-                              self._decode_one, params.logprobs or 0, include_usage, tools,
+                              self.decode_token, params.logprobs or 0, include_usage, tools,
                               echo_logprobs, body.prompt_logprobs is not None, reasoning,
                               options is not None and options.continuous_usage_stats)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
