@@ -69,6 +69,14 @@ def test_streaming_equals_non_streaming_and_reports_usage(client):
     assert made[-1] == 12 and made[0] == 0
 
 
+def test_models_list_and_retrieve(client):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 def test_raw_sse_ends_with_done(server):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=30) as r:

@@ -271,10 +271,12 @@ class OpenAIServer:
         return Response(status_code=200)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.config.served_model_name, "object": "model", "created": self.created,
-            "owned_by": "tierserve", "root": self.config.served_model_name,
-            "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self.model_card(self.config.served_model_name)]}
+
+    def model_card(self, name: str) -> dict:
+        self.check_model(name)
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tierserve",
+                "root": name, "max_model_len": self.max_model_len}
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig):
@@ -323,6 +325,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.get("/v1/models")
     async def models(tenant: Tenant | None = auth):
         return server.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, tenant: Tenant | None = auth):
+        return server.model_card(name)
 
     @app.get("/health")
     async def health():
