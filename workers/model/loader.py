@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tierserve.workers.backends.base import Backend
+from tierserve.workers.model.quantized_checkpoint import checkpoint_quantization, dequantized
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.config_files import (  # noqa: F401
@@ -84,12 +85,15 @@ def default_model_path() -> str:
 
 
 def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight in the checkpoint, one tensor in memory at a time."""
+    """(HF name, full tensor) for every weight in the checkpoint, one tensor in memory at a time
+    (a GPTQ or AWQ checkpoint's linears dequantized: quantized_checkpoint.py)."""
     path = os.fspath(path)
     if _is_gguf(path):
         yield from _iter_gguf(path)
-    else:
-        yield from _iter_safetensors(path)
+        return
+    quantized = checkpoint_quantization(path)
+    tensors = _iter_safetensors(path)
+    yield from dequantized(tensors, quantized) if quantized else tensors
 
 
 def load_model(path: str, dtype: torch.dtype | str = torch.float32,
