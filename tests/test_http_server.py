@@ -323,9 +323,11 @@ def test_health_is_503_once_the_engine_is_dead(tmp_path):
 # ---------------------------------------------------------------------------- keys and tenants
 
 KEYS = {"secret": "tests", "keys": {"sk-alpha": "alpha", "sk-beta": "beta", "sk-slow": "slow",
-                                    "sk-thrifty": "thrifty"},
+                                    "sk-thrifty": "thrifty", "sk-embed": "embed",
+                                    "sk-beams": "beams"},
         "tenants": {"slow": {"requests_per_second": 0.05}, "beta": {"kv_share": 0.5},
-                    "thrifty": {"tokens_per_minute": 4}}}
+                    "thrifty": {"tokens_per_minute": 4}, "embed": {"tokens_per_minute": 4},
+                    "beams": {"tokens_per_minute": 4}}}
 
 
 @pytest.fixture(scope="module")
@@ -393,6 +395,23 @@ def test_a_tenant_over_its_rate_gets_429_and_the_others_are_served(keyed):
     assert metrics[("tierserve:requests_refused_total",
                     (("status", "429"), ("tenant", "slow")))] == 1
     assert metrics[("tierserve:generation_tokens_total", (("tenant", "beta"),))] >= 1
+
+
+def test_embeddings_and_beam_searches_count_against_a_tenants_token_rate(keyed):
+    """Bodies answered whole (embeddings, beam search) charge their tokens as streamed ones
+    do: past the budget, the tenant's next body is a 429, and the server's counters have
+    them."""
+    embed, beams = _as(keyed, "sk-embed"), _as(keyed, "sk-beams")
+    embed.embeddings.create(model=MODEL, input="a few words more than four tokens")
+    with pytest.raises(openai.RateLimitError):
+        embed.embeddings.create(model=MODEL, input="x")
+    beams.completions.create(model=MODEL, prompt="a few words", n=2, max_tokens=4,
+                             extra_body={"use_beam_search": True})
+    with pytest.raises(openai.RateLimitError):
+        beams.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    metrics = _metrics(keyed.base)
+    assert metrics[("tierserve:prompt_tokens_total", (("tenant", "embed"),))] > 4
+    assert metrics[("tierserve:generation_tokens_total", (("tenant", "beams"),))] >= 2
 
 
 def test_a_flooding_tenant_cannot_evict_anothers_warm_prefix_nor_share_a_tier(checkpoint):

@@ -60,7 +60,11 @@ async def beam_response(server, kind: str, prompts: list, body, request: Request
             server.admission.started()
     if outputs is None:  # the client left: its searches' requests are aborted
         return Response(status_code=499)
-    return JSONResponse(_body(kind, server.config.served_model_name, outputs, echo))
+    reply = _body(kind, server.config.served_model_name, outputs, echo)
+    usage = reply["usage"]
+    server.metrics.served_whole(tenant, usage["prompt_tokens"], usage["completion_tokens"],
+                                [c["finish_reason"] for c in reply["choices"]])
+    return JSONResponse(reply)
 
 
 def _body(kind: str, model: str, outputs: list, echo: list[str] | None) -> dict:

@@ -63,6 +63,7 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
              "embedding": _encoded(o.outputs.embedding, body.encoding_format)}
             for i, o in enumerate(outputs)]
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    server.metrics.served_whole(tenant, tokens, 0, ["length"] * len(outputs))
     return JSONResponse({"object": "list", "data": data, "model": server.config.served_model_name,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 

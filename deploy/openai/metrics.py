@@ -230,6 +230,18 @@ class Metrics:
             for status in REFUSED_STATUSES:
                 self.refused.labels(status, tenant)
 
+    def served_whole(self, tenant, prompt: int, generated: int, reasons: list[str]) -> None:
+        """A body answered whole from its requests' final outputs (embeddings, beam search):
+        its tokens and finished sequences counted, and its tokens charged to its tenant's
+        token rate, as a streamed body's are (Tracker)."""
+        name = tenant.name if tenant is not None else ""
+        self.prompt_tokens.labels(name).inc(prompt)
+        self.generation_tokens.labels(name).inc(generated)
+        for reason in reasons:
+            self.finished.labels(reason, name).inc()
+        if tenant is not None:
+            tenant.charge(prompt + generated)
+
 
 class Tracker:
     """One engine request's metrics: its token counts (charged to its tenant's token rate
