@@ -14,32 +14,45 @@ import uuid
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
-
 from tierserve.deploy.openai.admission import Admission, BodyLimit
+from tierserve.deploy.openai.anthropic import MessagesRequest, messages_response
 from tierserve.deploy.openai.beam import beam_response
-from tierserve.deploy.openai.embeddings import EmbeddingRequest, embeddings_response
 from tierserve.deploy.openai.connections import uvicorn_config
+from tierserve.deploy.openai.embeddings import EmbeddingRequest, embeddings_response
 from tierserve.deploy.openai.errors import (
-    ApiError, error_json, error_of, error_response, param_path, scrub, server_error,
+    ApiError,
+    error_json,
+    error_of,
+    error_response,
+    scrub,
+    server_error,
 )
+from tierserve.deploy.openai.handlers import error_handlers
 from tierserve.deploy.openai.metrics import Metrics
-from tierserve.deploy.openai.reasoning import constrained_after_reasoning, parses_reasoning
 from tierserve.deploy.openai.protocol import (
-    BadField, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-    TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, completion_prompts,
+    BadField,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    chat_prompt,
+    completion_prompts,
     sampling_params,
+)
+from tierserve.deploy.openai.reasoning import (
+    constrained_after_reasoning,
+    parses_reasoning,
 )
 from tierserve.deploy.openai.responses import Fold, Responder, sse
 from tierserve.deploy.openai.responses_endpoint import ResponsesEndpoint
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
 from tierserve.deploy.openai.responses_store import ResponseStore
-from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.server_config import ServerConfig
 from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
+from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.tenants import Tenant, namespace_of
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 from tierserve.runtime import envs
@@ -88,7 +101,10 @@ class OpenAIServer:
         keys = self.config.keys
         if keys is None:
             return None
-        tenant = keys.authenticate(request.headers.get("authorization"))
+        header = request.headers.get("authorization")
+        if header is None and "x-api-key" in request.headers:  # Anthropic's clients' header
+            header = f"Bearer {request.headers['x-api-key']}"
+        tenant = keys.authenticate(header)
         request.state.tenant = tenant.name
         return tenant
 
@@ -284,7 +300,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     server = OpenAIServer(engine, config)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
     app.state.server = server
-    _error_handlers(app, server)
+    error_handlers(app, server.metrics)
 
     # The key is checked (a dependency) before the body is parsed: no key, no 400 either.
     auth = Depends(server.authenticate)
@@ -296,6 +312,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant | None = auth):
         return await server.chat(body, request, tenant)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request, tenant: Tenant | None = auth):
+        return await messages_response(server, body, request, tenant)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, tenant: Tenant | None = auth):
@@ -344,46 +364,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return BodyLimit(app, config.max_body_bytes, config.body_timeout_s)
-
-
-def _error_handlers(app: FastAPI, server: OpenAIServer) -> None:
-    def refused(request: Request, status: int) -> None:
-        tenant = getattr(request.state, "tenant", "")
-        server.metrics.refused.labels(str(status), tenant).inc()
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        refused(request, e.status)
-        return error_response(e.status, e.message, e.param, e.headers)
-
-    @app.exception_handler(BadField)
-    async def _bad_field(request: Request, e: BadField):
-        refused(request, 400)
-        return error_response(400, str(e), e.param)
-
-    @app.exception_handler(HTTPException)
-    async def _framework(request: Request, e: HTTPException):
-        """The framework's own errors (no such route, a method it does not take, a body it
-        cannot parse), as OpenAI's error JSON."""
-        refused(request, e.status_code)
-        message = {404: f"no route {request.url.path}",
-                   405: f"{request.url.path} does not take {request.method}"}.get(
-            e.status_code, str(e.detail))
-        return error_response(e.status_code, message, headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        refused(request, 500)
-        err = server_error(500, f"internal error ({type(e).__name__})", e)
-        return error_response(500, err.message, headers=err.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        refused(request, 400)
-        first = e.errors()[0] if e.errors() else {}
-        param = param_path([str(p) for p in first.get("loc", ()) if p != "body"])
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
-                              param)
 
 
 def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:

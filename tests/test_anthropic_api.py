@@ -1,0 +1,124 @@
+"""Anthropic's Messages API (`/v1/messages`) through the `anthropic` client: a message is the
+chat completion of its conversation, streamed as Anthropic's events, with stop sequences and
+tool use; bad blocks are 400s."""
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.http_fixtures import *  # noqa: F403 (checkpoint, engine, server, client)
+from tests.http_thread import MODEL
+
+WEATHER = {"name": "get_weather", "description": "the weather in a city",
+           "input_schema": {"type": "object", "additionalProperties": False,
+                            "required": ["city"],
+                            "properties": {"city": {"type": "string", "maxLength": 10}}}}
+
+
+# The client no longer takes sampling fields (recent models fix them); older ones send them.
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0)
+
+
+def test_a_message_is_the_chat_completion_of_its_conversation(claude, client):
+    m = claude.messages.create(model=MODEL, max_tokens=12, system="be brief", extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "hello there"}])
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": "hello there"}]).choices[0]
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.content[0].type == "text" and m.content[0].text == chat.message.content
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.finish_reason]
+    assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
+    text = ""
+    with claude.messages.stream(model=MODEL, max_tokens=12, system="be brief",
+                                extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "hello there"}]) as s:
+        for piece in s.text_stream:
+            text += piece
+        final = s.get_final_message()
+    assert text == m.content[0].text == final.content[0].text
+    assert final.stop_reason == m.stop_reason and final.usage.output_tokens == \
+        m.usage.output_tokens
+
+
+def test_a_stop_sequence_ends_the_text_and_is_named(claude, client):
+    base = dict(model=MODEL, max_tokens=30, extra_body=GREEDY,
+                messages=[{"role": "user", "content": "tell me more"}])
+    text = claude.messages.create(**base).content[0].text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip())
+    m = claude.messages.create(stop_sequences=[stop], **base)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[:text.index(stop)]
+    streamed = ""
+    with claude.messages.stream(stop_sequences=[stop], **base) as s:
+        for piece in s.text_stream:
+            streamed += piece
+        assert s.get_final_message().stop_sequence == stop
+    assert streamed == m.content[0].text
+
+
+def test_tool_use_blocks_and_their_results_go_on(claude):
+    base = dict(model=MODEL, max_tokens=80, extra_body=GREEDY, tools=[WEATHER],
+                messages=[{"role": "user", "content": "weather in Paris?"}])
+    m = claude.messages.create(tool_choice={"type": "any"}, **base)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    assert isinstance(uses[0].input, dict) and uses[0].id.startswith("toolu_")
+    with claude.messages.stream(tool_choice={"type": "any"}, **base) as s:
+        streamed = s.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == \
+        [(b.name, b.input) for b in uses]
+    named = claude.messages.create(tool_choice={"type": "tool", "name": "get_weather"}, **base)
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_weather"]
+    follow = claude.messages.create(model=MODEL, max_tokens=6, tools=[WEATHER], messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                      "content": "sunny"}]}])
+    assert follow.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "maybe"}},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "thinking"),
+])
+def test_bad_bodies_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(server.base + "/v1/messages", timeout=30,
+                   json=dict({"model": MODEL, "max_tokens": 4}, **body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_raw_events_are_anthropics(server):
+    body = {"model": MODEL, "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", server.base + "/v1/messages", json=body, timeout=30) as r:
+        events = [e for e in r.read().decode().split("\n\n") if e.strip()]
+    kinds = [e.split("\n")[0].removeprefix("event: ") for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert json.loads(events[-2].split("data: ", 1)[1])["usage"]["output_tokens"] == 4
+
+
+def test_anthropics_key_header_authenticates(engine):
+    from tests.http_thread import Server
+    from tierserve.deploy.openai import KeyTable
+    with Server(engine, keys=KeyTable.single("sk-claude")) as srv:
+        ok = anthropic.Anthropic(base_url=srv.base, api_key="sk-claude", max_retries=0)
+        assert ok.messages.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}]).usage.output_tokens == 2
+        bad = anthropic.Anthropic(base_url=srv.base, api_key="sk-nope", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.create(model=MODEL, max_tokens=2,
+                                messages=[{"role": "user", "content": "hi"}])
