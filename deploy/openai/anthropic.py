@@ -18,10 +18,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierserve.deploy.openai.errors import BadField, error_of
+from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.protocol import ChatCompletionRequest, chat_prompt, sampling_params
 from tierserve.deploy.openai.responses import Fold
-from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
+from tierserve.deploy.openai.streaming import (
+    ClientGone, EngineStream, fold_pieces, fold_whole, until_disconnect,
+)
 from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls, tool_plan
 from tierserve.deploy.openai.tenants import Tenant
 
@@ -236,25 +238,20 @@ async def messages_response(server, body: MessagesRequest, request: Request,
 
 
 async def _whole(stream: EngineStream, fold: Fold, builder: MessageBuilder) -> JSONResponse:
-    async for i, delta in stream:
-        if delta.error:
-            raise error_of(delta)
-        fold.add(i, delta)
-    return JSONResponse(builder.message(fold, True))
+    return JSONResponse(builder.message(await fold_whole(stream, fold), True))
 
 
 async def _events(stream: EngineStream, fold: Fold, builder: MessageBuilder):
     try:
-        first = True
-        async for i, delta in stream:
-            if delta.error:
-                e = error_of(delta)
-                yield builder.event("error", error={"type": "api_error", "message": e.message})
+        started = False
+        async for piece in fold_pieces(stream, fold):
+            if isinstance(piece, ApiError):
+                yield builder.event("error", error={"type": "api_error",
+                                                    "message": piece.message})
                 return
-            fold.add(i, delta)
-            if first:
+            if not started:
+                started = True
                 yield builder.event("message_start", message=builder.message(fold, False))
-                first = False
             for event in builder.text_delta(fold, False):
                 yield event
         for event in builder.closing(fold):

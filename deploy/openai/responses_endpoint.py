@@ -8,7 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tierserve.deploy.openai.errors import ApiError, BadField, error_of
+from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.protocol import chat_prompt, sampling_params
 from tierserve.deploy.openai.reasoning import constrained_after_reasoning, parses_reasoning
 from tierserve.deploy.openai.responses import Fold
@@ -17,7 +17,9 @@ from tierserve.deploy.openai.responses_protocol import (
     ResponsesRequest, chat_body, input_messages, renamed,
 )
 from tierserve.deploy.openai.responses_store import ResponseStore
-from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
+from tierserve.deploy.openai.streaming import (
+    ClientGone, EngineStream, fold_pieces, fold_whole, until_disconnect,
+)
 from tierserve.deploy.openai.structured import tool_plan
 from tierserve.deploy.openai.tenants import Tenant, namespace_of
 
@@ -78,11 +80,7 @@ class ResponsesEndpoint:
             self.store.put(namespace, response, messages + conversation_of(response["output"]))
 
     async def _full(self, stream: EngineStream, fold: Fold, builder: ResponseBuilder, turn):
-        async for i, delta in stream:
-            if delta.error:
-                raise error_of(delta)
-            fold.add(i, delta)
-        response = builder.full(fold)
+        response = builder.full(await fold_whole(stream, fold))
         self._keep(turn, response)
         return JSONResponse(response)
 
@@ -90,14 +88,13 @@ class ResponsesEndpoint:
         try:
             for event in builder.opening():
                 yield event
-            async for i, delta in stream:
-                if delta.error:
-                    for event in builder.failed(error_of(delta), fold):
+            async for piece in fold_pieces(stream, fold):
+                if isinstance(piece, ApiError):
+                    for event in builder.failed(piece, fold):
                         yield event
                     return
-                for piece in fold.add(i, delta):
-                    for event in builder.piece(piece, fold):
-                        yield event
+                for event in builder.piece(piece, fold):
+                    yield event
             for event in builder.closing(fold):
                 yield event
             self._keep(turn, builder.full(fold))

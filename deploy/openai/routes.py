@@ -51,7 +51,9 @@ from tierserve.deploy.openai.responses_endpoint import ResponsesEndpoint
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
 from tierserve.deploy.openai.responses_store import ResponseStore
 from tierserve.deploy.openai.server_config import ServerConfig
-from tierserve.deploy.openai.streaming import ClientGone, EngineStream, until_disconnect
+from tierserve.deploy.openai.streaming import (
+    ClientGone, EngineStream, fold_pieces, fold_whole, until_disconnect,
+)
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.tenants import Tenant, namespace_of
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -158,24 +160,18 @@ class OpenAIServer:
         return stream
 
     async def _full(self, stream: EngineStream, fold: Fold, responder: Responder):
-        async for i, delta in stream:
-            if delta.error:
-                raise error_of(delta)
-            fold.add(i, delta)
-        return JSONResponse(responder.full(fold))
+        return JSONResponse(responder.full(await fold_whole(stream, fold)))
 
     async def _chunks(self, stream: EngineStream, fold: Fold, responder: Responder):
         try:
             for chunk in responder.opening(fold):
                 yield chunk
-            async for i, delta in stream:
-                if delta.error:
-                    e = error_of(delta)
-                    yield sse(error_json(e.status, e.message, e.param))
+            async for piece in fold_pieces(stream, fold):
+                if isinstance(piece, ApiError):
+                    yield sse(error_json(piece.status, piece.message, piece.param))
                     break
-                for piece in fold.add(i, delta):
-                    for chunk in responder.piece(piece, fold):
-                        yield chunk
+                for chunk in responder.piece(piece, fold):
+                    yield chunk
             for chunk in responder.closing(fold):
                 yield chunk
         finally:

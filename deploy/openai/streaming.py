@@ -11,7 +11,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tierserve.deploy.openai.admission import Admission
+from tierserve.deploy.openai.errors import ApiError, error_of
 from tierserve.deploy.openai.metrics import Metrics, Tracker
+from tierserve.deploy.openai.responses import Fold, Piece
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.client import AsyncLLM, DuplicateRequestError
 from tierserve.runtime.errors import EngineDeadError
@@ -19,7 +21,7 @@ from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["EngineStream", "until_disconnect", "ClientGone", "disconnected",
-           "gather_until_disconnect"]
+           "gather_until_disconnect", "fold_whole", "fold_pieces"]
 
 log = logging.getLogger("tierserve.http")
 
@@ -132,6 +134,26 @@ async def until_disconnect(request: Request, work, stream: EngineStream):
     finally:
         watch.cancel()
         await stream.aclose()
+
+
+async def fold_whole(stream: EngineStream, fold: Fold) -> Fold:
+    """Folds in every delta of a body's stream; a failed delta's ApiError is raised."""
+    async for i, delta in stream:
+        if delta.error:
+            raise error_of(delta)
+        fold.add(i, delta)
+    return fold
+
+
+async def fold_pieces(stream: EngineStream, fold: Fold) -> AsyncIterator[Piece | ApiError]:
+    """A body's stream folded in as it comes: the pieces each delta makes (Fold.add), and,
+    where a delta failed, its ApiError last."""
+    async for i, delta in stream:
+        if delta.error:
+            yield error_of(delta)
+            return
+        for piece in fold.add(i, delta):
+            yield piece
 
 
 async def gather_until_disconnect(request: Request, coros) -> list | None:
