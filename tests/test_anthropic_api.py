@@ -6,6 +6,8 @@ import json
 import anthropic
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.http_fixtures import *  # noqa: F403 (checkpoint, engine, server, client)
 from tests.http_thread import MODEL
@@ -122,3 +124,44 @@ def test_anthropics_key_header_authenticates(engine):
         with pytest.raises(anthropic.AuthenticationError):
             bad.messages.create(model=MODEL, max_tokens=2,
                                 messages=[{"role": "user", "content": "hi"}])
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2, 400), st.text(max_size=6),
+                  st.floats(allow_nan=False, allow_infinity=False, width=32))
+_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+_block = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"]) | _json,
+    "text": st.text(max_size=8) | _json, "id": st.text(max_size=5) | _json,
+    "name": st.sampled_from(["get_weather", "x"]) | _json,
+    "input": st.fixed_dictionaries({"city": st.text(max_size=5)}) | _json,
+    "tool_use_id": st.text(max_size=5) | _json, "content": st.text(max_size=5) | _json})
+_message = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "assistant", "system"]) | _json,
+    "content": st.text(max_size=8) | st.lists(_block, max_size=3) | _json})
+_body = st.fixed_dictionaries({
+    "messages": st.lists(_message, min_size=1, max_size=3) | _json,
+    "max_tokens": st.integers(-1, 3)}, optional={
+    "system": st.text(max_size=8) | st.lists(_block, max_size=2) | _json,
+    "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | _json,
+    "temperature": _leaf, "top_p": _leaf, "top_k": _leaf,
+    "tools": st.lists(st.fixed_dictionaries({}, optional={
+        "name": st.sampled_from(["get_weather", ""]) | _json,
+        "input_schema": st.just(WEATHER["input_schema"]) | _json,
+        "type": st.sampled_from(["custom", "web_search"]) | _json}), max_size=2) | _json,
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"},
+                                    {"type": "tool", "name": "get_weather"}]) | _json,
+    "stream": st.booleans(), "metadata": _json})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_body)
+def test_any_body_is_answered_or_refused_never_a_500(server, body):
+    r = httpx.post(server.base + "/v1/messages", json=dict(body, model=MODEL), timeout=60)
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["message"], r.text
+    elif body.get("stream"):
+        assert r.text.rstrip().split("\n\n")[-1].startswith("event: message_stop"), r.text
+    else:
+        assert r.json()["type"] == "message", r.text

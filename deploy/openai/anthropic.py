@@ -16,7 +16,7 @@ import uuid
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.protocol import ChatCompletionRequest, chat_prompt, sampling_params
@@ -78,12 +78,17 @@ def _messages(body: MessagesRequest) -> list[dict]:
             raise BadField(f"messages[{i}].content", "content is a string or a list of blocks")
         text, calls = [], []
         for j, block in enumerate(content):
-            where, kind = f"messages[{i}].content[{j}]", (block or {}).get("type")
+            where = f"messages[{i}].content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
             elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(
+                        block.get("input", {}), dict):
+                    raise BadField(where, "a tool_use block is {\"id\", \"name\", \"input\": "
+                                          "{...}}")
                 calls.append({"id": str(block.get("id")), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+                    "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id")),
@@ -122,11 +127,17 @@ def _chat(body: MessagesRequest) -> ChatCompletionRequest:
                                           f"{kind!r}")
         parallel = not body.tool_choice.get("disable_parallel_tool_use", False)
     stops = body.stop_sequences or None
-    return ChatCompletionRequest(
-        model=body.model, messages=_messages(body), max_tokens=body.max_tokens,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stops,
-        include_stop_str_in_output=bool(stops), tools=tools, tool_choice=choice,
-        parallel_tool_calls=parallel, stream=body.stream)
+    try:
+        return ChatCompletionRequest(
+            model=body.model, messages=_messages(body), max_tokens=body.max_tokens,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stops,
+            include_stop_str_in_output=bool(stops), tools=tools, tool_choice=choice,
+            parallel_tool_calls=parallel, stream=body.stream)
+    except ValidationError as e:  # e.g. messages whose blocks leave no message
+        first = e.errors()[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        raise BadField(loc[0] if loc else "messages", f"{'.'.join(loc)}: "
+                                                      f"{first.get('msg')}") from None
 
 
 class MessageBuilder:
