@@ -79,6 +79,8 @@ class BeamSearch:
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams,
                  eos_token_id: int | None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
         self.prompt_len = len(prompt_token_ids)
         self.params, self.eos = params, eos_token_id
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
@@ -158,7 +160,8 @@ def take_round(live: list[BeamSearch], outputs: list) -> None:
     outs = iter(outputs)
     for s in live:
         mine = [next(outs) for _ in s.beams]
-        bad = next((o.error for o in mine if o.error), None)
-        if bad:
-            raise RuntimeError(f"a beam search round failed: {bad}")
+        bad = next((o for o in mine if o.error), None)
+        if bad is not None:  # the request's fault (a beam past the context) or the engine's
+            error = ValueError if bad.error_kind == "bad_request" else RuntimeError
+            raise error(f"a beam search round failed: {bad.error}")
         s.advance([o.outputs[0].logprobs[0] for o in mine])

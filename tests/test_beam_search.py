@@ -162,7 +162,8 @@ def test_use_beam_search_over_http_returns_the_searchs_sequences(checkpoint, ser
                                                          chat_want[0].sequences]
     for extra, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"),
                          ({"n": 11}, "n"), ({"stop": ["x"]}, "stop"),
-                         ({"temperature": 0.8}, "temperature")):
+                         ({"temperature": 0.8}, "temperature"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"prompt": [[]]}, "prompt")):
         body = dict({"model": MODEL, "prompt": "x", "max_tokens": 2, "use_beam_search": True},
                     **extra)
         r = httpx.post(server.base + "/v1/completions", json=body, timeout=30)

@@ -130,7 +130,8 @@ def test_the_embeddings_endpoint(tmp_path):
                                 ({"input": "x", "dimensions": 10 ** 6}, "dimensions"),
                                 ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                                 ({"input": []}, "input"), ({"input": "x", "pooling": 1},
-                                                           "pooling")):
+                                                           "pooling"),
+                                ({"input": "x" * 10 ** 5}, "input")):
                 r = httpx.post(srv.base + "/v1/embeddings", json=dict(body, model=MODEL),
                                timeout=30)
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -31,8 +31,9 @@ def beam_params(body, defaults: dict) -> BeamSearchParams:
     for name, unset in _NOT_WITH_BEAMS.items():
         if getattr(body, name, None) not in unset:
             raise BadField(name, f"{name} is not supported with use_beam_search")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens \
-        or defaults.get("max_tokens") or 16
+    max_tokens = next((v for v in (getattr(body, "max_completion_tokens", None),
+                                   body.max_tokens, defaults.get("max_tokens"))
+                       if v is not None), 16)
     try:
         return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens,
                                 ignore_eos=body.ignore_eos, temperature=body.temperature or 0.0,

@@ -44,7 +44,7 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
     except ValueError as e:
         raise BadField("dimensions", str(e).replace("PoolingParams.", "")) from None
     prompts = prompts_of(body.input, "input")
-    server.check_prompts("completion", prompts, tenant)
+    server.check_prompts("embedding", prompts, tenant)
     salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
     server.admission.admit(len(prompts))
     try:

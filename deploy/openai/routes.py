@@ -188,9 +188,11 @@ class OpenAIServer:
 
     def check_prompts(self, kind: str, prompts: list, tenant: Tenant | None) -> None:
         """What a body's prompts pass before they queue: their number, their texts' bytes
-        (no retry could fit either), the tenant's rate."""
+        (no retry could fit either), the tenant's rate. `kind`: completion, chat or
+        embedding (whose inputs are in `input`)."""
         if len(prompts) > self.config.max_queued_requests:
-            raise BadField("prompt", f"prompt holds {len(prompts)} prompts; at most "
+            field = "input" if kind == "embedding" else "prompt"
+            raise BadField(field, f"{field} holds {len(prompts)} prompts; at most "
                            f"{self.config.max_queued_requests} (max_queued_requests) fit a "
                            f"body")
         self._check_text_bytes(kind, prompts)
@@ -202,7 +204,8 @@ class OpenAIServer:
             return
         for p in prompts:
             if isinstance(p, str):
-                field, nbytes = "prompt", len(p.encode())
+                field = "input" if kind == "embedding" else "prompt"
+                nbytes = len(p.encode())
             elif kind == "chat":
                 field, nbytes = "messages", sum(len(m["content"].encode())
                                                 for m in p["messages"])
