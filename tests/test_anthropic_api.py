@@ -154,7 +154,7 @@ _body = st.fixed_dictionaries({
     "stream": st.booleans(), "metadata": _json})
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_body)
 def test_any_body_is_answered_or_refused_never_a_500(server, body):
     r = httpx.post(server.base + "/v1/messages", json=dict(body, model=MODEL), timeout=60)

@@ -232,7 +232,7 @@ _body = st.fixed_dictionaries({
     "stream": st.booleans(), "metadata": _json, "seed": _leaf})
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_body)
 def test_any_body_is_answered_or_refused_never_a_500(server, body):
     """Whatever a client sends, the answer is a response or an error naming the request's
