@@ -1,7 +1,7 @@
 """The waiting side of a step: admits waiting requests, head of the queue first, while sequence
-slots, the token budget, the step-time bound and the pool allow, each with a prefix-cache
-lookup in every tier (a request whose hits are on SSD leaves the queue to wait for their
-loads); a swapped-out request resumes from its CPU copy instead.
+slots, the token budget, the step-time bound, the pool and max_loras allow, each with a
+prefix-cache lookup in every tier (a request whose hits are on SSD leaves the queue to wait for
+their loads); a swapped-out request resumes from its CPU copy instead.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ["Admission"]
 class Admission:
     def __init__(self, kv: KVCacheManager, tiers: TierPolicy,
                  waiting: FCFSQueue | PriorityQueue, running: RunningQueue,
-                 in_flight: InFlight, *, max_num_seqs: int) -> None:
+                 in_flight: InFlight, *, max_num_seqs: int, max_loras: int = 1) -> None:
         self.kv = kv
         self.tiers = tiers
         self.waiting = waiting
@@ -28,6 +28,7 @@ class Admission:
         # Its suspects are admitted one at a time.
         self.in_flight = in_flight
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
 
     def schedule(self, plan: StepPlan) -> None:
         """Admits from the head of the queue until one does not fit (head-of-line)."""
@@ -48,6 +49,8 @@ class Admission:
         """True: running from this step. False: it left the queue to wait for SSD loads
         (the next may go). None: no room (nobody behind it goes either)."""
         assert not req.num_output_placeholders, "admitted before its step in flight returned"
+        if req.lora is not None and not self._lora_fits(req.lora.lora_id):
+            return None
         swapped = self.tiers.swapped_tokens(req.request_id)
         if swapped:
             return self._resume_swapped(req, swapped, plan)
@@ -78,6 +81,12 @@ class Admission:
         self.tiers.admitted(req.request_id, admission, [b.block_id for b in blocks])
         self._start_running(req, num_hit, n, plan)
         return True
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        """Whether a request of this adapter may run beside the running ones: its adapter is
+        among theirs, or they run fewer than max_loras adapters."""
+        running = {r.lora.lora_id for r in self.running.requests if r.lora is not None}
+        return lora_id in running or len(running) < self.max_loras
 
     def _cached_by_tier(self, req: Request, num_device_blocks: int,
                         num_hit: int) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ from typing import Union
 import msgspec
 
 from tierserve.kvcache.tier_index import ASYNC_KINDS, CopyKind
-from tierserve.scheduler.params import SamplingParams
+from tierserve.scheduler.params import LoRARef, SamplingParams
 
 __all__ = [
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "TierCopyBatch", "CopyKind",
@@ -43,6 +43,8 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     # request re-sent to new workers after a restart): penalties count them as outputs, and
     # a seeded generator continues past the draws that sampled them.
     num_output_tokens: int = 0
+    # The adapter the request runs with; a rank loads it from its folder on first sight.
+    lora: LoRARef | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -257,6 +259,8 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     # The caller's own name for the request (its request_id, namespaced by its frontend),
     # shown by list_requests and matched by an operator's abort; never used to route outputs.
     label: str = ""
+    # The LoRA adapter to run with (enable_lora); None: the base model.
+    lora: LoRARef | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

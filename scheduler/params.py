@@ -12,11 +12,24 @@ from json import dumps as _json_text
 import msgspec
 
 __all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
-           "RequestOutputKind", "Pooling", "ReasoningStart", "FinishReason", "ErrorKind", "QueueFullError",
-           "MAX_N"]
+           "RequestOutputKind", "Pooling", "LoRARef", "ReasoningStart", "FinishReason",
+           "ErrorKind", "QueueFullError", "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
+
+
+class LoRARef(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """A LoRA adapter as the engine and its workers name it: its id (> 0, in every block hash
+    of its requests, so one id is one adapter for the engine's life), its name, and its folder
+    (PEFT's adapter_config.json and adapter_model.safetensors), which every rank reads. Its
+    digest (of those files, set by the engine at its door) keys the prefix cache, the SSD tier
+    and the ranks' loaded adapters, so a changed adapter never meets another's KV."""
+
+    lora_id: int
+    name: str
+    path: str
+    digest: int = 0
 
 
 class RequestStatus(enum.IntEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from tierserve.kvcache import BlockHash, BlockHasher, encode_extra_keys
-from tierserve.scheduler.params import RequestStatus, SamplingParams
+from tierserve.scheduler.params import LoRARef, RequestStatus, SamplingParams
 
 __all__ = ["Request", "SAMPLE_SEP", "seq_id"]
 
@@ -26,13 +26,13 @@ class Request:
         "_hasher", "_extra_first", "_extra", "max_output_tokens",
         "family_id", "index", "num_output_placeholders",
         "first_token_time", "cached_by_tier", "ssd_loaded_blocks", "admitted_at",
-        "spec_token_ids",
+        "spec_token_ids", "lora",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, eos_token_id: int | None = None,
                  arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None, lora_id: int | None = None,
+                 cache_salt: str | None = None, lora: LoRARef | None = None,
                  hasher: BlockHasher | None = None, keep_keys: bool = True,
                  family_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
@@ -44,6 +44,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # The LoRA adapter the request runs with (None: the base model).
+        self.lora = lora
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -77,7 +79,7 @@ class Request:
         self._hasher = hasher
         # Salt goes into the first block only; the chain carries it to every later block.
         self._extra_first = encode_extra_keys(cache_salt=cache_salt)
-        self._extra = encode_extra_keys(lora_id=lora_id)
+        self._extra = encode_extra_keys(lora_id=None if lora is None else lora.digest)
         self._hash_new_blocks()
 
     def fork(self, index: int, sampling_params: SamplingParams) -> "Request":
@@ -86,7 +88,7 @@ class Request:
         assert not self.output_token_ids, "a request forks before its first output"
         child = Request(seq_id(self.family_id, index), self.all_token_ids, sampling_params,
                         eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
-                        priority=self.priority, cache_salt=self.cache_salt,
+                        priority=self.priority, cache_salt=self.cache_salt, lora=self.lora,
                         family_id=self.family_id, index=index)
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens

@@ -37,7 +37,7 @@ from tierserve.scheduler.messages import (
     EngineCoreOutput, FlushTiers, ModelRunnerOutput, SchedulerOutput,
 )
 from tierserve.scheduler.outputs import append_tokens, engine_output, takes_token
-from tierserve.scheduler.params import QueueFullError, RequestStatus, SamplingParams
+from tierserve.scheduler.params import LoRARef, QueueFullError, RequestStatus, SamplingParams
 from tierserve.scheduler.queues import make_waiting_queue
 from tierserve.scheduler.request import Request
 from tierserve.scheduler.running import RunningQueue
@@ -57,7 +57,7 @@ class Scheduler:
                  vocab_size: int | None = None, max_queued_requests: int | None = None,
                  async_scheduling: bool = False,
                  speculative_config: SpeculativeConfig | None = None,
-                 step_time_target_s: float = 0.0) -> None:
+                 step_time_target_s: float = 0.0, max_loras: int = 1) -> None:
         check_limits(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                      long_prefill_token_threshold, step_time_target_s)
         self.kv = kv_cache_manager
@@ -71,6 +71,8 @@ class Scheduler:
         self.step_budget = StepTimeBudget(step_time_target_s, kv_cache_manager.block_size) \
             if step_time_target_s else None
         self.policy = policy
+        # Distinct LoRA adapters among the running requests, at most.
+        self.max_loras = max_loras
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
         # Called with each sequence that finishes, however it finished (the request log).
@@ -92,7 +94,8 @@ class Scheduler:
                                      policy=self.policy, max_num_seqs=self.max_num_seqs,
                                      max_model_len=self.max_model_len)
         self._admission = Admission(self.kv, self.tiers, self.waiting, self._running,
-                                    self._in_flight, max_num_seqs=self.max_num_seqs)
+                                    self._in_flight, max_num_seqs=self.max_num_seqs,
+                                    max_loras=self.max_loras)
 
     # ---------------------------------------------------------------- state, by its owner
 
@@ -125,7 +128,7 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, eos_token_id: int | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_id: int | None = None, arrival_time: float | None = None) -> Request:
+                    lora: LoRARef | None = None, arrival_time: float | None = None) -> Request:
         """Validates and queues a request; bad input raises ValueError and changes nothing.
         With sampling_params.n > 1 its other samples fork from it once the prompt is computed."""
         if self._seqs.in_use(request_id):
@@ -137,7 +140,7 @@ class Scheduler:
                                  f"requests waiting); try again later")
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=eos_token_id,
                       arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                      lora_id=lora_id, hasher=self.hasher,
+                      lora=lora, hasher=self.hasher,
                       keep_keys=self.kv.pool.verify_hits)
         room = self.max_model_len - req.num_prompt_tokens
         limit = sampling_params.max_tokens

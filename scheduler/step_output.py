@@ -136,7 +136,8 @@ def _request_data(plan: StepPlan) -> tuple[list[NewRequestData], CachedRequestDa
     for req in plan.new_reqs:
         new_data.append(NewRequestData(req.request_id, req.all_token_ids[:],
                                        req.sampling_params, plan.block_ids[req.request_id],
-                                       req.num_computed_tokens, req.num_output_tokens))
+                                       req.num_computed_tokens, req.num_output_tokens,
+                                       req.lora))
         req.num_sent_tokens = req.num_tokens
     cached = CachedRequestData()
     for req in plan.cached_reqs:
