@@ -182,6 +182,8 @@ class InputBatch:
         # Rows of embedding requests (SamplingParams.pooling): their sampled row's hidden
         # state goes back with the step's reply.
         self.pooling_rows: set[int] = set()
+        # The LoRA adapter digest each row's request runs with (0: the base model).
+        self.lora_digests = np.zeros(rows, dtype=np.int64)
         self.blocks = BlockTable(rows, -(-cols // block_size), self.device)
         self.to_device = HostToDevice(self.device)
 
@@ -242,6 +244,7 @@ class InputBatch:
         self.params[row] = new.sampling_params
         if new.sampling_params.pooling:
             self.pooling_rows.add(row)
+        self.lora_digests[row] = 0 if new.lora is None else new.lora.digest
         self.sampling.add_request(new.req_id, new.sampling_params,
                                   new.prompt_token_ids[:prompt_end],
                                   new.prompt_token_ids[prompt_end:])
@@ -303,6 +306,7 @@ class InputBatch:
             self.params[row] = None
             self.prompt_logprob_rows.discard(row)
             self.pooling_rows.discard(row)
+            self.lora_digests[row] = 0
             self._free_rows.append(row)
             self.sampling.remove_request(rid)
 
@@ -320,6 +324,7 @@ class InputBatch:
         self.num_tokens = np.concatenate((self.num_tokens, np.zeros(extra, np.int64)))
         self.num_computed = np.concatenate((self.num_computed, np.zeros(extra, np.int64)))
         self.num_prompt = np.concatenate((self.num_prompt, np.zeros(extra, np.int64)))
+        self.lora_digests = np.concatenate((self.lora_digests, np.zeros(extra, np.int64)))
         self.blocks.grow(rows, 0)
         self._free_rows = list(range(rows - 1, old - 1, -1)) + self._free_rows
 

@@ -9,6 +9,7 @@ from tierserve.scheduler.params import Pooling
 from tierserve.workers import parallel
 from tierserve.workers.cuda_graphs import DecodeGraphs
 from tierserve.workers.kv_pool import copy_blocks
+from tierserve.workers.lora_adapters import LoRAAdapters
 from tierserve.workers.input_batch import InputBatch, StepInputs
 from tierserve.workers.model.llama import LlamaForCausalLM
 from tierserve.workers.sampler import Sampler, SamplerOutput, SamplingStateTable
@@ -64,7 +65,7 @@ class ModelRunner:
                  device: torch.device, is_driver: bool, seed: int, *,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  append_sampled: bool = False, tokenizer_file: str | None = None,
-                 decode_graphs: bool = False) -> None:
+                 decode_graphs: bool = False, loras: LoRAAdapters | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -90,6 +91,8 @@ class ModelRunner:
         # The rank's tier copier; the Worker gives it CPU slots and an SSD folder where the
         # engine has tiers (none: every step's copy list is empty).
         self.tiers = TierCopier(kv_caches, 0, device)
+        # The rank's LoRA adapters, where the engine enables LoRA.
+        self.loras = loras
         # Decode-only steps replayed from CUDA graphs (decode_graphs: on a CUDA device at TP=1).
         self.graphs = DecodeGraphs(
             model, kv_caches, block_size, max_batch=min(max_num_seqs or 256, 256),
@@ -110,6 +113,8 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.apply(out)
+        if self.loras is not None and out.scheduled_new_reqs:
+            self.loras.admit(out.scheduled_new_reqs, self.batch.lora_digests)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(out.step_id)
         inputs = self.batch.prepare(out)
@@ -207,10 +212,17 @@ class ModelRunner:
         input_ids, positions, attn = self.batch.forward_inputs(inputs)
         if len(keep) == len(inputs.positions):
             keep = None  # every row: nothing to skip (a decode-only step)
-        bucket = None if keep is not None or self.graphs is None else self.graphs.bucket_of(attn)
-        if bucket is not None:
-            return self.graphs.run(input_ids, positions, attn, bucket)
-        return self.model(input_ids, positions, attn, self.kv_caches, keep)
+        lora = self.loras is not None and self.loras.begin(
+            self.batch.lora_digests[inputs.token_rows], keep)
+        try:
+            bucket = None if keep is not None or lora or self.graphs is None \
+                else self.graphs.bucket_of(attn)
+            if bucket is not None:
+                return self.graphs.run(input_ids, positions, attn, bucket)
+            return self.model(input_ids, positions, attn, self.kv_caches, keep)
+        finally:
+            if lora:
+                self.loras.end()
 
     def _rewind_rejected(self, rows: SampleRows, accepted: list[int],
                          seeded: dict[str, torch.Tensor]) -> None:

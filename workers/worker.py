@@ -26,6 +26,7 @@ from tierserve.workers.backends.select import select_backend
 from tierserve.workers.fault_injection import injected_crashes, stall_if_asked
 from tierserve.workers.kv_pool import allocate_kv_cache, kv_cache_bytes_per_block
 from tierserve.workers.model.loader import load_model, resolve_dtype
+from tierserve.workers.lora_adapters import LoRAAdapters
 from tierserve.workers.model_runner import ModelRunner
 from tierserve.workers.tier_setup import attach_tiers
 # The control plane's values live with the spec; runtime/ and deploy/ import them from here.
@@ -205,7 +206,10 @@ class Worker:
                            append_sampled=self.spec.async_scheduling,
                            tokenizer_file=self.spec.tokenizer_file,
                            decode_graphs=self.device.type == "cuda" and not self.spec.enforce_eager
-                           and self.spec.tensor_parallel_size == 1)
+                           and self.spec.tensor_parallel_size == 1,
+                           loras=LoRAAdapters(self.model, self.spec.max_loaded_loras,
+                                              self.spec.max_lora_rank, self.device)
+                           if self.spec.max_loaded_loras else None)
 
     def _inject_crash(self, msg: SchedulerOutput) -> None:
         for reason in injected_crashes(self.spec, self.rank, msg):

@@ -53,6 +53,9 @@ class WorkerSpec:
     quantization: str | None = None
     # On CUDA, run decode steps eagerly instead of replaying CUDA graphs (workers/cuda_graphs.py).
     enforce_eager: bool = False
+    # LoRA adapters a rank keeps loaded (0: LoRA is off) and the largest rank accepted.
+    max_loaded_loras: int = 0
+    max_lora_rank: int = 16
     # Test-only fault injection (rank, step id, seconds): that rank sleeps before that step.
     debug_stall: tuple[int, int, float] | None = None
     # Test-only fault injection (rank, token id): that rank crashes on a new request holding

@@ -12,6 +12,7 @@ asks which backend it has: a new ISA or device is one new subclass.
   rotary_write_kv(...)                 rotate q and k, write k and v to their pool slots
   attention(q, k, v, kv_cache, attn, ...)  paged attention of a step's tokens
   rms_norm, silu_and_mul               the layer's elementwise ops
+  lora_add(x, a_t, b_t, out)           a LoRA adapter's delta on a linear's output
   argmax_rows(logits)                  the greedy token of each row
   layer_stack(layers, ...)             once per model at TP=1: an object whose `run(...)`
                                        runs a step's decoder layers in one call, or None
@@ -89,6 +90,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2d] -> silu(x[..., :d]) * x[..., d:]."""
+
+    def lora_add(self, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+        """out += (x a_t) b_t in place (x [M, K], a_t [K, R], b_t [R, N], out [M, N]), the
+        layer stack's way where the backend has one; returns out."""
+        return out.addmm_(x @ a_t, b_t)
 
     @abc.abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:

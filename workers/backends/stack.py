@@ -108,11 +108,13 @@ class KernelLayerStack:
         return plan
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list, attn, keep: torch.Tensor | None = None
+            kv_caches: list, attn, keep: torch.Tensor | None = None,
+            lora: list[torch.Tensor | None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's MLP output, residual stream) for the step, of the rows in keep
         (int64) where given, or None where a piece of it takes no kernel (the caller then runs
-        its layers one by one)."""
+        its layers one by one). lora: a LoRA adapter on every row, as (a_t, b_t) per linear in
+        the layers' order, flat (None, None where it has none)."""
         rows = hidden.shape[0]
         plan = self._plans[min(rows, 2)]
         if plan is None or rows > self.max_rows or hidden.dtype != self.dtype \
@@ -122,5 +124,5 @@ class KernelLayerStack:
         pools = [t for pair in kv_caches for t in pair]  # [k0, v0, k1, v1, ...]
         return self.ops.layer_stack(
             hidden, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
-            self._qk_norms, plan.weights, plan.biases, plan.kinds, plan.widths, pools, self._windows, self.heads,
-            self.scale, self.eps)
+            self._qk_norms, plan.weights, plan.biases, plan.kinds, plan.widths, lora or [], pools,
+            self._windows, self.heads, self.scale, self.eps)

@@ -148,6 +148,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split across ranks; no communication."""
 
     method: LinearMethod | None = None
+    # The model's step of LoRA adapters (lora.LoRAStep) where LoRA is enabled.
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -164,8 +166,19 @@ class ColumnParallelLinear(nn.Module):
         n = param.shape[0]
         copy_checked(param.data, full.narrow(0, get_tp_rank() * n, n))
 
+    @property
+    def lora_out_features(self) -> int:
+        return self.output_size_per_rank
+
+    def lora_shard(self, a: torch.Tensor, b: torch.Tensor, shard_id: Any = None):
+        """This rank's part of a LoRA pair on (part shard_id of) this projection: (A, the rows
+        of B that make this rank's outputs, where those rows go in the local output)."""
+        n = self.output_size_per_rank
+        return a, b.narrow(0, get_tp_rank() * n, n), 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.method)
+        y = linear(x, self.weight, self.bias, self.method)
+        return y if self.lora is None or not self.lora.active else self.lora.add(self, x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -190,6 +203,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("merged linear layers need the shard_id of the part being loaded")
         offset, size, src = self._part_range(shard_id)
         copy_checked(param.data.narrow(0, offset, size), full.narrow(0, src, size))
+
+    def lora_shard(self, a: torch.Tensor, b: torch.Tensor, shard_id: Any = None):
+        offset, size, src = self._part_range(shard_id)
+        return a, b.narrow(0, src, size), offset
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -224,10 +241,12 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
     method: LinearMethod | None = None
+    lora = None  # as ColumnParallelLinear's
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
         self.input_size_per_rank = _divide(input_size, get_tp_size(), "input size")
+        self.output_size = output_size
         self.weight = _param((output_size, self.input_size_per_rank), dtype, device)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -242,10 +261,25 @@ class RowParallelLinear(nn.Module):
         n = self.input_size_per_rank
         copy_checked(param.data, full.narrow(1, get_tp_rank() * n, n))
 
+    @property
+    def lora_out_features(self) -> int:
+        return self.output_size
+
+    def lora_shard(self, a: torch.Tensor, b: torch.Tensor, shard_id: Any = None):
+        """A's columns of this rank's inputs; B whole (the partial deltas sum in the
+        all-reduce)."""
+        n = self.input_size_per_rank
+        return a.narrow(1, get_tp_rank() * n, n), b, 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.active else None
         if get_tp_size() == 1:
-            return linear(x, self.weight, self.bias, self.method)
-        out = tp_all_reduce(linear(x, self.weight, None, self.method))
+            y = linear(x, self.weight, self.bias, self.method)
+            return y if lora is None else lora.add(self, x, y)
+        partial = linear(x, self.weight, None, self.method)
+        if lora is not None:
+            partial = lora.add(self, x, partial)
+        out = tp_all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 

@@ -29,6 +29,7 @@ from tierserve.workers.model.layers import (
     partition_heads,
 )
 from tierserve.workers.model.config import ModelConfig
+from tierserve.workers.model.lora import LoRAStep
 from tierserve.workers.parallel import get_tp_size
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -170,8 +171,15 @@ class LlamaModel(nn.Module):
         # The backend's one-call route through the layers (None: it has none), built on the
         # first forward after the weights are packed. False turns it off (tests compare).
         self.use_layer_stack = True
+        self.lora: LoRAStep | None = None  # the step's adapters, where LoRA is enabled
         self._stack: object | None = None
         self._stack_built = False
+
+    def _projections(self) -> list:
+        """Every layer's linears in the layer stack's order."""
+        return [m for layer in self.layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
 
     def layer_stack(self):
         """The backend's route for a step's layers in one call, or None (backends/stack.py)."""
@@ -192,8 +200,13 @@ class LlamaModel(nn.Module):
                 keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, D / 2] each
-        stack = self.layer_stack()
-        out = None if stack is None else stack.run(hidden, cos, sin, kv_caches, attn, keep)
+        # A step of one LoRA adapter on every row runs it in the stack; of several, or some
+        # on the base model, layer by layer.
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        stack = self.layer_stack() if lora is None or lora.single is not None else None
+        out = None if stack is None else stack.run(
+            hidden, cos, sin, kv_caches, attn, keep,
+            None if lora is None else lora.stack_tensors(self._projections()))
         if out is not None:
             return self.norm(*out)[0]
         residual = None
@@ -234,6 +247,21 @@ class LlamaForCausalLM(nn.Module):
                     held += route.tensors()
         unique = {_storage_key(t): t.numel() * t.element_size() for t in held if t.numel()}
         return sum(unique.values())
+
+    def enable_lora(self) -> LoRAStep:
+        """Gives every decoder projection the model's LoRAStep, which the model runner fills
+        with the adapters of each step."""
+        step = self.model.lora = LoRAStep(self.backend)
+        for module in self.model._projections():
+            module.lora = step
+        return step
+
+    def lora_target(self, layer: int, proj: str):
+        """(module, shard id) of Hugging Face projection `proj` of decoder layer `layer`."""
+        fused, shard = _FUSED.get(proj, (proj, None))
+        block = self.model.layers[layer]
+        owner = block.self_attn if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp
+        return getattr(owner, fused), shard
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -10,7 +10,8 @@
 //
 // Linears are described by slot s = 4 l + j (j: qkv, o, gate_up, down): kinds[s] (LinearKind),
 // widths[s] (output features), weights[3 s .. 3 s + 2] (the kind's tensors, unused ones None),
-// biases[s]. Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention); with
+// biases[s]; with a LoRA adapter on every row, lora[2 s], lora[2 s + 1] its a_t and b_t on
+// that linear (None where it has none; an empty list: no adapter). Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention); with
 // per-head query and key norms (Qwen3), qk_norms[2 l] and qk_norms[2 l + 1] (else empty), as
 // the model's path applies them: each head of qkv's q and k parts, gathered, RMS-normed, put
 // back. Pools: kv[2 l], kv[2 l + 1]; windows[l] (0: the whole context).
@@ -134,9 +135,18 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& rows, const std::optional<at::Tensor>& keep, at::TensorList norms,
     at::TensorList qk_norms, const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
-    at::IntArrayRef widths, at::TensorList kv, at::IntArrayRef windows, int64_t heads,
-    double scale, double eps) {
+    at::IntArrayRef widths, const c10::List<std::optional<at::Tensor>>& lora, at::TensorList kv,
+    at::IntArrayRef windows, int64_t heads, double scale, double eps) {
   check_stack(hidden_in, norms, qk_norms, weights, biases, kinds, widths, kv, windows);
+  TORCH_CHECK(lora.empty() || lora.size() == 2 * kinds.size(),
+              "layer_stack: lora must be empty or two a linear");
+  // Each linear, then its adapter's delta where it has one.
+  auto project = [&](const at::Tensor& x, int64_t slot, at::Tensor& out) {
+    stack_linear(x, kinds[slot], widths[slot], weights, slot, biases.get(slot), out);
+    if (lora.empty()) return;
+    const std::optional<at::Tensor> a_t = lora.get(2 * slot);
+    if (a_t.has_value()) lora_add_into(x, *a_t, *lora.get(2 * slot + 1), out);
+  };
   const int64_t layers = static_cast<int64_t>(windows.size()), tokens = hidden_in.size(0);
   const int64_t kv_heads = kv[0].size(2), d = kv[0].size(3);
   StackBuffers buf(tokens, hidden_in.options());
@@ -152,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const int64_t s = 4 * l;
     const at::Tensor h = residual.norm(buf, hidden, norms[2 * l], eps);
     at::Tensor& qkv = buf.view(kQkv, tokens, widths[s]);
-    stack_linear(h, kinds[s], widths[s], weights, s, biases.get(s), qkv);
+    project(h, s, qkv);
     if (!qk_norms.empty()) {
       norm_heads(qkv, 0, heads, d, qk_norms[2 * l], eps);
       norm_heads(qkv, heads * d, kv_heads, d, qk_norms[2 * l + 1], eps);
@@ -167,14 +177,14 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     }
     const int64_t out_rows = att.size(0);
     at::Tensor& o = buf.view(kO, out_rows, widths[s + 1]);
-    stack_linear(att, kinds[s + 1], widths[s + 1], weights, s + 1, biases.get(s + 1), o);
+    project(att, s + 1, o);
     const at::Tensor h2 = residual.norm(buf, o, norms[2 * l + 1], eps);
     at::Tensor& gate_up = buf.view(kGateUp, out_rows, widths[s + 2]);
-    stack_linear(h2, kinds[s + 2], widths[s + 2], weights, s + 2, biases.get(s + 2), gate_up);
+    project(h2, s + 2, gate_up);
     at::Tensor& act = buf.view(kAct, out_rows, widths[s + 2] / 2);
     silu_and_mul_into(gate_up, act);
     at::Tensor& down = buf.view(kHidden, out_rows, widths[s + 3]);
-    stack_linear(act, kinds[s + 3], widths[s + 3], weights, s + 3, biases.get(s + 3), down);
+    project(act, s + 3, down);
     hidden = down;
   }
   return {hidden, residual.tensor()};
@@ -187,7 +197,8 @@ TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("layer_stack(Tensor hidden, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor? keep, "
         "Tensor[] norms, Tensor[] qk_norms, "
-        "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor(a!)[] kv, "
+        "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor?[] lora, "
+        "Tensor(a!)[] kv, "
         "int[] windows, int heads, float scale, float eps) -> (Tensor, Tensor)");
 }
 
