@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
-           "ReasoningStart",
+           "ReasoningStart", "LoRARequest",
            "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
@@ -35,6 +35,7 @@ _EXPORTS = {
     "BeamSearchOutput": "tierserve.runtime.beam_search",
     "BeamSearchSequence": "tierserve.runtime.beam_search",
     "PoolingParams": "tierserve.runtime.pooling",
+    "LoRARequest": "tierserve.runtime.lora",
     "EmbeddingRequestOutput": "tierserve.runtime.pooling",
 }
 

@@ -29,6 +29,10 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, *meta["flags"], dest=f.name, default=argparse.SUPPRESS,
                            action=argparse.BooleanOptionalAction, help=help_text)
             continue
+        if kind is dict and meta["cli_words"]:
+            g.add_argument(flag, *meta["flags"], dest=f.name, nargs="+",
+                           default=argparse.SUPPRESS, metavar="WORD", help=help_text)
+            continue
         if kind is dict:
             g.add_argument(flag, *meta["flags"], dest=f.name, type=_json_object,
                            default=argparse.SUPPRESS, metavar="JSON", help=help_text)

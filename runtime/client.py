@@ -27,6 +27,7 @@ from tierserve.runtime.beam_search import (
     BeamSearch, BeamSearchOutput, BeamSearchParams, round_requests, step_params, take_round,
 )
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.lora import LoRARequest
 from tierserve.runtime.pooling import (
     EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
 )
@@ -186,14 +187,17 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int] | list[dict] | dict,
                        sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutput deltas (the new tokens and text of each step; with
         sampling_params.output_kind CUMULATIVE the request so far each step, FINAL_ONLY the
         finished request alone). A prompt is text, token ids, a list of chat messages, or a
         prompt dict (LLM.generate's). request_id is the third argument, as in vLLM's
         AsyncLLM.generate, and optional. Leaving the loop early aborts the request. A bad
         prompt or parameter gives one delta with `error` set; a request_id naming an
-        unfinished request of this client raises DuplicateRequestError."""
+        unfinished request of this client raises DuplicateRequestError. lora_request: the
+        LoRA adapter to run with (enable_lora)."""
         if request_id is not None and request_id in self._live:
             raise DuplicateRequestError(f"request_id {request_id!r} names an unfinished "
                                         f"request")
@@ -203,17 +207,18 @@ class AsyncLLM:
         try:
             params = sampling_params or self.get_default_sampling_params()
             async for delta in self._generate(rid, name, prompt, params, priority, cache_salt,
-                                              request_id or ""):
+                                              request_id or "", lora_request):
                 yield delta
         finally:
             del self._live[name]
 
     async def _generate(self, rid: str, name: str, prompt, params: SamplingParams,
-                        priority: int, cache_salt: str | None,
-                        label: str) -> AsyncIterator[RequestOutput]:
+                        priority: int, cache_salt: str | None, label: str,
+                        lora_request: LoRARequest | None) -> AsyncIterator[RequestOutput]:
         inputs, outputs = await self.processors()
         try:
-            done = await inputs.process_async(rid, prompt, params, priority, cache_salt, label)
+            done = await inputs.process_async(rid, prompt, params, priority, cache_salt, label,
+                                              lora_request)
         except ValueError as e:
             yield RequestOutput.failed(name, prompt if isinstance(prompt, str) else None, [],
                                        str(e))
@@ -249,7 +254,8 @@ class AsyncLLM:
 
     async def encode(self, prompt, pooling_params: PoolingParams | None = None,
                      request_id: str | None = None, *, truncate_prompt_tokens: int | None = None,
-                     priority: int = 0, cache_salt: str | None = None
+                     priority: int = 0, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None
                      ) -> AsyncIterator[EmbeddingRequestOutput]:
         """vLLM's AsyncLLM.encode for embeddings (runtime/pooling.py): yields the prompt's
         vector once it is computed. A bad prompt raises ValueError."""
@@ -257,19 +263,21 @@ class AsyncLLM:
                                          output_kind=RequestOutputKind.FINAL_ONLY)
         last = None
         async for last in self.generate(prompt, params, request_id, priority=priority,
-                                        cache_salt=cache_salt):
+                                        cache_salt=cache_salt, lora_request=lora_request):
             pass
         yield embedding_of(last, pooling_params)
 
     async def beam_search(self, prompt, params: BeamSearchParams, *, priority: int = 0,
-                          cache_salt: str | None = None) -> BeamSearchOutput:
+                          cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """LLM.beam_search for one prompt: each round's beams run as concurrent requests
         (cancelling the call aborts them). A bad prompt raises ValueError."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         inputs, _ = await self.processors()
         probe = SamplingParams(max_tokens=1)
-        done = await inputs.process_async(next(self._ids), prompt, probe, priority, cache_salt)
+        done = await inputs.process_async(next(self._ids), prompt, probe, priority, cache_salt,
+                                          lora_request=lora_request)
         tok = self.engine.tokenizer
         search = BeamSearch(list(done.request.prompt_token_ids), params,
                             tok.eos_token_id if tok is not None else None)
@@ -278,7 +286,7 @@ class AsyncLLM:
         async def last(ids: list[int]) -> RequestOutput:
             out = None
             async for out in self.generate({"prompt_token_ids": ids}, step, priority=priority,
-                                           cache_salt=cache_salt):
+                                           cache_salt=cache_salt, lora_request=lora_request):
                 pass
             return out
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
+from tierserve.runtime.lora import LoRAModules
 from tierserve.scheduler.queues import POLICIES
 from tierserve.scheduler.spec import SpeculativeConfig
 
@@ -34,13 +35,14 @@ ROUTING_POLICIES = ("kv", "least_loaded", "round_robin", "prefix_tree")
 
 
 def _opt(default, help: str, *, choices=None, low=None, high=None, low_open=False,
-         flags: tuple[str, ...] = (), parse=None):
+         flags: tuple[str, ...] = (), parse=None, cli_words: bool = False):
     """A field with its CLI help, allowed values (choices, or bounds low <= v <= high; low < v
     with low_open) and extra CLI spellings. parse: for a structured option (a dict on the
-    API, JSON on the command line), what validates it into its frozen form."""
+    API, JSON on the command line, or with cli_words one or more words that parse reads),
+    what validates it into its frozen form."""
     return field(default=default, metadata={
         "help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
-        "flags": flags, "parse": parse})
+        "flags": flags, "parse": parse, "cli_words": cli_words})
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,20 @@ class EngineConfig:
         "up to K drafts a step from the latest earlier occurrence of the request's last tokens; "
         "greedy output unchanged, sampled output distributed as without it",
         parse=SpeculativeConfig.parse)
+    enable_lora: bool = _opt(
+        False, "serve LoRA adapters (PEFT folders) beside the base model: a request names one "
+        "(lora_request; over HTTP, its model field names one of lora_modules)")
+    max_loras: int = _opt(1, "distinct LoRA adapters among the running requests at most; a "
+                          "request of another adapter waits its turn", low=1)
+    max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have", low=1, high=1024)
+    max_cpu_loras: int | None = _opt(
+        None, "LoRA adapters each rank keeps loaded (the least recently used one that no "
+        "request runs with goes first); default: max_loras", low=1)
+    lora_modules: LoRAModules | None = _opt(
+        None, "named LoRA adapters (needs enable_lora): {\"name\": \"folder\", ...}; on the "
+        "command line, vLLM's words name=folder ... or {\"name\": ..., \"path\": ...} ...; "
+        "over HTTP a request's model field picks one, and /v1/models lists them",
+        parse=LoRAModules.parse, cli_words=True)
 
     request_log_path: str | None = _opt(
         None, "append a compact record per finished request to this file (arrival, tenant "
@@ -181,6 +197,11 @@ class EngineConfig:
                 object.__setattr__(self, f.name, f.metadata["parse"](value))
                 continue
             _check_field(f, value)
+        if self.lora_modules is not None and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}): the ranks hold every running adapter")
         if self.kv_offload_ssd_path is not None:
             if self.kv_offload_cpu_bytes == 0:
                 raise ValueError("kv_offload_ssd_path needs a CPU tier: SSD blocks go through "

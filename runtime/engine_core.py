@@ -27,6 +27,7 @@ from tierserve.runtime.engine_setup import (
 )
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
 from tierserve.runtime.generation_config import generation_defaults
+from tierserve.runtime.lora import adapter_catalog
 from tierserve.runtime.request_log import RequestLog
 from tierserve.runtime.requests import rejection
 from tierserve.runtime.tokenizer import load_model_tokenizer
@@ -54,6 +55,7 @@ class EngineCore:
                  executor_factory: Callable[[WorkerSpec], Executor] = InProcessExecutor) -> None:
         started = time.perf_counter()
         model = check_model(config)
+        loras = adapter_catalog(config, model)  # a bad lora_modules fails here, before workers
         spec = make_worker_spec(config)
         self.generation_defaults = generation_defaults(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
@@ -79,7 +81,7 @@ class EngineCore:
         self.request_log = self._make_request_log(config, spec, info)
         self._describe(info)
         self._reporter = LoadReporter(self.scheduler, self.kv_events)
-        self._requests = RequestBook(self.scheduler, self.eos_token_id)
+        self._requests = RequestBook(self.scheduler, self.eos_token_id, loras)
         self._healer = WorkerHealer(config, self.executor, self.scheduler)
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:

@@ -82,7 +82,18 @@ def engine_stats(core: EngineCore) -> dict:
                  worker_start_s=round(core.worker_start_s, 3),
                  worker_phases=dict(core.executor.phases))
     stats.update(core.executor.stats())
+    if core.config.enable_lora:
+        stats.update(lora_stats(core.scheduler, core.config.max_loras))
     return stats
+
+
+def lora_stats(scheduler, max_loras: int) -> dict:
+    """The adapters of the running requests and of the waiting ones, by name (vLLM's
+    lora_requests_info)."""
+    def names(requests) -> list[str]:
+        return sorted({r.lora.name for r in requests if r.lora is not None})
+    return {"lora_running_adapters": names(scheduler.running),
+            "lora_waiting_adapters": names(scheduler.waiting), "max_loras": max_loras}
 
 
 def engine_info(core: EngineCore) -> dict:
@@ -100,4 +111,8 @@ def engine_info(core: EngineCore) -> dict:
                      "enabled": config.enable_prefix_caching},
             "backends": [dict(b) for b in core.backends],
             "generation_defaults": dict(core.generation_defaults),
+            "enable_lora": config.enable_lora,
+            "lora_modules": [{"name": m.lora_name, "id": m.lora_int_id, "path": m.lora_path}
+                             for m in (config.lora_modules.modules if config.lora_modules
+                                       else ())],
             "startup_s": {k: round(v, 3) for k, v in core.startup.items()}}

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from tierserve.runtime.errors import EngineDeadError
+from tierserve.runtime.lora import AdapterCatalog
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, rejection
 from tierserve.scheduler import (
@@ -34,9 +35,12 @@ class RequestBook:
     `labels` and `prompt_logprobs` for emptiness before calling in, so that a step with
     neither pays nothing; `staged` is read, and changed only here."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_id: int | None) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_id: int | None,
+                 loras: AdapterCatalog | None = None) -> None:
         self._scheduler = scheduler
         self._eos_token_id = eos_token_id
+        # The LoRA adapters' door (None: LoRA is not enabled).
+        self._loras = loras
         # The caller's label of each unfinished request that has one.
         self.labels: dict[str, str] = {}
         # Prompt logprobs of requests that asked for them and have no output yet.
@@ -52,9 +56,15 @@ class RequestBook:
         """Queues a request; bad input raises ValueError and changes nothing."""
         prompt_ids = check_request(request)
         params = request.sampling_params
+        lora = request.lora
+        if lora is not None:
+            if self._loras is None:
+                raise ValueError(f"LoRA adapter {lora.name!r}: this engine was started "
+                                 f"without enable_lora")
+            lora = self._loras.admit(lora)
         self._scheduler.add_request(request.req_id, prompt_ids, params,
                                     eos_token_id=self._eos_token_id, priority=request.priority,
-                                    cache_salt=request.cache_salt)
+                                    cache_salt=request.cache_salt, lora=lora)
         if request.label:
             self.labels[request.req_id] = request.label
         if params.prompt_logprobs is not None:

@@ -71,7 +71,9 @@ def make_worker_spec(config: EngineConfig) -> WorkerSpec:
         kv_fingerprint=kv_fingerprint_of(config, model, dtype),
         # The input batch's first capacity (None: the model's length is not known yet; it grows).
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        async_scheduling=config.pipelined)
+        async_scheduling=config.pipelined,
+        max_loaded_loras=(config.max_cpu_loras or config.max_loras) if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank)
 
 
 def kv_fingerprint_of(config: EngineConfig, model: str, dtype: str) -> str:
@@ -219,7 +221,8 @@ def make_scheduler(config: EngineConfig, info: WorkerInfo, model: ModelConfig,
                      max_queued_requests=config.max_queued_requests,
                      async_scheduling=config.pipelined,
                      speculative_config=config.speculative_config,
-                     step_time_target_s=config.step_time_target_ms / 1e3)
+                     step_time_target_s=config.step_time_target_ms / 1e3,
+                     max_loras=config.max_loras)
 
 
 def make_request_log(config: EngineConfig, spec: WorkerSpec, info: WorkerInfo,

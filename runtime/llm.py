@@ -16,6 +16,7 @@ from tierserve.runtime.beam_search import (
 )
 from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
+from tierserve.runtime.lora import LoRARequest
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.runtime.pooling import (
     EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
@@ -60,15 +61,19 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                  *, use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+                 cache_salt: str | Sequence[str | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A bad prompt or bad parameters fail
-        that request alone (its output has `error` set and finish_reason "error")."""
+        that request alone (its output has `error` set and finish_reason "error").
+        lora_request: the LoRA adapter of every prompt, or one per prompt (enable_lora)."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch), "sampling_params")
         salts = _per_prompt(cache_salt, len(batch), "cache_salt")
         priorities = _per_prompt(priority, len(batch), "priority")
-        requests = [self._request(p, sp, salt, prio or 0)
-                    for p, sp, salt, prio in zip(batch, params, salts, priorities)]
+        loras = _per_prompt(lora_request, len(batch), "lora_request")
+        requests = [self._request(p, sp, salt, prio or 0, lora)
+                    for p, sp, salt, prio, lora in zip(batch, params, salts, priorities, loras)]
         return self._run(requests, use_tqdm and len(batch) >= _PROGRESS_MIN)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
@@ -76,7 +81,9 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Applies the model's chat template (or chat_template) to one conversation or a batch
         of them, vLLM's way: a generation prompt after the last message, or that message
         continued; chat_template_kwargs and tools reach the template (e.g. enable_thinking)."""
@@ -86,21 +93,23 @@ class LLM:
                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                        tools=tools)
         return self.generate([{"messages": list(c), **options} for c in conversations],
-                             sampling_params, use_tqdm=use_tqdm)
+                             sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+              cache_salt: str | None = None, lora_request: LoRARequest | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed (runtime/pooling.py): each prompt's vector, in input order. A bad
         prompt raises ValueError naming why."""
         params = embed_params(pooling_params, truncate_prompt_tokens)
-        outs = self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt,
+                             lora_request=lora_request)
         return [embedding_of(o, pooling_params) for o in outs]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    *, use_tqdm: bool = False,
-                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+                    *, use_tqdm: bool = False, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (runtime/beam_search.py): per prompt, the best beam_width
         sequences, best first, each its prompt's tokens then the generated ones, with the
         generated text. A bad prompt raises ValueError naming it."""
@@ -108,7 +117,7 @@ class LLM:
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         tok = self.tokenizer
         eos = tok.eos_token_id if tok is not None else None
-        searches = [BeamSearch(self._prompt_ids(p, cache_salt), params, eos)
+        searches = [BeamSearch(self._prompt_ids(p, cache_salt, lora_request), params, eos)
                     for p in _as_batch(prompts)]
         step = SamplingParams(**step_params(params))
         for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
@@ -116,12 +125,15 @@ class LLM:
             if not live:
                 break
             take_round(live, self.generate([{"prompt_token_ids": q} for q in seqs], step,
-                                           use_tqdm=False, cache_salt=cache_salt))
+                                           use_tqdm=False, cache_salt=cache_salt,
+                                           lora_request=lora_request))
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None
         return [BeamSearchOutput(s.result(decode)) for s in searches]
 
-    def _prompt_ids(self, prompt: PromptType, cache_salt: str | None) -> list[int]:
-        processed = self._request(prompt, SamplingParams(max_tokens=1), cache_salt, 0)
+    def _prompt_ids(self, prompt: PromptType, cache_salt: str | None,
+                    lora_request: LoRARequest | None) -> list[int]:
+        processed = self._request(prompt, SamplingParams(max_tokens=1), cache_salt, 0,
+                                  lora_request)
         if isinstance(processed, RequestOutput):
             raise ValueError(processed.error)
         return list(processed.request.prompt_token_ids)
@@ -134,7 +146,8 @@ class LLM:
                                 OutputProcessor(tok))
         return self._processors
 
-    def _request(self, prompt: PromptType, params, salt, priority) -> Processed | RequestOutput:
+    def _request(self, prompt: PromptType, params, salt, priority,
+                 lora_request: LoRARequest | None = None) -> Processed | RequestOutput:
         rid = str(next(self._ids))
         try:
             if isinstance(params, dict):
@@ -144,7 +157,8 @@ class LLM:
             elif not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams or a dict, got "
                                  f"{type(params).__name__}")
-            return self.processors[0].process(rid, prompt, params, priority, salt)
+            return self.processors[0].process(rid, prompt, params, priority, salt,
+                                              lora_request=lora_request)
         except (ValueError, TypeError) as e:
             return RequestOutput.failed(rid, prompt if isinstance(prompt, str) else None, [],
                                         str(e))
@@ -203,7 +217,7 @@ def _as_batch(prompts) -> list[PromptType]:
 
 
 def _per_prompt(value, n: int, name: str) -> list:
-    if value is None or isinstance(value, (SamplingParams, dict, str, int)):
+    if value is None or isinstance(value, (SamplingParams, dict, str, int, LoRARequest)):
         return [value] * n
     value = list(value)
     if len(value) != n:

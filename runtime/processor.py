@@ -27,12 +27,13 @@ from typing import Callable
 import msgspec
 
 from tierserve.runtime.detokenizer import IncrementalDetokenizer
+from tierserve.runtime.lora import LoRARequest, lora_ref
 from tierserve.runtime.requests import (
     Prompt, check_params, check_prompt, prompt_fields, token_ids,
 )
 from tierserve.runtime.tokenizer import Tokenizer
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import FinishReason, SamplingParams
+from tierserve.scheduler.params import FinishReason, LoRARef, SamplingParams
 
 __all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool", "bad_word_ids"]
 
@@ -83,19 +84,24 @@ class InputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, req_id: str, prompt, params: SamplingParams, priority: int = 0,
-                cache_salt: str | None = None, label: str = "") -> Processed:
+                cache_salt: str | None = None, label: str = "",
+                lora_request: LoRARequest | None = None) -> Processed:
         fields = self.check(prompt, params, priority, cache_salt)
-        return self.tokenize(req_id, fields, params, priority, cache_salt, label)
+        lora = lora_ref(lora_request)
+        return self.tokenize(req_id, fields, params, priority, cache_salt, label, lora)
 
     async def process_async(self, req_id: str, prompt, params: SamplingParams,
                             priority: int = 0, cache_salt: str | None = None,
-                            label: str = "") -> Processed:
+                            label: str = "", lora_request: LoRARequest | None = None
+                            ) -> Processed:
         """process(), with a long text's bound check and tokenization on the text pool."""
         fields = self.check(prompt, params, priority, cache_salt)
+        lora = lora_ref(lora_request)
         if _text_bytes(fields) <= INLINE_BYTES:
-            return self.tokenize(req_id, fields, params, priority, cache_salt, label)
+            return self.tokenize(req_id, fields, params, priority, cache_salt, label, lora)
         return await asyncio.get_running_loop().run_in_executor(
-            text_pool(), self.tokenize, req_id, fields, params, priority, cache_salt, label)
+            text_pool(), self.tokenize, req_id, fields, params, priority, cache_salt, label,
+            lora)
 
     def check(self, prompt, params: SamplingParams, priority: int,
               cache_salt: str | None) -> Prompt:
@@ -118,7 +124,7 @@ class InputProcessor:
         return fields
 
     def tokenize(self, req_id: str, fields: Prompt, params: SamplingParams, priority: int,
-                 cache_salt: str | None, label: str) -> Processed:
+                 cache_salt: str | None, label: str, lora: LoRARef | None = None) -> Processed:
         ids = fields.token_ids
         if ids is None:
             ids = self._encode(fields)
@@ -132,7 +138,7 @@ class InputProcessor:
                 params.bad_words_token_ids or []) + bad_word_ids(params.bad_words,
                                                                  self.tokenizer))
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
-                                    cache_salt=cache_salt, label=label)
+                                    cache_salt=cache_salt, label=label, lora=lora)
         return Processed(request, fields.text)
 
     def _kept(self, params: SamplingParams) -> int | None:
