@@ -195,7 +195,8 @@ class Router:
         """What each live replica holds of the query's prompt, as the index says: blocks
         found on the device, in the CPU tier and on SSD (routes nothing)."""
         live = [r.id for r in self.replicas.serving()]
-        found = self.index.match(self._chain(query.prompt_token_ids, query.cache_salt), live)
+        found = self.index.match(self._chain(query.prompt_token_ids, query.cache_salt,
+                                             query.lora_digest), live)
         return {r: [m.device, m.cpu, m.ssd] for r, m in found.items()}
 
     # ------------------------------------------------------------------ views

@@ -25,6 +25,7 @@ from tierserve.deploy.router_failover import CONT_SEP, Call, Tracked
 from tierserve.deploy.routing import RouteQuery
 from tierserve.deploy.watchdog import Liveness, next_or_dead
 from tierserve.runtime.client import HEARTBEAT_S
+from tierserve.runtime.lora import adapter_digest
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, rejection
 from tierserve.runtime.tokenizer import load_model_tokenizer
@@ -106,8 +107,8 @@ class RouterClient(RouterControl):
         reqs = [(t, r) for t, rs in work for r in rs]
         if not reqs:
             return
-        queries = [RouteQuery(r.prompt_token_ids, r.cache_salt, sorted(t.failed_on))
-                   for t, r in reqs]
+        queries = [RouteQuery(r.prompt_token_ids, r.cache_salt, sorted(t.failed_on),
+                              _lora_digest(r)) for t, r in reqs]
         try:
             picks = await self.router.route.remote(queries)
         except Exception as e:  # no replica serves
@@ -225,3 +226,14 @@ async def _heartbeat(actor, pending: Outstanding, alive: Liveness) -> None:
 def _reason(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     return f"{type(cause or e).__name__}: {cause or e}"
+
+
+def _lora_digest(request: EngineCoreRequest) -> int:
+    """The digest the engines key the request's adapter by (0: none, or a folder that does
+    not read, which the engine refuses on its own)."""
+    if request.lora is None:
+        return 0
+    try:
+        return adapter_digest(request.lora.path)
+    except (OSError, ValueError):
+        return 0

@@ -87,7 +87,7 @@ class Tracked:
             rid = req.req_id if self.n == 1 else f"{req.req_id}{CONT_SEP}{index}"
             out.append(EngineCoreRequest(rid, sample, prompt_token_ids=self.prompt_ids + streamed,
                                          priority=req.priority, cache_salt=req.cache_salt,
-                                         label=req.label))
+                                         label=req.label, lora=req.lora))
         return out
 
 

@@ -74,12 +74,14 @@ RECOMPUTE_WEIGHT = 1.0
 
 
 class RouteQuery(msgspec.Struct, **_WIRE):
-    """What the router needs of a request: its prompt's token ids and cache salt."""
+    """What the router needs of a request: its prompt's token ids, cache salt and LoRA
+    adapter's digest (0: the base model)."""
 
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     # Replicas this request must not go to (it just failed there).
     exclude: list[int] = []
+    lora_digest: int = 0
 
 
 @dataclass(slots=True)
@@ -200,23 +202,25 @@ class KVAware:
         self.load_bound = load_bound
         self._turn = itertools.count()
 
-    def chain(self, tokens: list[int], cache_salt: str | None) -> Iterator[bytes]:
+    def chain(self, tokens: list[int], cache_salt: str | None,
+              lora_digest: int = 0) -> Iterator[bytes]:
         """The prompt's block hashes as the engines compute them, lazily in growing chunks
         (a lookup stops at the first block no replica holds), up to the last block an engine
         would serve from cache (never the whole prompt)."""
         extra = encode_extra_keys(cache_salt=cache_salt)
+        every = encode_extra_keys(lora_id=lora_digest or None)
         cap = (len(tokens) - 1) // self.block_size
         start, parent, chunk = 0, None, 8
         while start < cap:
             end = min(start + chunk, cap)
-            hashes, _ = self.hasher.hash_blocks(tokens, start, parent, extra, b"", end)
+            hashes, _ = self.hasher.hash_blocks(tokens, start, parent, extra, every, end)
             yield from hashes
             parent, start, chunk = hashes[-1], end, chunk * 2
 
     def pick(self, query: RouteQuery, candidates: list[Candidate]) -> Choice:
         eligible = bounded(candidates, self.load_bound)
         tokens = query.prompt_token_ids
-        matches = self.index.match(self.chain(tokens, query.cache_salt),
+        matches = self.index.match(self.chain(tokens, query.cache_salt, query.lora_digest),
                                    [c.replica for c in eligible])
         # Replicas run one model and config: one prefill rate, the mean of those measured (a
         # replica's own swings with its batches, and would make an idle one look slower).

@@ -237,7 +237,7 @@ async def messages_response(server, body: MessagesRequest, request: Request,
                       server.tool_format)
     prompt = chat_prompt(chat, server.config.chat_template, server.tool_format)
     params = sampling_params(chat, tools, server.generation_defaults)
-    builder = MessageBuilder(server.config.served_model_name, tools, body.stop_sequences or [])
+    builder = MessageBuilder(server.model_name(body.model), tools, body.stop_sequences or [])
     try:
         stream = await server.start("chat", [prompt], chat, params, builder.id, request, tenant)
     except ClientGone:

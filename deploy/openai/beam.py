@@ -52,7 +52,8 @@ async def beam_response(server, kind: str, prompts: list, body, request: Request
     server.admission.admit(len(prompts))
     try:
         outputs = await gather_until_disconnect(request, (
-            server.engine.beam_search(p, params, priority=body.priority, cache_salt=salt)
+            server.engine.beam_search(p, params, priority=body.priority, cache_salt=salt,
+                                      lora_request=server.check_model(body.model))
             for p in prompts))
     except ValueError as e:
         raise ApiError(400, str(e), "prompt" if kind == "completion" else "messages") from None
@@ -61,7 +62,7 @@ async def beam_response(server, kind: str, prompts: list, body, request: Request
             server.admission.started()
     if outputs is None:  # the client left: its searches' requests are aborted
         return Response(status_code=499)
-    reply = _body(kind, server.config.served_model_name, outputs, echo)
+    reply = _body(kind, server.model_name(body.model), outputs, echo)
     usage = reply["usage"]
     server.metrics.served_whole(tenant, usage["prompt_tokens"], usage["completion_tokens"],
                                 [c["finish_reason"] for c in reply["choices"]])

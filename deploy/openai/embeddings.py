@@ -35,7 +35,7 @@ class EmbeddingRequest(BaseModel):
 
 async def embeddings_response(server, body: EmbeddingRequest, request: Request,
                               tenant: Tenant | None) -> Response:
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     if body.encoding_format not in ("float", "base64"):
         raise BadField("encoding_format", f"encoding_format is float or base64, got "
                                           f"{body.encoding_format!r}")
@@ -49,7 +49,7 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
     server.admission.admit(len(prompts))
     try:
         outputs = await gather_until_disconnect(request, (
-            _one(server.engine, p, pooling, body, salt) for p in prompts))
+            _one(server.engine, p, pooling, body, salt, lora) for p in prompts))
     except ValueError as e:
         message = str(e)
         raise ApiError(400, message, "dimensions" if param_of(message) == "dimensions"
@@ -64,14 +64,14 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
             for i, o in enumerate(outputs)]
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     server.metrics.served_whole(tenant, tokens, 0, ["length"] * len(outputs))
-    return JSONResponse({"object": "list", "data": data, "model": server.config.served_model_name,
+    return JSONResponse({"object": "list", "data": data, "model": server.model_name(body.model),
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
-async def _one(engine, prompt, pooling: PoolingParams, body: EmbeddingRequest, salt):
+async def _one(engine, prompt, pooling: PoolingParams, body: EmbeddingRequest, salt, lora):
     outs = [out async for out in engine.encode(
         prompt, pooling, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        priority=body.priority, cache_salt=salt)]
+        priority=body.priority, cache_salt=salt, lora_request=lora)]
     return outs[-1]
 
 

@@ -117,9 +117,26 @@ def _engine_families(sources: list[tuple[tuple, dict]], labels: tuple):
     yield family("counter", "worker_restarts", "times the engine rebuilt lost workers (a rank "
                  "died or a step hung) and re-admitted their requests" + _ENGINE, "restarts")
     yield from _spec_families(sources, labels)
+    yield from _lora_families(sources, labels)
     if not labels:
         yield family("gauge", "engine_dead", "1 once the engine cannot serve",
                      lambda st: int(bool(st.get("dead"))))
+
+
+def _lora_families(sources: list[tuple[tuple, dict]], labels: tuple):
+    """vLLM's lora_requests_info, where LoRA is enabled: the running and the waiting requests'
+    adapters (comma-separated names) and max_loras, as labels of a sample of value 1."""
+    lora = [(v, st) for v, st in sources if "lora_running_adapters" in st]
+    if not lora:
+        return
+    fam = GaugeMetricFamily("tierserve:lora_requests_info", "LoRA adapters of the running and "
+                            "the waiting requests" + _ENGINE, labels=[
+                                *labels, "running_lora_adapters", "waiting_lora_adapters",
+                                "max_lora"])
+    for values, st in lora:
+        fam.add_metric([*values, ",".join(st["lora_running_adapters"]),
+                        ",".join(st["lora_waiting_adapters"]), str(st["max_loras"])], 1)
+    yield fam
 
 
 def _spec_families(sources: list[tuple[tuple, dict]], labels: tuple):

@@ -50,7 +50,7 @@ class ResponsesEndpoint:
                 server.tokenizer, prompt, params,
                 tools is not None and tools.mode in ("named", "required"))
             reasoning = parses_reasoning(params)
-        builder = ResponseBuilder(rid, server.config.served_model_name, body, params, tools,
+        builder = ResponseBuilder(rid, server.model_name(body.model), body, params, tools,
                                   server.decode_token, params.logprobs or 0, reasoning)
         try:
             stream = await server.start("chat", [prompt], chat, params, body.request_id or rid,

@@ -60,6 +60,7 @@ from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
 from tierserve.runtime.errors import EngineDeadError
+from tierserve.runtime.lora import LoRARequest
 from tierserve.runtime.processor import check_text_bytes
 from tierserve.scheduler.params import SamplingParams
 
@@ -90,13 +91,27 @@ class OpenAIServer:
         self.decode_token = (lambda t: tok.decode([t], skip_special_tokens=False)) \
             if tok is not None else str
         self.responses = ResponsesEndpoint(self, ResponseStore(config.response_store_bytes))
+        # The engine's named LoRA adapters (lora_modules): a body's model field picks one.
+        self.adapters = {m["name"]: LoRARequest(m["name"], m["id"], m["path"])
+                         for m in info.get("lora_modules") or ()}
         # How the model writes tool calls (tool_parsers.py).
         self.tool_format = TOOL_CALL_PARSERS[config.tool_call_parser]
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a body's model field names (None: the base model); 404 for a
+        name this server does not serve."""
+        if name is None or name == self.config.served_model_name:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            served = ", ".join(map(repr, [self.config.served_model_name, *self.adapters]))
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.config.served_model_name!r}", "model")
+                           f"{served}", "model")
+        return adapter
+
+    def model_name(self, name: str | None) -> str:
+        """The model a response names: the adapter asked for, else the served model."""
+        return name if name in self.adapters else self.config.served_model_name
 
     def authenticate(self, request: Request) -> Tenant | None:
         """The request's tenant (None without keys); 401 without a valid key."""
@@ -129,7 +144,7 @@ class OpenAIServer:
         include_usage = options is not None and options.include_usage
         echo_logprobs = echo is not None and params.logprobs is not None
         reasoning = thinking and parses_reasoning(params)
-        responder = Responder(kind, base_id, int(time.time()), self.config.served_model_name,
+        responder = Responder(kind, base_id, int(time.time()), self.model_name(body.model),
                               self.decode_token, params.logprobs or 0, include_usage, tools,
                               echo_logprobs, body.prompt_logprobs is not None, reasoning,
                               options is not None and options.continuous_usage_stats)
@@ -152,7 +167,8 @@ class OpenAIServer:
         salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
         stream = EngineStream(self.engine, prompts, params, base_id, body.priority, salt,
                               self.admission, self.metrics, tenant,
-                              namespace_of(request, tenant) if body.request_id else "")
+                              namespace_of(request, tenant) if body.request_id else "",
+                              self.check_model(body.model))
         first = await stream.first(request)
         if first is not None and first.error:
             await stream.aclose()
@@ -286,12 +302,18 @@ class OpenAIServer:
         return Response(status_code=200)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card(self.config.served_model_name)]}
+        return {"object": "list", "data": [self.model_card(name) for name in
+                                           (self.config.served_model_name, *self.adapters)]}
 
     def model_card(self, name: str) -> dict:
-        self.check_model(name)
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "tierserve",
-                "root": name, "max_model_len": self.max_model_len}
+        """vLLM's card: an adapter's root is its folder and its parent the base model."""
+        adapter = self.check_model(name)
+        card = {"id": name, "object": "model", "created": self.created,
+                "owned_by": "tierserve", "root": name, "parent": None,
+                "max_model_len": self.max_model_len}
+        if adapter is not None:
+            card.update(root=adapter.lora_path, parent=self.config.served_model_name)
+        return card
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig):

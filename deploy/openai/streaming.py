@@ -17,6 +17,7 @@ from tierserve.deploy.openai.responses import Fold, Piece
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.client import AsyncLLM, DuplicateRequestError
 from tierserve.runtime.errors import EngineDeadError
+from tierserve.runtime.lora import LoRARequest
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.scheduler.params import SamplingParams
 
@@ -39,7 +40,8 @@ class EngineStream:
 
     def __init__(self, engine: AsyncLLM, prompts: list, params: SamplingParams, base_id: str,
                  priority: int, cache_salt: str | None, admission: Admission,
-                 metrics: Metrics, tenant: Tenant | None = None, id_prefix: str = "") -> None:
+                 metrics: Metrics, tenant: Tenant | None = None, id_prefix: str = "",
+                 lora_request: LoRARequest | None = None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.admission, self.metrics = admission, metrics
         self.base_id = base_id
@@ -48,7 +50,7 @@ class EngineStream:
         self.tasks = [asyncio.ensure_future(self._pump(
             i, engine.generate(p, params, request_id=id_prefix + (
                 f"{base_id}-{i}" if len(prompts) > 1 else base_id), priority=priority,
-                cache_salt=cache_salt)))
+                cache_salt=cache_salt, lora_request=lora_request)))
             for i, p in enumerate(prompts)]
         self.remaining = len(prompts)
         self.head: tuple[int, RequestOutput] | None = None
