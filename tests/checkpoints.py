@@ -326,3 +326,32 @@ def add_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(path)
     return path
+
+
+def make_lora_adapter(base: Path, path: Path, *, rank: int = 8, alpha: int = 16,
+                      targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"),
+                      seed: int = 0, std: float = 0.1, use_rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter folder for the checkpoint in `base`, saved by peft itself, with
+    random A and B (a trained adapter's B is not zero) large enough to change greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_hf(base)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                        lora_dropout=0.0, bias="none", init_lora_weights=False,
+                        use_rslora=use_rslora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, std)
+    peft_model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def load_hf_with_lora(base: Path, adapter: Path):
+    """The base checkpoint with the adapter merged into its weights (PEFT's own merge)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(base), adapter).merge_and_unload().eval()
