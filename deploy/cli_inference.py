@@ -112,6 +112,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                               response_store_bytes=args.response_store_bytes,
                               reasoning_parser=args.reasoning_parser,
                               tool_call_parser=args.tool_call_parser,
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                               body_timeout_s=args.body_timeout,
                               connections=ConnectionLimits(args.header_timeout,
                                                            args.max_connections_per_client))

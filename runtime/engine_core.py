@@ -81,6 +81,7 @@ class EngineCore:
         self.request_log = self._make_request_log(config, spec, info)
         self._describe(info)
         self._reporter = LoadReporter(self.scheduler, self.kv_events)
+        self.adapters = loras  # the LoRA door (None: enable_lora is off)
         self._requests = RequestBook(self.scheduler, self.eos_token_id, loras)
         self._healer = WorkerHealer(config, self.executor, self.scheduler)
         self._dead: str | None = None

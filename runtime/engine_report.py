@@ -112,6 +112,7 @@ def engine_info(core: EngineCore) -> dict:
             "backends": [dict(b) for b in core.backends],
             "generation_defaults": dict(core.generation_defaults),
             "enable_lora": config.enable_lora,
+            "lora_check": None if core.adapters is None else core.adapters.describe(),
             "lora_modules": [{"name": m.lora_name, "id": m.lora_int_id, "path": m.lora_path}
                              for m in (config.lora_modules.modules if config.lora_modules
                                        else ())],

@@ -113,6 +113,13 @@ class AdapterCatalog:
         self._paths: dict[int, str] = {}  # lora_id -> folder
         self._checked: dict[str, tuple] = {}  # folder -> its files' stats when checked
 
+    def describe(self) -> dict:
+        """What another process needs to check an adapter as this door does (read_adapter's
+        arguments): the server checks one it is asked to add."""
+        return {"num_layers": self.num_layers, "shapes": {k: list(v) for k, v in
+                                                           self.shapes.items()},
+                "max_lora_rank": self.max_rank}
+
     def admit(self, ref: LoRARef) -> LoRARef:
         """The ref with its digest; ValueError for a bad adapter or a reused id."""
         if not isinstance(ref, LoRARef) or type(ref.lora_id) is not int or ref.lora_id <= 0 \

@@ -238,3 +238,40 @@ def test_http_model_names_pick_adapters(lora):
                    'waiting_lora_adapters=""} 1.0' in metrics, metrics
     finally:
         engine.shutdown()
+
+
+def test_adapters_added_and_removed_at_run_time(lora):
+    """--allow-runtime-lora-updating (vLLM's routes): an added adapter serves by its name; a
+    bad one, a taken name or an unknown one is refused; removed, its name is a 404. Without
+    the flag the routes do not exist."""
+    engine = AsyncLLM(str(lora["base"]), block_size=4, enable_lora=True, max_loras=2)
+    try:
+        with Server(engine) as srv:
+            assert httpx.post(srv.base + "/v1/load_lora_adapter", json={
+                "lora_name": "qv", "lora_path": str(lora["paths"]["qv"])}).status_code == 404
+        with Server(engine, allow_runtime_lora_updating=True) as srv:
+            def post(route, **body):
+                return httpx.post(f"{srv.base}/v1/{route}_lora_adapter", json=body)
+            reply = post("load", lora_name="qv", lora_path=str(lora["paths"]["qv"]))
+            assert reply.status_code == 200 and "added" in reply.text, reply.text
+            for body, status, why in (
+                    (dict(lora_name="qv", lora_path=str(lora["paths"]["all"])), 400, "already"),
+                    (dict(lora_name="x", lora_path=str(lora["root"] / "none")), 400,
+                     "adapter_config.json"),
+                    (dict(lora_name="y"), 400, "lora_path")):
+                reply = post("load", **body)
+                assert reply.status_code == status and why in reply.text, reply.text
+            client = openai.OpenAI(base_url=srv.base + "/v1", api_key="-", max_retries=0)
+            assert "qv" in {m.id for m in client.models.list().data}
+            reply = client.completions.create(model="qv", prompt=PROMPTS[0], temperature=0,
+                                              max_tokens=GREEDY.max_tokens,
+                                              extra_body={"ignore_eos": True})
+            tok = engine.tokenizer
+            assert reply.choices[0].text == tok.decode(lora["refs"]["qv"][0],
+                                                       skip_special_tokens=True)
+            assert post("unload", lora_name="qv").status_code == 200
+            assert post("unload", lora_name="qv").status_code == 404
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model="qv", prompt="a", max_tokens=2)
+    finally:
+        engine.shutdown()

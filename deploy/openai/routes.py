@@ -30,6 +30,7 @@ from tierserve.deploy.openai.errors import (
     server_error,
 )
 from tierserve.deploy.openai.handlers import error_handlers
+from tierserve.deploy.openai.lora_admin import lora_admin_routes
 from tierserve.deploy.openai.metrics import Metrics
 from tierserve.deploy.openai.protocol import (
     BadField,
@@ -94,6 +95,8 @@ class OpenAIServer:
         # The engine's named LoRA adapters (lora_modules): a body's model field picks one.
         self.adapters = {m["name"]: LoRARequest(m["name"], m["id"], m["path"])
                          for m in info.get("lora_modules") or ()}
+        # What an adapter added at run time is checked against (None: no LoRA).
+        self.lora_check = info.get("lora_check")
         # How the model writes tool calls (tool_parsers.py).
         self.tool_format = TOOL_CALL_PARSERS[config.tool_call_parser]
 
@@ -370,6 +373,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.get("/v1/models/{name:path}")
     async def model(name: str, tenant: Tenant | None = auth):
         return server.model_card(name)
+
+    if config.allow_runtime_lora_updating:
+        lora_admin_routes(app, server, auth)
 
     @app.get("/health")
     async def health():

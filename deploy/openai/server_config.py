@@ -30,6 +30,8 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # How the model writes tool calls for `auto` (deploy/openai/tool_parsers.py).
     tool_call_parser: str = "hermes"
+    # LoRA adapters may be added and removed at run time (deploy/openai/lora_admin.py).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
