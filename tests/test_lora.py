@@ -108,6 +108,30 @@ def test_adapters_never_share_kv(lora):
         assert cached[:3] == [0, 0, 0] and cached[3] > 0, cached
 
 
+def test_tiers_keep_adapters_apart(lora, tmp_path):
+    """An adapter's blocks, flushed to the SSD tier at shutdown, come back in a second engine
+    on that folder for that adapter alone (its digest is the same in every process), never
+    for the base model or the other adapter."""
+    cpu_block = 2 * 3 * 4 * 2 * 16 * 4  # K and V, 3 layers, 4 tokens, 2 KV heads of 16, fp32
+    options = dict(block_size=4, num_kv_blocks=40, max_model_len=64, enable_lora=True,
+                   kv_offload_cpu_bytes=20 * cpu_block, kv_offload_ssd_path=str(tmp_path),
+                   kv_offload_ssd_bytes=400 * cpu_block)
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+
+    def run(llm, key):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False,
+                           lora_request=lora["requests"][key])[0]
+        assert list(out.outputs[0].token_ids) == lora["refs"][key][1], key
+        return out.num_cached_tokens
+
+    with LLM(str(lora["base"]), **options) as llm:
+        assert run(llm, "all") == 0
+    with LLM(str(lora["base"]), **options) as llm:
+        assert run(llm, None) == 0 and run(llm, "qv") == 0
+        assert run(llm, "all") > 0
+        assert llm.stats()["tier_loads"] > 0
+
+
 def test_one_loaded_adapter_at_a_time(lora, tmp_path):
     """max_loras=1, max_cpu_loras=1: two adapters' requests take turns, each rank reloading
     the one it dropped; an adapter copied to a new folder is the same digest, same tokens."""
