@@ -86,7 +86,7 @@ def _api_server_parser(sub) -> None:
     api.add_argument("--allow-runtime-lora-updating", action="store_true",
                      help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                           "(vLLM's): LoRA adapters added and removed while serving, each a "
-                          "folder on this machine (needs enable_lora)")
+                          "folder on this machine (needs enable_lora; default: off)")
     api.add_argument("--tool-call-parser", default="hermes",
                      choices=("hermes", "llama3_json", "mistral"),
                      help="how the model writes tool calls, read back for tool_choice auto "
