@@ -82,6 +82,25 @@ def test_adapters_equal_peft_merged_in_one_batch(lora, backend, monkeypatch):
     assert any(stacked) == (backend.name != "torch"), stacked
 
 
+def test_layer_stack_runs_adapters_bitwise_as_the_layers(lora, kernels):
+    """The kernel backends' layer stack takes steps with adapters (one on every row, or
+    several and the base model) and gives the layer-by-layer path's logprobs bit for bit."""
+    prompts, adapters, _ = _mixed(lora)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    with LLM(str(lora["base"]), cpu_isa=kernels.name, block_size=4, enable_lora=True,
+             max_loras=2, enable_prefix_caching=False) as llm:
+        model = llm.engine.executor.worker.model.model
+        runs = []
+        for stack in (True, False):
+            model.use_layer_stack = stack
+            outs = [o for batch, loras in ((prompts, adapters), (PROMPTS, lora["requests"]["all"]))
+                    for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                          use_tqdm=False, lora_request=loras)]
+            runs.append([[sorted((t, lp.logprob) for t, lp in step.items())
+                          for step in o.outputs[0].logprobs] for o in outs])
+        assert runs[0] == runs[1]
+
+
 def test_chunked_prefill_prefix_hits_and_preemption(lora):
     """Small steps chunk the prompts; a tiny pool preempts; the second pass finds each
     adapter's own blocks cached (and only its own: the tokens still equal the reference)."""

@@ -12,7 +12,7 @@ asks which backend it has: a new ISA or device is one new subclass.
   rotary_write_kv(...)                 rotate q and k, write k and v to their pool slots
   attention(q, k, v, kv_cache, attn, ...)  paged attention of a step's tokens
   rms_norm, silu_and_mul               the layer's elementwise ops
-  lora_add(x, a_t, b_t, out)           a LoRA adapter's delta on a linear's output
+  lora_add(x, a_t, b_t, ..., out)      LoRA adapters' delta on a linear's output
   argmax_rows(logits)                  the greedy token of each row
   layer_stack(layers, ...)             once per model at TP=1: an object whose `run(...)`
                                        runs a step's decoder layers in one call, or None
@@ -27,7 +27,7 @@ import abc
 
 import torch
 
-__all__ = ["Backend", "QUANTIZATIONS"]
+__all__ = ["Backend", "QUANTIZATIONS", "lora_mask"]
 
 # Block formats a dense checkpoint may be quantized to at load (the `quantization` option).
 QUANTIZATIONS = ("q8_0", "q4_1")
@@ -92,10 +92,17 @@ class Backend(abc.ABC):
         """[..., 2d] -> silu(x[..., :d]) * x[..., d:]."""
 
     def lora_add(self, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
-                 out: torch.Tensor) -> torch.Tensor:
+                 offsets: torch.Tensor | None, rows: torch.Tensor | None,
+                 mask: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """out += (x a_t) b_t in place (x [M, K], a_t [K, R], b_t [R, N], out [M, N]), the
-        layer stack's way where the backend has one; returns out."""
-        return out.addmm_(x @ a_t, b_t)
+        layer stack's way where the backend has one; returns out. Several adapters stacked
+        along R: offsets (int64 [adapters + 1]) bound each one's columns and rows (int64 [M])
+        name each row's adapter (-1: none), whose columns alone the row takes; mask is
+        lora_mask(offsets, rows, x.dtype) where the caller has it."""
+        xa = x @ a_t
+        if rows is not None:
+            xa.mul_(mask if mask is not None else lora_mask(offsets, rows, x.dtype))
+        return out.addmm_(xa, b_t)
 
     @abc.abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
@@ -104,3 +111,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> dict:
         """name, paths (the fast paths it runs), device and CPU facts."""
+
+
+def lora_mask(offsets: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[M, R]: 1 where row m's adapter (rows[m]; -1: none) owns column r (offsets[j] <= r <
+    offsets[j + 1]), else 0."""
+    adapter = rows.clamp_min(0)
+    cols = torch.arange(int(offsets[-1]), device=rows.device)
+    return ((cols >= offsets[adapter].unsqueeze(1)) & (cols < offsets[adapter + 1].unsqueeze(1))
+            & (rows >= 0).unsqueeze(1)).to(dtype)

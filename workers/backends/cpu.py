@@ -205,12 +205,12 @@ class CpuKernelBackend(TorchBackend):
             return self.ops.silu_and_mul(x)
         return super().silu_and_mul(x)
 
-    def lora_add(self, x, a_t, b_t, out):
+    def lora_add(self, x, a_t, b_t, offsets, rows, mask, out):
         # The layer stack's op: a few rows in one loop, more as torch's two matmuls.
         if self.fuses(x):
-            self.ops.lora_add(x, a_t, b_t, out)
+            self.ops.lora_add(x, a_t, b_t, offsets, rows, mask, out)
             return out
-        return super().lora_add(x, a_t, b_t, out)
+        return super().lora_add(x, a_t, b_t, offsets, rows, mask, out)
 
     def argmax_rows(self, logits):
         if self.fuses(logits) and logits.dim() == 2 and logits.stride(-1) == 1 \

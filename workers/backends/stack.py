@@ -109,12 +109,13 @@ class KernelLayerStack:
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list, attn, keep: torch.Tensor | None = None,
-            lora: list[torch.Tensor | None] | None = None
+            lora: tuple[list, torch.Tensor | None, torch.Tensor | None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's MLP output, residual stream) for the step, of the rows in keep
         (int64) where given, or None where a piece of it takes no kernel (the caller then runs
-        its layers one by one). lora: a LoRA adapter on every row, as (a_t, b_t) per linear in
-        the layers' order, flat (None, None where it has none)."""
+        its layers one by one). lora: the step's LoRA adapters (model/lora.py LoRAStep.stack):
+        five tensors per linear in the layers' order, flat, and each row's adapter, of the
+        step's tokens and of the kept rows (None with one adapter on every row)."""
         rows = hidden.shape[0]
         plan = self._plans[min(rows, 2)]
         if plan is None or rows > self.max_rows or hidden.dtype != self.dtype \
@@ -124,5 +125,5 @@ class KernelLayerStack:
         pools = [t for pair in kv_caches for t in pair]  # [k0, v0, k1, v1, ...]
         return self.ops.layer_stack(
             hidden, cos, sin, attn.slot_mapping, tables, lens, token_rows, keep, self._norms,
-            self._qk_norms, plan.weights, plan.biases, plan.kinds, plan.widths, lora or [], pools,
-            self._windows, self.heads, self.scale, self.eps)
+            self._qk_norms, plan.weights, plan.biases, plan.kinds, plan.widths,
+            *(lora or ([], None, None)), pools, self._windows, self.heads, self.scale, self.eps)

@@ -172,14 +172,17 @@ class LlamaModel(nn.Module):
         # first forward after the weights are packed. False turns it off (tests compare).
         self.use_layer_stack = True
         self.lora: LoRAStep | None = None  # the step's adapters, where LoRA is enabled
+        self._linears: list | None = None
         self._stack: object | None = None
         self._stack_built = False
 
     def _projections(self) -> list:
         """Every layer's linears in the layer stack's order."""
-        return [m for layer in self.layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
+        if self._linears is None:
+            self._linears = [m for layer in self.layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj)]
+        return self._linears
 
     def layer_stack(self):
         """The backend's route for a step's layers in one call, or None (backends/stack.py)."""
@@ -200,13 +203,11 @@ class LlamaModel(nn.Module):
                 keep: torch.Tensor | None = None):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, D / 2] each
-        # A step of one LoRA adapter on every row runs it in the stack; of several, or some
-        # on the base model, layer by layer.
         lora = self.lora if self.lora is not None and self.lora.active else None
-        stack = self.layer_stack() if lora is None or lora.single is not None else None
+        stack = self.layer_stack()
         out = None if stack is None else stack.run(
             hidden, cos, sin, kv_caches, attn, keep,
-            None if lora is None else lora.stack_tensors(self._projections()))
+            None if lora is None else lora.stack(self._projections()))
         if out is not None:
             return self.norm(*out)[0]
         residual = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierserve.workers.backends.base import lora_mask
 from tierserve.workers.model.lora_files import AdapterLayout, adapter_weights_file
 
 __all__ = ["LoRAModule", "LoRAAdapter", "LoRAStep", "load_adapter"]
@@ -70,29 +71,36 @@ class LoRAStep:
     projections call add(); rows of x are the step's tokens, or the kept rows where x has
     fewer (LlamaModel's last layer).
 
-    One adapter on every row: y += (x A^T) B^T. Several (or some rows on the base model): one
-    product over all of them, y += ((x A'^T) * M) B'^T, A' and B' the step's adapters stacked
-    along r and M each row's one-hot adapter spread over its adapter's columns: three ops a
-    projection however many adapters run, r times the adapters wide."""
+    One adapter on every row: y += (x A^T) B^T. Several (or some rows on the base model): the
+    step's adapters stacked along r, A' and B', each row taking its own adapter's columns
+    (Backend.lora_add with offsets and rows): one op a projection however many adapters run.
+    The layer stack runs the same op (stack())."""
 
     _MAX_STACKS = 4  # stacked weights kept for this many recent sets of adapters
 
     def __init__(self, backend) -> None:
-        self.backend = backend  # its lora_add runs a lone adapter's delta, as the stack does
+        self.backend = backend  # its lora_add runs the deltas, as the layer stack does
         self.active = False
         self._one: LoRAAdapter | None = None
-        self._adapters: list[LoRAAdapter] = []
-        self._rows_full: torch.Tensor | None = None  # [T, adapters] one-hot
+        self._rows_full: torch.Tensor | None = None  # [T] int64: each token's adapter, -1 none
         self._rows_kept: torch.Tensor | None = None
         self._num_tokens = 0
-        # (digests of a set of adapters) -> id(module) -> (A', B', column owners) or None
+        # (digests of a set of adapters) -> {id(module): (A', B', offsets) or None, "stack":
+        # the layer stack's flat list}
         self._stacks: dict[tuple[int, ...], dict] = {}
         self._stack: dict = {}
+        self._adapters: list[LoRAAdapter] = []
+        # This step's column masks of each layout of offsets (full rows, kept rows).
+        self._masks: dict = {}
+        self._dtype = torch.float32
 
     def begin(self, token_digests: np.ndarray, keep: np.ndarray | None,
-              adapters: dict[int, LoRAAdapter], device: torch.device, dtype: torch.dtype) -> None:
+              adapters: dict[int, LoRAAdapter], device: torch.device,
+              dtype: torch.dtype) -> None:
         """token_digests [T]: each token's adapter digest (0: the base model)."""
         self._num_tokens = len(token_digests)
+        self._dtype = dtype
+        self._masks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         found, index = np.unique(token_digests, return_inverse=True)
         base = found[0] == 0
         used = found[1:] if base else found
@@ -102,32 +110,32 @@ class LoRAStep:
             return
         self._one = None
         self._adapters = [adapters[int(d)] for d in used]
-        rows = np.zeros((len(token_digests), len(used)), dtype=np.float32)
-        hit = index - base if base else index
-        mine = np.flatnonzero(hit >= 0)
-        rows[mine, hit[mine]] = 1.0
-        full = torch.from_numpy(rows).to(device, dtype)
-        self._rows_full = full
-        self._rows_kept = full if keep is None else full[torch.from_numpy(keep).to(device)]
+        rows = torch.from_numpy((index - 1 if base else index).astype(np.int64)).to(device)
+        self._rows_full = rows
+        self._rows_kept = rows if keep is None else rows[torch.from_numpy(keep).to(device)]
         key = tuple(int(d) for d in used)
         if key not in self._stacks and len(self._stacks) >= self._MAX_STACKS:
             self._stacks.pop(next(iter(self._stacks)))
         self._stack = self._stacks.setdefault(key, {})
 
-    @property
-    def single(self) -> LoRAAdapter | None:
-        """The adapter of every row, where the step has one adapter and no base rows."""
-        return self._one
-
-    def stack_tensors(self, projections: list) -> list[torch.Tensor | None]:
-        """The lone adapter's (a_t, b_t) on each of `projections` (the layer stack's linears,
-        in its order), flat, (None, None) where it has none."""
+    def stack(self, projections: list) -> tuple[list, torch.Tensor | None,
+                                                 torch.Tensor | None]:
+        """The step's adapters as the layer stack takes them (backends/stack.py): (a_t, b_t,
+        offsets, mask of the step's tokens, mask of the kept rows) on each of `projections`
+        (its linears, in its order), flat, and each row's adapter, of the step's tokens and of
+        the kept rows (None with one adapter on every row)."""
         one = self._one
-        if one.stack is None:
-            one.stack = [t for p in projections for t in (
-                (one.modules[id(p)].a_t, one.modules[id(p)].b_t) if id(p) in one.modules
-                else (None, None))]
-        return one.stack
+        if one is not None:
+            if one.stack is None:
+                one.stack = [t for p in projections for t in (
+                    (one.modules[id(p)].a_t, one.modules[id(p)].b_t, None, None, None)
+                    if id(p) in one.modules else (None,) * 5)]
+            return one.stack, None, None
+        flat = []
+        for p in projections:
+            stacked = self._stacked(p)
+            flat += (None,) * 5 if stacked is None else (*stacked[:3], *self._mask(stacked))
+        return flat, self._rows_full, self._rows_kept
 
     def forget(self, digest: int) -> None:
         """An adapter the rank dropped: its stacked copies go too."""
@@ -143,24 +151,44 @@ class LoRAStep:
         delta on its rows, in place."""
         if self._one is not None:
             m = self._one.modules.get(id(module))
-            return y if m is None else self.backend.lora_add(x, m.a_t, m.b_t, y)
+            return y if m is None else self.backend.lora_add(x, m.a_t, m.b_t, None, None, None,
+                                                             y)
         stacked = self._stacked(module)
         if stacked is None:
             return y
-        a_t, b_t, owners = stacked
-        rows = self._rows_full if x.shape[0] == self._num_tokens else self._rows_kept
-        xa = x @ a_t
-        xa.mul_(rows.index_select(1, owners))
-        return y.addmm_(xa, b_t)
+        full = x.shape[0] == self._num_tokens
+        mask = self._mask(stacked)[0 if full else 1]
+        return self.backend.lora_add(x, *stacked[:3], self._rows_full if full
+                                     else self._rows_kept, mask, y)
+
+    def _mask(self, stacked) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's column masks (full rows, kept rows) of a layout of offsets, made once a
+        step for all the projections that share it."""
+        layout = stacked[3]
+        masks = self._masks.get(layout)
+        if masks is None:
+            offsets = stacked[2]
+            full = lora_mask(offsets, self._rows_full, self._dtype)
+            kept = full if self._rows_kept is self._rows_full else \
+                lora_mask(offsets, self._rows_kept, self._dtype)
+            masks = self._masks[layout] = (full, kept)
+        return masks
 
     def _stacked(self, module):
+        """(A', B', offsets, layout) of the step's adapters on `module`: adapter j's columns
+        are offsets[j] .. offsets[j + 1] (none where it has no pair there), layout those
+        widths; None where none has a pair there."""
         key = id(module)
         if key not in self._stack:
-            parts = [(j, ad.modules[key]) for j, ad in enumerate(self._adapters)
-                     if key in ad.modules]
-            self._stack[key] = None if not parts else (
-                torch.cat([m.a_t for _, m in parts], dim=1),
-                torch.cat([m.b_t for _, m in parts]),
-                torch.cat([torch.full((m.b_t.shape[0],), j, dtype=torch.long)
-                           for j, m in parts]).to(parts[0][1].a_t.device))
+            pairs = [ad.modules.get(key) for ad in self._adapters]
+            layout = tuple(0 if m is None else m.b_t.shape[0] for m in pairs)
+            present = [m for m in pairs if m is not None]
+            offsets = self._stack.get(layout)  # one tensor per layout: masks are per layout
+            if present and offsets is None:
+                offsets = self._stack[layout] = torch.tensor(
+                    np.concatenate(([0], np.cumsum(layout))), dtype=torch.long,
+                    device=present[0].a_t.device)
+            self._stack[key] = None if not present else (
+                torch.cat([m.a_t for m in present], dim=1).contiguous(),
+                torch.cat([m.b_t for m in present]).contiguous(), offsets, layout)
         return self._stack[key]

@@ -10,8 +10,11 @@
 //
 // Linears are described by slot s = 4 l + j (j: qkv, o, gate_up, down): kinds[s] (LinearKind),
 // widths[s] (output features), weights[3 s .. 3 s + 2] (the kind's tensors, unused ones None),
-// biases[s]; with a LoRA adapter on every row, lora[2 s], lora[2 s + 1] its a_t and b_t on
-// that linear (None where it has none; an empty list: no adapter). Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention); with
+// biases[s]; with LoRA adapters, lora[5 s .. 5 s + 4] the a_t, b_t, offsets and column
+// masks (of the step's tokens, of the kept rows) of the step's adapters on that linear
+// (lora.cpp; None where none has one; offsets and masks None for a lone adapter on every
+// row), and lora_rows / lora_kept_rows each row's adapter, of the step's tokens and of the
+// kept rows (an empty list: no adapter). Norm weights: norms[2 l] (input), norms[2 l + 1] (post-attention); with
 // per-head query and key norms (Qwen3), qk_norms[2 l] and qk_norms[2 l + 1] (else empty), as
 // the model's path applies them: each head of qkv's q and k parts, gathered, RMS-normed, put
 // back. Pools: kv[2 l], kv[2 l + 1]; windows[l] (0: the whole context).
@@ -135,17 +138,24 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& rows, const std::optional<at::Tensor>& keep, at::TensorList norms,
     at::TensorList qk_norms, const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
-    at::IntArrayRef widths, const c10::List<std::optional<at::Tensor>>& lora, at::TensorList kv,
-    at::IntArrayRef windows, int64_t heads, double scale, double eps) {
+    at::IntArrayRef widths, const c10::List<std::optional<at::Tensor>>& lora,
+    const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& lora_kept_rows,
+    at::TensorList kv, at::IntArrayRef windows, int64_t heads, double scale, double eps) {
   check_stack(hidden_in, norms, qk_norms, weights, biases, kinds, widths, kv, windows);
-  TORCH_CHECK(lora.empty() || lora.size() == 2 * kinds.size(),
-              "layer_stack: lora must be empty or two a linear");
-  // Each linear, then its adapter's delta where it has one.
+  TORCH_CHECK(lora.empty() || lora.size() == 5 * kinds.size(),
+              "layer_stack: lora must be empty or five a linear");
+  const int64_t step_tokens = hidden_in.size(0);
+  // Each linear, then its adapters' delta where they have one.
   auto project = [&](const at::Tensor& x, int64_t slot, at::Tensor& out) {
     stack_linear(x, kinds[slot], widths[slot], weights, slot, biases.get(slot), out);
     if (lora.empty()) return;
-    const std::optional<at::Tensor> a_t = lora.get(2 * slot);
-    if (a_t.has_value()) lora_add_into(x, *a_t, *lora.get(2 * slot + 1), out);
+    const std::optional<at::Tensor> a_t = lora.get(5 * slot);
+    if (!a_t.has_value()) return;
+    const std::optional<at::Tensor> offsets = lora.get(5 * slot + 2);
+    const bool full = x.size(0) == step_tokens;
+    lora_add_into(x, *a_t, *lora.get(5 * slot + 1), offsets,
+                  !offsets.has_value() ? std::nullopt : full ? lora_rows : lora_kept_rows,
+                  lora.get(5 * slot + (full ? 3 : 4)), out);
   };
   const int64_t layers = static_cast<int64_t>(windows.size()), tokens = hidden_in.size(0);
   const int64_t kv_heads = kv[0].size(2), d = kv[0].size(3);
@@ -198,7 +208,7 @@ TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor? keep, "
         "Tensor[] norms, Tensor[] qk_norms, "
         "Tensor?[] weights, Tensor?[] biases, int[] kinds, int[] widths, Tensor?[] lora, "
-        "Tensor(a!)[] kv, "
+        "Tensor? lora_rows, Tensor? lora_kept_rows, Tensor(a!)[] kv, "
         "int[] windows, int heads, float scale, float eps) -> (Tensor, Tensor)");
 }
 
