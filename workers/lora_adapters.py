@@ -63,6 +63,3 @@ class LoRAAdapters:
 
     def end(self) -> None:
         self.step.end()
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes() for a in self.loaded.values())

@@ -33,11 +33,7 @@ class LoRAModule:
 class LoRAAdapter:
     digest: int
     modules: dict[int, LoRAModule]  # by id() of the projection module
-    stack: list | None = None  # its tensors as the layer stack takes them (stack_tensors)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for m in self.modules.values()
-                   for t in (m.a_t, m.b_t))
+    stack: list | None = None  # its tensors as the layer stack takes them (LoRAStep.stack)
 
 
 def load_adapter(model, path: str, digest: int, layout: AdapterLayout) -> LoRAAdapter:
@@ -85,8 +81,8 @@ class LoRAStep:
         self._rows_full: torch.Tensor | None = None  # [T] int64: each token's adapter, -1 none
         self._rows_kept: torch.Tensor | None = None
         self._num_tokens = 0
-        # (digests of a set of adapters) -> {id(module): (A', B', offsets) or None, "stack":
-        # the layer stack's flat list}
+        # (digests of a set of adapters) -> {id(module): (A', B', offsets, layout) or None,
+        # layout: its offsets tensor}
         self._stacks: dict[tuple[int, ...], dict] = {}
         self._stack: dict = {}
         self._adapters: list[LoRAAdapter] = []
@@ -100,7 +96,7 @@ class LoRAStep:
         """token_digests [T]: each token's adapter digest (0: the base model)."""
         self._num_tokens = len(token_digests)
         self._dtype = dtype
-        self._masks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks = {}
         found, index = np.unique(token_digests, return_inverse=True)
         base = found[0] == 0
         used = found[1:] if base else found
