@@ -49,7 +49,9 @@ class EngineStops:
         await asyncio.sleep(self.first)
         while time.monotonic() + self.seconds < until:
             await asyncio.to_thread(self._stop_once)
-            await asyncio.sleep(self.every)
+            # The next stop, if one still fits before `until`: the load does not wait for a
+            # stop interval that ends after it.
+            await asyncio.sleep(min(self.every, max(0.0, until - time.monotonic())))
 
     def _stop_once(self) -> None:
         with self.lock:

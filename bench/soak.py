@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+from multiprocessing import resource_tracker
 import os
 import queue
 import random
@@ -215,16 +216,22 @@ class PrivateRay:
             if deployment is not None:
                 stop(deployment, NAMESPACE)
         finally:
-            ours = _descendants(os.getpid())
+            # multiprocessing's resource tracker (the storm's spawned child started it) lives
+            # until this process exits: it is not Ray's, and not waited for.
+            tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+            ours = {p: t for p, t in _descendants(os.getpid()).items() if p != tracker}
             ray.shutdown()
             _kill_survivors(ours)
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _start_time(pid: int) -> str | None:
+    """The process's start time; None when it is gone (an exited child not yet reaped, a
+    zombie, is gone too)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else fields[19]
     except (OSError, IndexError):
         return None
 
@@ -436,10 +443,13 @@ def main() -> None:
                         "--max-body-bytes", str(MIB_BODY_LIMIT),
                         "--max-connections-per-client", "8192",
                         "--step-time-target-ms", str(args.step_time_target_ms)]
+    phases, t0 = {}, time.monotonic()
     try:
         proc, base, model = start_tierserve(args)
-        result = soak(args, prompts, proc, base, model, name)
+        phases["start"] = time.monotonic() - t0
+        result = soak(args, prompts, proc, base, model, name, phases)
     finally:
+        t0 = time.monotonic()
         if proc is not None:
             proc.terminate()
             try:
@@ -447,6 +457,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
         private.stop(name)
+        phases["stop"] = time.monotonic() - t0
+    result["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
     emit(result, args.json)
     if args.check and not passed(result):
         sys.exit(1)
@@ -458,18 +470,21 @@ def passed(result: dict) -> bool:
         not result.get("engine_stop_problems")
 
 
-def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> dict:
+def soak(args, prompts: list[str], proc, base: str, model: str, name: str,
+         phases: dict) -> dict:
     import ray
     from tierserve.deploy.ray_engine import actor_name
     actor = ray.get_actor(actor_name(name), namespace=NAMESPACE)
     engine_pid = ray.get(actor.info.remote(), timeout=60)["pid"]
     url = base + "/v1/chat/completions"
+    t0 = time.monotonic()
     # Calibration: a burst the server admits whole; what it completes per second is the
     # sustainable rate.
     asyncio.run(_burst(url, model, prompts[:1], 4))  # warm-up
     t0 = time.perf_counter()
     calib = asyncio.run(_burst(url, model, prompts[:args.max_queued_requests], args.output_len))
     sustainable = sum(1 for c in calib if c[0] == "completed") / (time.perf_counter() - t0)
+    phases["calibration"], t0 = time.monotonic() - t0, time.monotonic()
     seconds = args.minutes * 60
     stops = EngineStops(base, engine_pid, args.stop_seconds, args.stop_every,
                         min(25.0, 0.4 * seconds)) if args.hostile else None
@@ -479,12 +494,16 @@ def soak(args, prompts: list[str], proc, base: str, model: str, name: str) -> di
                           stops.lock if stops is not None else None)
         plane = ray.get(actor.dataplane.remote(), timeout=60)
         storm = Storm(args, plane, actor, checker, 0.8 * seconds)
+    phases["storm_setup"], t0 = time.monotonic() - t0, time.monotonic()
     rss_start = rss_mb(engine_pid), rss_mb(proc.pid)
     hostile = HostileClients(url, model, args.output_len, args.seed + 2,
                              args.hostile_every) if args.hostile else None
     results = asyncio.run(_load(args, url, model, prompts, 2 * sustainable, hostile, stops))
+    phases["load"], t0 = time.monotonic() - t0, time.monotonic()
     after = drain(base)
+    phases["drain"], t0 = time.monotonic() - t0, time.monotonic()
     storm_result = storm.finish() if storm is not None else {}
+    phases["storm_finish"] = time.monotonic() - t0
     rss_end = rss_mb(engine_pid), rss_mb(proc.pid)
     if storm is not None:
         storm_result["dropped_frames"] = ray.get(actor.dataplane.remote(),
