@@ -49,6 +49,31 @@ def pytest_configure(config):
                    "runs (avx2 included wherever the CPU has AVX-512 or AMX)")
 
 
+# Runs first: where the user cache has no avx2 kernels yet, its compile is the session's avx2
+# build (test_kernels.py), beside the other variants' compiles started below.
+_COLD_BUILD_TEST = "test_concurrent_cold_builds_share_one_compile"
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection
+def pytest_collection_modifyitems(session, config, items):
+    first = [item for item in items if item.originalname == _COLD_BUILD_TEST]
+    items[:] = first + [item for item in items if item.originalname != _COLD_BUILD_TEST]
+    if not config.option.collectonly:
+        _start_kernel_builds(skip=("avx2",) if first else ())
+
+
+def _start_kernel_builds(skip: tuple[str, ...]) -> None:
+    """Starts every kernel variant's build (or cached load) the tests will pin, in the
+    background: on a fresh cache the compiles (one core each) run side by side, while the
+    first tests run, instead of one after another when each is first needed."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return
+    from tierserve.workers.backends.kernels import kernel_library
+    for isa in KERNEL_ISAS:
+        if isa not in skip:
+            kernel_library(isa).start_build(envs.cache_dir())
+
+
 def pytest_report_header(config):
     features = detect_cpu_features()
     return (f"CPU: {features.model_name}; ISAs: {', '.join(features.isas) or 'none'}; "
