@@ -160,8 +160,6 @@ def test_ray_start_head_and_job_submit_recipe():
         out = submit(sys.executable, "-m", "tierserve", "generate", "--name", "jobtest",
                      "--max-tokens", "8", "The capital of France is")
         assert "Paris" in out
-        out = submit(tierserve_cli, "status", "jobtest")
-        assert "deployment 'jobtest': running" in out and "requests" in out
         out = submit(tierserve_cli, "stop", "jobtest")
         assert "stopped 'jobtest'" in out
     finally:
