@@ -362,7 +362,7 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
     if request.sampling_params.logprobs is not None:
         logprobs = [logprob_dict(lp, decode) for lp in o.logprobs]
     completion = CompletionOutput(o.index, o.new_text, list(o.new_token_ids), None, logprobs,
-                                  reason)
+                                  reason, o.stop_reason)
     return RequestOutput(request_id, prompt, list(o.prompt_token_ids), [completion],
                          finished=reason is not None, num_cached_tokens=o.num_cached_tokens,
                          num_tier_cached_tokens=o.num_tier_cached_tokens,

@@ -29,6 +29,9 @@ class CompletionOutput:
     # One dict per generated token: token id -> Logprob (the sampled token and the top-n).
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
+    # With finish_reason "stop": the stop string or stop_token_ids entry that ended the
+    # output; None when the EOS token did (vLLM's stop_reason).
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -100,6 +103,7 @@ class RequestOutput:
             self.error_kind = str(ErrorKind(delta.error_kind or ErrorKind.INTERNAL))
         if delta.finish_reason is not None:
             completion.finish_reason = str(FinishReason(delta.finish_reason))
+            completion.stop_reason = delta.stop_reason
             self.finished = bool(delta.error) or all(c.finish_reason is not None
                                                      for c in self.outputs)
 

@@ -244,6 +244,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     num_tier_cached_tokens: int = 0
     # An embedding request's pooled hidden state (float32 bytes), with its finishing output.
     pooled: bytes = b""
+    # With finish_reason STOP, what stopped it (vLLM's stop_reason): the stop_token_ids entry
+    # (the engine), or the stop string (the client's OutputProcessor); None for EOS.
+    stop_reason: int | str | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, **_WIRE):

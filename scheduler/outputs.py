@@ -43,4 +43,14 @@ def engine_output(req: Request, tokens: list[int], status: RequestStatus | None,
                             logprobs=[logprobs] if logprobs else [],
                             num_cached_tokens=req.num_cached_tokens,
                             num_tier_cached_tokens=req.num_tier_cached_tokens,
-                            index=req.index)
+                            index=req.index, stop_reason=_stop_token(req, tokens, status))
+
+
+def _stop_token(req: Request, tokens: list[int], status: RequestStatus | None) -> int | None:
+    """The stop_token_ids entry that stopped the request (append_tokens' order: EOS first)."""
+    if status != RequestStatus.FINISHED_STOPPED or not tokens:
+        return None
+    token, params = tokens[-1], req.sampling_params
+    if token == req.eos_token_id and not params.ignore_eos:
+        return None
+    return token if token in params.stop_token_ids else None

@@ -73,7 +73,7 @@ class Fold:
             if c.logprobs is not None and choice.logprobs is not None:
                 choice.logprobs += c.logprobs
             if c.finish_reason is not None:
-                choice.finish_reason = c.finish_reason
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         return pieces
 
     def usage(self) -> dict:
@@ -136,7 +136,7 @@ class Responder:
                 made = completion_logprobs(c, self.decode, self.k, len(fold.echo[index // fold.n]))
                 lps = {key: echoed[key] + made[key] for key in echoed}
             return {"index": index, "text": c.text, "logprobs": lps,
-                    "finish_reason": c.finish_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         reasoning, text = self._split(index, fold, True)
         message = {"role": "assistant", "content": text}
         if self.reasoning:
@@ -149,7 +149,8 @@ class Responder:
                 message.update(content=content, tool_calls=calls)
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
-                "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason}
+                "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason,
+                "stop_reason": c.stop_reason}
 
     def _echo_logprobs(self, index: int, fold: Fold) -> dict:
         i = index // fold.n
@@ -269,6 +270,9 @@ class Responder:
         return chunks
 
     def _chunk(self, choice: dict) -> bytes:
+        if choice.get("finish_reason") is not None and self._fold is not None:
+            # vLLM's field: the stop string or token that ended the choice (None: EOS).
+            choice["stop_reason"] = self._fold.choices[choice["index"]].stop_reason
         chunk = dict(self.chunk_head, choices=[choice])
         if self.include_usage:
             chunk["usage"] = self._fold.usage() if self.continuous_usage and self._fold \
