@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
-           "ReasoningStart", "LoRARequest",
+           "ReasoningStart", "LoRARequest", "TextPrompt", "TokensPrompt",
            "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
@@ -36,6 +36,8 @@ _EXPORTS = {
     "BeamSearchSequence": "tierserve.runtime.beam_search",
     "PoolingParams": "tierserve.runtime.pooling",
     "LoRARequest": "tierserve.runtime.lora",
+    "TextPrompt": "tierserve.runtime.requests",
+    "TokensPrompt": "tierserve.runtime.requests",
     "EmbeddingRequestOutput": "tierserve.runtime.pooling",
 }
 

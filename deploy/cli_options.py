@@ -12,6 +12,7 @@ import textwrap
 
 from tierserve.runtime import envs
 from tierserve.runtime.config import field_kind, option_fields
+from tierserve.runtime.vllm_args import VLLM_ARGS
 
 __all__ = ["options_table", "engine_options", "sampling_params"]
 
@@ -40,6 +41,24 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, *meta["flags"], dest=f.name, type=kind, default=argparse.SUPPRESS,
                        choices=meta["choices"],
                        metavar=None if meta["choices"] else kind.__name__.upper(), help=help_text)
+    vllm_flags(p)
+
+
+def vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags that are not tierserve options (runtime/vllm_args.py): accepted
+    where they ask for what tierserve does, else refused with what it does instead."""
+    g = p.add_argument_group("vLLM's engine flags (accepted where they ask for what tierserve "
+                             "does)")
+    for name, arg in VLLM_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        shown = " or ".join(repr(a) for a in arg.accepts if not isinstance(a, float))
+        help_text = f"{arg.meaning} (accepted: {shown}; default: none)"
+        if arg.kind is bool:
+            g.add_argument(flag, dest=name, default=argparse.SUPPRESS,
+                           action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            g.add_argument(flag, dest=name, type=arg.kind, default=argparse.SUPPRESS,
+                           metavar=arg.kind.__name__.upper(), help=help_text)
 
 
 def _json_object(text: str) -> dict:
@@ -117,7 +136,8 @@ def options_table() -> str:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line."""
-    return {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
+    names = [f.name for f in option_fields()] + list(VLLM_ARGS)
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict, chat: bool = False):

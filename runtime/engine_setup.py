@@ -113,7 +113,7 @@ def check_model(config: EngineConfig) -> ModelConfig:
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                          f"max_position_embeddings ({model.max_position_embeddings}); set "
                          f"allow_long_max_model_len=True to force it")
-    generation_defaults(config.generation_config, path)
+    generation_defaults(config.generation_config, path, config.override_generation_config)
     return model
 
 

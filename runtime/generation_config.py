@@ -19,7 +19,8 @@ import os
 
 from tierserve.scheduler.params import SamplingParams
 
-__all__ = ["generation_defaults", "sampling_params_with", "GENERATION_CONFIG_HELP"]
+__all__ = ["generation_defaults", "generation_overrides", "sampling_params_with",
+           "GENERATION_CONFIG_HELP"]
 
 GENERATION_CONFIG_HELP = (
     "where unset sampling parameters come from: auto: the model's generation_config.json "
@@ -35,9 +36,34 @@ _GGUF_FIELDS = {"general.sampling.temp": "temperature", "general.sampling.top_p"
 _INT_FIELDS = ("top_k", "max_tokens")
 
 
-def generation_defaults(source: str, model_path: str) -> dict:
-    """The sampling defaults `source` gives for the model at `model_path` (a ValueError names
-    a folder without a readable generation_config.json, or values SamplingParams refuses)."""
+def generation_overrides(values: dict) -> dict:
+    """vLLM's override_generation_config: generation-config fields (their names: temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens) that replace the model's."""
+    if not isinstance(values, dict):
+        raise ValueError(f"override_generation_config must be a dict, got {values!r}")
+    unknown = sorted(set(values) - set(_HF_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown field(s) {', '.join(unknown)}; "
+                         f"it takes {', '.join(_HF_FIELDS)}")
+    typed = _typed({_HF_FIELDS[k]: v for k, v in values.items()})
+    try:
+        SamplingParams(**typed)
+    except ValueError as e:
+        raise ValueError(f"override_generation_config: {e}") from None
+    return dict(values)
+
+
+def generation_defaults(source: str, model_path: str, overrides: dict | None = None) -> dict:
+    """The sampling defaults `source` gives for the model at `model_path`, with `overrides`
+    (generation_overrides') replacing theirs (a ValueError names a folder without a readable
+    generation_config.json, or values SamplingParams refuses)."""
+    defaults = _source_defaults(source, model_path)
+    if overrides:
+        defaults.update(_typed({_HF_FIELDS[k]: v for k, v in overrides.items()}))
+    return defaults
+
+
+def _source_defaults(source: str, model_path: str) -> dict:
     if source == "vllm":
         return {}
     if source == "auto":

@@ -108,7 +108,11 @@ class InputProcessor:
         """What is cheap to check: types, Unicode, parameters, a token-id prompt whole."""
         fields = prompt_fields(prompt)
         check_prompt(fields)
-        check_params(params, priority, cache_salt)
+        if fields.cache_salt is None:
+            fields.cache_salt = cache_salt
+        elif cache_salt is not None and cache_salt != fields.cache_salt:
+            raise ValueError("the prompt's cache_salt differs from the request's cache_salt")
+        check_params(params, priority, fields.cache_salt)
         keep = self._kept(params)
         if fields.token_ids is not None:
             if keep is None and hasattr(fields.token_ids, "__len__") and \
@@ -137,8 +141,9 @@ class InputProcessor:
             params = msgspec.structs.replace(params, bad_words=None, bad_words_token_ids=(
                 params.bad_words_token_ids or []) + bad_word_ids(params.bad_words,
                                                                  self.tokenizer))
+        salt = fields.cache_salt if fields.cache_salt is not None else cache_salt
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
-                                    cache_salt=cache_salt, label=label, lora=lora)
+                                    cache_salt=salt, label=label, lora=lora)
         return Processed(request, fields.text)
 
     def _kept(self, params: SamplingParams) -> int | None:
@@ -288,9 +293,9 @@ class OutputProcessor:
         """Fills o's text; True where a stop string ended the sample here."""
         text, hit_stop = detok.update(o.new_token_ids)
         stopped = hit_stop and o.finish_reason is None
-        if stopped:
-            o.finish_reason = FinishReason.STOP
-        elif o.finish_reason is not None and not hit_stop:
+        if hit_stop:  # the text ends at the stop string, whatever else ended the tokens
+            o.finish_reason, o.stop_reason = FinishReason.STOP, detok.stop_reason
+        elif o.finish_reason is not None:
             text += detok.finish()
         o.new_text = text
         return stopped

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
+from typing import Required, TypedDict
 
 from tierserve.runtime.errors import EngineDeadError
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
@@ -22,12 +23,26 @@ from tierserve.workers.grammar import check_structured
 
 __all__ = ["check_request", "check_prompt", "check_messages", "check_params", "token_ids",
            "prompt_fields", "Prompt", "CHAT_OPTIONS", "check_chat_options", "MAX_INT64",
-           "rejection"]
+           "rejection", "TextPrompt", "TokensPrompt"]
 
 log = logging.getLogger("tierserve.engine")
 
 MAX_INT64 = 2**63 - 1
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's text prompt (a dict: LLM.generate and AsyncLLM.generate take plain dicts too)."""
+
+    prompt: Required[str]
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's token-id prompt."""
+
+    prompt_token_ids: Required[list[int]]
+    cache_salt: str
 
 
 @dataclass(slots=True)
@@ -39,6 +54,8 @@ class Prompt:
     token_ids: list | None = None
     messages: list | None = None
     chat: dict | None = None
+    # vLLM's prompt-dict key (TokensPrompt / TextPrompt): the request's cache salt.
+    cache_salt: str | None = None
 
 
 # What a chat prompt may say about its rendering, beside its messages (vLLM's LLM.chat
@@ -53,10 +70,11 @@ def prompt_fields(prompt) -> Prompt:
     if isinstance(prompt, str):
         return Prompt(text=prompt)
     if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", *CHAT_OPTIONS}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", "cache_salt",
+                                 *CHAT_OPTIONS}
         if unknown or not prompt:
             raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages (with "
-                             f"{', '.join(CHAT_OPTIONS)}); got "
+                             f"{', '.join(CHAT_OPTIONS)}), and cache_salt; got "
                              f"{sorted(map(str, prompt)) or 'nothing'}")
         given = [k for k in ("prompt", "prompt_token_ids", "messages") if prompt.get(k) is not None]
         if len(given) != 1:
@@ -66,7 +84,7 @@ def prompt_fields(prompt) -> Prompt:
         if chat and given != ["messages"]:
             raise ValueError(f"{', '.join(chat)} go with messages only")
         return Prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("messages"),
-                      chat or None)
+                      chat or None, prompt.get("cache_salt"))
     if isinstance(prompt, (list, tuple)):
         if prompt and all(isinstance(m, dict) for m in prompt):
             return Prompt(messages=list(prompt))

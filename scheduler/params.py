@@ -330,6 +330,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if type(self.include_stop_str_in_output) is not bool:
             raise ValueError("SamplingParams.include_stop_str_in_output must be True or False")
 
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's constructor whose None arguments take their defaults."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's): changing its lists leaves this one as it is."""
+        return msgspec.convert(msgspec.to_builtins(self), SamplingParams)
+
     def token_ids_named(self) -> list[int]:
         """Every token id the parameters name (the engine checks them against the vocab)."""
         ids = list(self.stop_token_ids)

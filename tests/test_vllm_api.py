@@ -167,3 +167,109 @@ def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
     assert chat_template_of(None) is None
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         chat_template_of(str(tmp_path / "missing.jinja"))
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(engine, server, client):
+    """CompletionOutput.stop_reason and the server's choices' stop_reason: the stop string,
+    the stop_token_ids entry, or None (EOS, length), in streams and whole responses alike."""
+    from tierserve import SamplingParams
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def last(prompt, params):
+        import asyncio
+
+        async def run():
+            return [d async for d in engine.generate(prompt, params)][-1].outputs[0]
+        return asyncio.run(run())
+    free = last("the cat", SamplingParams(**greedy))
+    assert free.finish_reason == "length" and free.stop_reason is None
+    text, ids, _ = _stream(engine, "the cat", SamplingParams(**greedy))
+    stop_id = ids[4]
+    by_token = last("the cat", SamplingParams(**greedy, stop_token_ids=[stop_id]))
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_id)
+    word = text.strip().split()[1]
+    by_text = last("the cat", SamplingParams(**greedy, stop=["zzz", word]))
+    assert (by_text.finish_reason, by_text.stop_reason) == ("stop", word)
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    for extra, reason in (({}, None), ({"stop": [word]}, word),
+                          ({"stop_token_ids": [stop_id]}, stop_id)):
+        whole = httpx.post(server.base + "/v1/completions", json=body | extra).json()
+        assert whole["choices"][0]["stop_reason"] == reason, whole
+        chat = {k: v for k, v in body.items() if k != "prompt"} | extra
+        chat = httpx.post(server.base + "/v1/chat/completions", json=chat | {
+            "messages": [{"role": "user", "content": "the cat"}]})
+        assert "stop_reason" in chat.json()["choices"][0], chat.text
+        vllm_fields = {k: v for k, v in (body | extra).items() if k in ("ignore_eos",
+                                                                      "stop_token_ids")}
+        openai_fields = {k: v for k, v in (body | extra).items() if k not in vllm_fields}
+        stream = client.completions.create(**openai_fields, extra_body=vllm_fields, stream=True)
+        final = [c for c in stream if c.choices and c.choices[0].finish_reason][-1]
+        assert final.choices[0].model_extra["stop_reason"] == reason
+
+
+def test_vllm_prompt_dicts_and_sampling_params_helpers(checkpoint):
+    """TokensPrompt / TextPrompt with their cache_salt; SamplingParams.clone / from_optional."""
+    from tierserve import LLM, SamplingParams, TextPrompt, TokensPrompt
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=["x"])
+    copy = params.clone()
+    copy.stop.append("y")
+    assert params.stop == ["x"] and copy.stop == ["x", "y"]
+    assert SamplingParams.from_optional(temperature=None, max_tokens=3) == \
+        SamplingParams(max_tokens=3)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        ids = llm.get_tokenizer().encode("one two three four five six seven eight nine")
+        first = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0]
+        again = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0]
+        salted = llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-b"),
+                              params, use_tqdm=False)[0]
+        text = llm.generate(TextPrompt(prompt="one two"), params, use_tqdm=False)[0]
+        clash = llm.generate(TextPrompt(prompt="one", cache_salt="a"), params,
+                             cache_salt="b", use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and salted.num_cached_tokens == 0
+    assert salted.outputs[0].token_ids == first.outputs[0].token_ids
+    assert text.error is None and len(text.outputs[0].token_ids) == 4
+    assert "cache_salt differs" in clash.error
+
+
+def test_vllm_engine_arguments_are_taken_or_refused_with_the_reason(checkpoint):
+    """vLLM's engine arguments without a tierserve option: accepted where they ask for what
+    tierserve does, refused naming what it does; override_generation_config replaces the
+    generation config's defaults."""
+    from tierserve import LLM
+    from tierserve.deploy.cli_options import engine_options
+    from tierserve.deploy.cli_parser import build_parser
+    from tierserve.runtime.config import EngineConfig
+    same = dict(kv_cache_dtype="auto", enable_chunked_prefill=True, pipeline_parallel_size=1,
+                tokenizer_mode="auto", trust_remote_code=True, disable_log_stats=True,
+                max_logprobs=20, revision=None, download_dir=None, swap_space=0,
+                cpu_offload_gb=0, distributed_executor_backend=None)
+    assert EngineConfig.from_kwargs(**same) == EngineConfig()
+    assert EngineConfig.from_kwargs(distributed_executor_backend="ray").distributed
+    for name, value, reason in (("kv_cache_dtype", "fp8", "model's dtype"),
+                                ("pipeline_parallel_size", 2, "tensor parallelism only"),
+                                ("pipeline_parallel_size", True, "only 1"),
+                                ("enable_chunked_prefill", False, "always prefilled in chunks"),
+                                ("revision", "main", "nothing is downloaded"),
+                                ("swap_space", 4, "kv_offload_cpu_bytes"),
+                                ("distributed_executor_backend", "mp", "Ray actors")):
+        with pytest.raises(ValueError, match=reason):
+            EngineConfig.from_kwargs(**{name: value})
+    with pytest.raises(ValueError, match="contradicts"):
+        EngineConfig.from_kwargs(distributed_executor_backend="ray", distributed=False)
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "auto",
+                                      "--trust-remote-code", "--pipeline-parallel-size", "1"])
+    assert EngineConfig.from_kwargs(**engine_options(args)) == EngineConfig()
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported"):
+        EngineConfig.from_kwargs(**engine_options(args))
+    with pytest.raises(ValueError, match="unknown field"):
+        EngineConfig(override_generation_config={"temp": 0.1})
+    with pytest.raises(ValueError, match="top_p"):
+        EngineConfig(override_generation_config={"top_p": 3})
+    with LLM(str(checkpoint), block_size=4, max_model_len=256, generation_config="vllm",
+             override_generation_config={"temperature": 0, "max_new_tokens": 5}) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+        out = llm.generate("the cat", use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) <= 5
