@@ -97,6 +97,10 @@ def cmd_api_server(args: argparse.Namespace) -> int:
         KeyTable.from_file(args.api_keys_file) if args.api_keys_file else None
     chat_template = chat_template_of(args.chat_template)
     options = engine_options(args)
+    if args.model_tag is not None:
+        if options.get("model", args.model_tag) != args.model_tag:
+            raise ValueError(f"two models: {args.model_tag!r} and --model {options['model']!r}")
+        options["model"] = args.model_tag
     if args.name is not None:
         from tierserve.deploy.ray_engine import serve
         engine = serve(args.name, args.namespace, **options)
@@ -118,7 +122,8 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                                                            args.max_connections_per_client))
         print(f"tierserve: serving {config.served_model_name!r} on "
               f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        serve_http(engine, config, args.host, args.port)
+        serve_http(engine, config, args.host, args.port, log_level=args.uvicorn_log_level,
+                   access_log=not args.disable_log_requests)
     finally:
         if args.name is None:
             engine.shutdown()

@@ -107,6 +107,19 @@ def _api_server_parser(sub) -> None:
     api.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
                      help="open connections one client address may hold; more are answered "
                           "429 (default: 256)")
+    api.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as `vllm serve MODEL` takes it (the same as --model; "
+                          "default: none, --model's)")
+    api.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's flag, accepted: tool_choice auto is always served, "
+                          "--tool-call-parser reading the calls (default: off, changing "
+                          "nothing)")
+    api.add_argument("--disable-log-requests", action="store_true",
+                     help="no access-log line per request (uvicorn's, at log level info; "
+                          "default: logged)")
+    api.add_argument("--uvicorn-log-level", default=None,
+                     choices=("critical", "error", "warning", "info", "debug", "trace"),
+                     help="uvicorn's log level (default: TIERSERVE_LOG_LEVEL's)")
     keys = api.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1 (one tenant, "

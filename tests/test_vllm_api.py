@@ -273,3 +273,49 @@ def test_vllm_engine_arguments_are_taken_or_refused_with_the_reason(checkpoint):
         assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
         out = llm.generate("the cat", use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) <= 5
+
+
+def _api_server_log(checkpoint, *flags: str) -> str:
+    """`tierserve api-server MODEL FLAGS` (vLLM's positional model) serving one completion,
+    stopped with Ctrl-C; its output."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tierserve", "api-server", str(checkpoint),
+                             "--port", str(port), "--block-size", "4", "--max-model-len", "256",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": checkpoint.name, "prompt": "the cat", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    return out
+
+
+def test_api_server_takes_vllms_serve_flags(checkpoint):
+    """The model as `vllm serve MODEL` takes it; --uvicorn-log-level; --disable-log-requests
+    drops the access log's line per request; --enable-auto-tool-choice is accepted."""
+    from tierserve.deploy.cli import main
+    logged = _api_server_log(checkpoint, "--uvicorn-log-level", "info",
+                             "--enable-auto-tool-choice")
+    assert "Application startup complete" in logged and "POST /v1/completions" in logged, logged
+    quiet = _api_server_log(checkpoint, "--uvicorn-log-level", "info",
+                            "--disable-log-requests")
+    assert "Application startup complete" in quiet and "POST /v1/" not in quiet, quiet
+    assert main(["api-server", str(checkpoint), "--model", "/elsewhere"]) != 0

@@ -393,10 +393,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     return BodyLimit(app, config.max_body_bytes, config.body_timeout_s)
 
 
-def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
-    """Runs the server in the foreground until interrupted."""
+def serve_http(engine: AsyncLLM, config: ServerConfig, host: str, port: int,
+               log_level: str | None = None, access_log: bool = True) -> None:
+    """Runs the server in the foreground until interrupted; uvicorn logs at `log_level`
+    (default: TIERSERVE_LOG_LEVEL's), a line per request unless access_log is off."""
     app = build_app(engine, config)
     log.info("serving %s on http://%s:%d/v1", config.served_model_name, host, port)
     uvicorn.Server(uvicorn_config(app, host, port, config.connections,
-                                  log_level=envs.log_level().lower(),
-                                  timeout_graceful_shutdown=5)).run()
+                                  log_level=log_level or envs.log_level().lower(),
+                                  access_log=access_log, timeout_graceful_shutdown=5)).run()
