@@ -10,7 +10,8 @@ import importlib
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
            "ReasoningStart", "LoRARequest", "TextPrompt", "TokensPrompt",
            "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "RequestOutput", "CompletionOutput",
+           "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput",
+           "ScoringRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
            "stop", "analyze"]
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ _EXPORTS = {
     "TextPrompt": "tierserve.runtime.requests",
     "TokensPrompt": "tierserve.runtime.requests",
     "EmbeddingRequestOutput": "tierserve.runtime.pooling",
+    "ScoringRequestOutput": "tierserve.runtime.pooling",
 }
 
 

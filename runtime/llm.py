@@ -19,7 +19,8 @@ from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.lora import LoRARequest
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.runtime.pooling import (
-    EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
+    EmbeddingRequestOutput, PoolingParams, ScoringRequestOutput, as_prompt_list, embed_params,
+    embedding_of, score_pairs, scores_of,
 )
 from tierserve.runtime.processor import InputProcessor, OutputProcessor, Processed
 from tierserve.scheduler.params import SamplingParams
@@ -106,6 +107,21 @@ class LLM:
         outs = self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt,
                              lora_request=lora_request)
         return [embedding_of(o, pooling_params) for o in outs]
+
+    def score(self, data_1: PromptType | Sequence[PromptType],
+              data_2: PromptType | Sequence[PromptType], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              cache_salt: str | None = None, lora_request: LoRARequest | None = None
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score with an embedding model: each pair's cosine similarity (one
+        prompt against each of data_2, or N against N in order). Each prompt is embedded
+        once; a bad prompt raises ValueError naming why."""
+        first, second = as_prompt_list(data_1), as_prompt_list(data_2)
+        pairs = score_pairs(first, second)
+        vectors = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, cache_salt=cache_salt,
+                             lora_request=lora_request)
+        return scores_of(pairs, vectors[:len(first)], vectors[len(first):])
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     *, use_tqdm: bool = False, cache_salt: str | None = None,

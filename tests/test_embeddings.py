@@ -149,3 +149,60 @@ def test_pooled_states_never_outlive_their_requests(ckpts):
         assert book.pooled == {}
         book.gather_pooled(["gone"], [b"\0" * 4])
         assert book.pooled == {}
+
+
+def _cos(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) *
+                                                         sum(y * y for y in b))
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(tmp_path):
+    """LLM.score (one to N, N to N) and the server's /score and /rerank: each pair's cosine
+    similarity of the two texts' LLM.embed vectors; rerank orders the documents by it, top_n
+    first; a bad pairing or field is a 400 and the server goes on."""
+    import httpx
+
+    from tests.checkpoints import add_tiny_tokenizer
+    from tests.http_thread import MODEL, Server
+    ckpt = add_tiny_tokenizer(make_tiny_llama(tmp_path / "llama"))
+    query, docs = "the cat sat", ["a dog ran", "the cat sat down", "one two three"]
+    with LLM(str(ckpt), block_size=4) as llm:
+        vec = {t: o.outputs.embedding for t, o in zip(
+            [query, *docs], llm.embed([query, *docs], use_tqdm=False))}
+        want = [_cos(vec[query], vec[d]) for d in docs]
+        one_to_n = llm.score(query, docs, use_tqdm=False)
+        n_to_n = llm.score(docs, [query] * 3, use_tqdm=False)
+        ids = llm.score(PROMPTS[0], PROMPTS[1], use_tqdm=False)[0]
+        with pytest.raises(ValueError, match="one prompt with N, or N with N"):
+            llm.score(docs[:2], docs, use_tqdm=False)
+    assert [o.outputs.score for o in one_to_n] == pytest.approx(want, abs=1e-6)
+    assert [o.outputs.score for o in n_to_n] == pytest.approx(want, abs=1e-6)
+    assert ids.prompt_token_ids == PROMPTS[0] + PROMPTS[1] and -1 <= ids.outputs.score <= 1
+    engine = AsyncLLM(str(ckpt), block_size=4)
+    try:
+        with Server(engine) as srv:
+            got = httpx.post(srv.base + "/v1/score", timeout=60, json={
+                "model": MODEL, "text_1": query, "text_2": docs}).json()
+            assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-6)
+            assert [d["index"] for d in got["data"]] == [0, 1, 2] and got["usage"]["total_tokens"]
+            ranked = httpx.post(srv.base + "/rerank", timeout=60, json={
+                "model": MODEL, "query": query, "top_n": 2,
+                "documents": [docs[0], {"text": docs[1]}, docs[2]]}).json()
+            order = sorted(range(3), key=lambda k: -want[k])[:2]
+            assert [r["index"] for r in ranked["results"]] == order, ranked
+            assert [r["relevance_score"] for r in ranked["results"]] == \
+                pytest.approx([want[k] for k in order], abs=1e-6)
+            assert ranked["results"][0]["document"] == {"text": docs[order[0]]}
+            for path, body, param in (
+                    ("/v1/score", {"text_1": docs[:2], "text_2": docs}, "text_2"),
+                    ("/v1/rerank", {"query": query, "documents": []}, "documents"),
+                    ("/v1/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
+                    ("/v1/score", {"text_1": query, "text_2": "x" * 10 ** 5}, "input")):
+                r = httpx.post(srv.base + path, json=dict(body, model=MODEL), timeout=30)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert httpx.post(srv.base + "/v2/rerank", timeout=60, json={
+                "model": MODEL, "query": query, "documents": docs,
+                "return_documents": False}).json()["results"][0].keys() == \
+                {"index", "relevance_score"}
+    finally:
+        engine.shutdown()

@@ -15,7 +15,7 @@ from tierserve.deploy.openai.streaming import gather_until_disconnect
 from tierserve.deploy.openai.tenants import Tenant
 from tierserve.runtime.pooling import PoolingParams
 
-__all__ = ["EmbeddingRequest", "embeddings_response"]
+__all__ = ["EmbeddingRequest", "embeddings_response", "embed_all"]
 
 
 class EmbeddingRequest(BaseModel):
@@ -35,7 +35,7 @@ class EmbeddingRequest(BaseModel):
 
 async def embeddings_response(server, body: EmbeddingRequest, request: Request,
                               tenant: Tenant | None) -> Response:
-    lora = server.check_model(body.model)
+    server.check_model(body.model)
     if body.encoding_format not in ("float", "base64"):
         raise BadField("encoding_format", f"encoding_format is float or base64, got "
                                           f"{body.encoding_format!r}")
@@ -44,6 +44,23 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
     except ValueError as e:
         raise BadField("dimensions", str(e).replace("PoolingParams.", "")) from None
     prompts = prompts_of(body.input, "input")
+    outputs = await embed_all(server, prompts, body, request, tenant, "input", pooling)
+    if outputs is None:  # the client left: its requests are aborted
+        return Response(status_code=499)
+    data = [{"object": "embedding", "index": i,
+             "embedding": _encoded(o.outputs.embedding, body.encoding_format)}
+            for i, o in enumerate(outputs)]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return JSONResponse({"object": "list", "data": data, "model": server.model_name(body.model),
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def embed_all(server, prompts: list, body, request: Request, tenant: Tenant | None,
+                    field: str, pooling: PoolingParams | None = None) -> list | None:
+    """The prompts' embeddings (a body's model, truncate_prompt_tokens, priority and
+    cache_salt), through the admission and the tenant's checks; None when the client left
+    (its requests are then aborted). A bad prompt is a 400 naming `field`."""
+    lora = server.check_model(body.model)
     server.check_prompts("embedding", prompts, tenant)
     salt = body.cache_salt if tenant is None else tenant.cache_salt(body.cache_salt)
     server.admission.admit(len(prompts))
@@ -53,22 +70,17 @@ async def embeddings_response(server, body: EmbeddingRequest, request: Request,
     except ValueError as e:
         message = str(e)
         raise ApiError(400, message, "dimensions" if param_of(message) == "dimensions"
-                       else "input") from None
+                       else field) from None
     finally:
         for _ in prompts:
             server.admission.started()
-    if outputs is None:  # the client left: its requests are aborted
-        return Response(status_code=499)
-    data = [{"object": "embedding", "index": i,
-             "embedding": _encoded(o.outputs.embedding, body.encoding_format)}
-            for i, o in enumerate(outputs)]
-    tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    server.metrics.served_whole(tenant, tokens, 0, ["length"] * len(outputs))
-    return JSONResponse({"object": "list", "data": data, "model": server.model_name(body.model),
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    if outputs is not None:
+        server.metrics.served_whole(tenant, sum(len(o.prompt_token_ids) for o in outputs), 0,
+                                    ["length"] * len(outputs))
+    return outputs
 
 
-async def _one(engine, prompt, pooling: PoolingParams, body: EmbeddingRequest, salt, lora):
+async def _one(engine, prompt, pooling: PoolingParams | None, body, salt, lora):
     outs = [out async for out in engine.encode(
         prompt, pooling, truncate_prompt_tokens=body.truncate_prompt_tokens,
         priority=body.priority, cache_salt=salt, lora_request=lora)]

@@ -1,5 +1,5 @@
 """The server's routes: completions, chat and responses (full or streamed), embeddings,
-models, health, metrics.
+scores and reranking, models, health, metrics.
 
 Every call to the engine has a deadline: /health answers within HEALTH_DEADLINE_S whatever
 the engine does (503 "engine unresponsive" when it cannot tell), /metrics serves the last
@@ -21,6 +21,9 @@ from tierserve.deploy.openai.anthropic import MessagesRequest, messages_response
 from tierserve.deploy.openai.beam import beam_response
 from tierserve.deploy.openai.connections import uvicorn_config
 from tierserve.deploy.openai.embeddings import EmbeddingRequest, embeddings_response
+from tierserve.deploy.openai.scoring import (
+    RerankRequest, ScoreRequest, rerank_response, score_response,
+)
 from tierserve.deploy.openai.errors import (
     ApiError,
     error_json,
@@ -344,6 +347,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, tenant: Tenant | None = auth):
         return await embeddings_response(server, body, request, tenant)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest, request: Request, tenant: Tenant | None = auth):
+        return await score_response(server, body, request, tenant)
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def rerank(body: RerankRequest, request: Request, tenant: Tenant | None = auth):
+        return await rerank_response(server, body, request, tenant)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request, tenant: Tenant | None = auth):
