@@ -11,6 +11,7 @@ import os
 import sys
 
 from tierserve.deploy.cli_options import engine_options, sampling_params
+from tierserve.runtime.hub_cache import hub_id_of
 
 __all__ = ["cmd_generate", "cmd_chat", "cmd_api_server", "model_name"]
 
@@ -144,8 +145,12 @@ def chat_template_of(value: str | None) -> str | None:
 
 
 def model_name(model: str | None) -> str:
-    """A model's name as a server reports it: its folder or file name."""
+    """A model's name as a server reports it: its Hugging Face Hub id for a snapshot of the
+    Hub cache (runtime/hub_cache.py), else its folder or file name."""
     if model is None:
         return "SmolLM2-135M-Instruct"
+    hub_id = hub_id_of(model)
+    if hub_id is not None:
+        return hub_id
     base = os.path.basename(os.path.normpath(model))
     return base[:-5] if base.endswith(".gguf") else base

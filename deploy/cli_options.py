@@ -12,6 +12,7 @@ import textwrap
 
 from tierserve.runtime import envs
 from tierserve.runtime.config import field_kind, option_fields
+from tierserve.runtime.hub_cache import HUB_ARGS
 from tierserve.runtime.vllm_args import VLLM_ARGS
 
 __all__ = ["options_table", "engine_options", "sampling_params"]
@@ -49,6 +50,9 @@ def vllm_flags(p: argparse.ArgumentParser) -> None:
     where they ask for what tierserve does, else refused with what it does instead."""
     g = p.add_argument_group("vLLM's engine flags (accepted where they ask for what tierserve "
                              "does)")
+    for name, help_text in HUB_ARGS.items():
+        g.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+                       metavar="STR", help=help_text)
     for name, arg in VLLM_ARGS.items():
         flag = "--" + name.replace("_", "-")
         shown = " or ".join(repr(a) for a in arg.accepts if not isinstance(a, float))
@@ -136,7 +140,7 @@ def options_table() -> str:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line."""
-    names = [f.name for f in option_fields()] + list(VLLM_ARGS)
+    names = [f.name for f in option_fields()] + list(HUB_ARGS) + list(VLLM_ARGS)
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -19,6 +19,7 @@ from tierserve.kvcache import HASH_ALGORITHMS, PREEMPTION_MODES
 from tierserve.runtime.envs import CPU_ISAS
 from tierserve.runtime.generation_config import GENERATION_CONFIG_HELP, generation_overrides
 from tierserve.runtime.lora import LoRAModules
+from tierserve.runtime.hub_cache import resolve_hub_ids
 from tierserve.runtime.vllm_args import resolve_vllm_args
 from tierserve.scheduler.queues import POLICIES
 from tierserve.scheduler.spec import SpeculativeConfig
@@ -215,7 +216,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        kwargs = resolve_vllm_args(kwargs)
+        kwargs = resolve_vllm_args(resolve_hub_ids(kwargs))
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in kwargs if k not in names]
         if unknown:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
+__all__ = ["cache_dir", "hf_hub_cache", "log_level", "ray_address", "default_namespace", "cpu_kernels", "cpu_isa",
            "CPU_ISAS", "debug_stall", "debug_crash", "debug_late_copies", "actor_variables",
            "pin_gloo_interface"]
 
@@ -12,6 +12,17 @@ def cache_dir() -> str:
     """Where converted tokenizers and the SSD tier live by default."""
     return os.environ.get("TIERSERVE_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "tierserve")
+
+
+def hf_hub_cache() -> str:
+    """Where Hugging Face's tools keep downloaded models (HF_HUB_CACHE, else HF_HOME/hub, else
+    XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub), which a Hub id resolves in."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "huggingface", "hub")
 
 
 def log_level() -> str:

@@ -5,15 +5,14 @@ A value that asks for tierserve's own behaviour is accepted and dropped (`kv_cac
 `trust_remote_code=True`: no checkpoint code ever runs here); `distributed_executor_backend=
 "ray"` becomes `distributed=True`; any other value is a ValueError saying what tierserve does
 and which option to use instead. EngineConfig.from_kwargs applies it, so `LLM(...)`, `serve`
-and every CLI command (whose flags for these come from VLLM_ARGS too) share it.
+and every CLI command (whose flags for these come from VLLM_ARGS too) share it. `revision` and
+`download_dir` pick a model named by its Hub id in the local cache (runtime/hub_cache.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 __all__ = ["VLLM_ARGS", "VllmArg", "resolve_vllm_args"]
-
-_NO_DOWNLOADS = "nothing is downloaded: pass a local folder or GGUF file as model"
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
                                  "`tierserve status` and /metrics report them", bool),
     "max_logprobs": VllmArg((20,), "a request's logprobs and prompt_logprobs are at most 20",
                             int),
-    "revision": VllmArg((None,), _NO_DOWNLOADS, str),
-    "download_dir": VllmArg((None,), _NO_DOWNLOADS, str),
     "swap_space": VllmArg((0, 0.0), "a preempted request's KV goes to the CPU tier "
                           "(kv_offload_cpu_bytes) or is recomputed (preemption_mode)", float),
     "cpu_offload_gb": VllmArg((0, 0.0), "the weights stay in the device's memory", float),

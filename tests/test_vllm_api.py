@@ -319,3 +319,60 @@ def test_api_server_takes_vllms_serve_flags(checkpoint):
                             "--disable-log-requests")
     assert "Application startup complete" in quiet and "POST /v1/" not in quiet, quiet
     assert main(["api-server", str(checkpoint), "--model", "/elsewhere"]) != 0
+
+
+def _hub_cache(root, checkpoint, repo_id: str, refs: dict[str, str]):
+    """A Hugging Face Hub cache holding `checkpoint` as `repo_id` at each ref -> commit (its
+    layout: refs/NAME holds a commit, snapshots/COMMIT its files, linked to blobs)."""
+    import os
+    import shutil
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    for ref, commit in refs.items():
+        snap = repo / "snapshots" / commit
+        if not snap.exists():
+            snap.mkdir(parents=True)
+            for f in checkpoint.iterdir():
+                blob = repo / "blobs" / f"{commit[:8]}-{f.name}"
+                blob.parent.mkdir(exist_ok=True)
+                shutil.copy(f, blob)
+                os.symlink(os.path.relpath(blob, snap), snap / f.name)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return repo
+
+
+def test_a_hub_id_is_served_from_the_local_hub_cache(checkpoint, tmp_path, monkeypatch):
+    """vLLM's offline behaviour: a model named by its Hub id runs from the Hub cache's
+    snapshot (at `revision`, under `download_dir`), and servers name it by that id; an id
+    the cache lacks is an error saying how to get it, and nothing is downloaded."""
+    from tierserve import LLM, SamplingParams
+    from tierserve.deploy.cli_inference import model_name
+    from tierserve.deploy.cli_options import engine_options
+    from tierserve.deploy.cli_parser import build_parser
+    from tierserve.runtime.config import EngineConfig
+    main, tag = "1" * 40, "2" * 40
+    repo = _hub_cache(tmp_path / "hub", checkpoint, "org/tiny", {"main": main, "v2": tag})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        want = llm.generate("the cat", params, use_tqdm=False)[0].outputs[0].text
+    with LLM("org/tiny", block_size=4, max_model_len=256) as llm:
+        assert llm.generate("the cat", params, use_tqdm=False)[0].outputs[0].text == want
+        assert model_name(llm.engine.info()["model"]) == "org/tiny"
+    config = EngineConfig.from_kwargs(model="org/tiny", revision="v2")
+    assert config.model == str(repo / "snapshots" / tag)
+    assert EngineConfig.from_kwargs(model="org/tiny", revision=main, tokenizer="org/tiny"
+                                    ).tokenizer == str(repo / "snapshots" / main)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert EngineConfig.from_kwargs(model="org/tiny", download_dir=str(tmp_path / "hub")
+                                    ).model == str(repo / "snapshots" / main)
+    args = build_parser().parse_args(["generate", "hi", "--model", "org/tiny", "--revision",
+                                      "v2", "--download-dir", str(tmp_path / "hub")])
+    assert EngineConfig.from_kwargs(**engine_options(args)).model == config.model
+    with pytest.raises(ValueError, match="huggingface-cli download org/tiny"):
+        EngineConfig.from_kwargs(model="org/tiny")
+    with pytest.raises(ValueError, match="at revision 'v3'"):
+        EngineConfig.from_kwargs(model="org/tiny", revision="v3",
+                                 download_dir=str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="model is a path"):
+        EngineConfig.from_kwargs(model=str(checkpoint), revision="main")
