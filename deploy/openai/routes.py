@@ -60,6 +60,7 @@ from tierserve.deploy.openai.streaming import (
 )
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.tenants import Tenant, namespace_of
+from tierserve.deploy.openai.tokenize import detokenize_response, tokenize_response
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
@@ -239,41 +240,6 @@ class OpenAIServer:
             except ValueError as e:
                 raise BadField(field, str(e)) from None
 
-    def _tok(self):
-        if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: send and read token ids")
-        return self.tokenizer
-
-    def _text(self, ids: list[int]) -> str:
-        return self._tok().decode(ids, skip_special_tokens=False)
-
-    async def tokenize(self, body) -> dict:
-        self.check_model(body.model)
-        tok = self._tok()
-        if isinstance(body, TokenizeChatRequest):
-            prompt = chat_prompt(body, self.config.chat_template, self.tool_format)
-            try:
-                text = tok.render_chat(prompt.pop("messages"), **prompt)
-            except ValueError:
-                raise
-            except Exception as e:  # the template itself failed on these options
-                raise BadField("messages", f"cannot render the chat template: "
-                                           f"{type(e).__name__}: {e}") from None
-        else:
-            text = body.prompt
-        ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs
-                else None}
-
-    async def detokenize(self, body: DetokenizeRequest) -> dict:
-        self.check_model(body.model)
-        vocab = self.vocab_size
-        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise BadField("tokens", f"token id {bad[0]} is out of range [0, {vocab})")
-        return {"prompt": await asyncio.to_thread(self._text, body.tokens)}
-
     async def chat(self, body: ChatCompletionRequest, request: Request, tenant: Tenant | None):
         self.check_model(body.model)
         tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
@@ -374,11 +340,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest,
                        tenant: Tenant | None = auth):
-        return await server.tokenize(body)
+        return await tokenize_response(server, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, tenant: Tenant | None = auth):
-        return await server.detokenize(body)
+        return await detokenize_response(server, body)
 
     @app.get("/v1/models")
     async def models(tenant: Tenant | None = auth):

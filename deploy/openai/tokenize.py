@@ -1,0 +1,45 @@
+"""vLLM's `POST /tokenize` (a prompt, or chat messages rendered by the engine's template) and
+`POST /detokenize`, with the engine's own tokenizer, off the event loop."""
+from __future__ import annotations
+
+import asyncio
+
+from tierserve.deploy.openai.errors import ApiError, BadField
+from tierserve.deploy.openai.protocol import DetokenizeRequest, TokenizeChatRequest, chat_prompt
+
+__all__ = ["tokenize_response", "detokenize_response"]
+
+
+def _tokenizer(server):
+    if server.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send and read token ids")
+    return server.tokenizer
+
+
+async def tokenize_response(server, body) -> dict:
+    server.check_model(body.model)
+    tok = _tokenizer(server)
+    if isinstance(body, TokenizeChatRequest):
+        prompt = chat_prompt(body, server.config.chat_template, server.tool_format)
+        try:
+            text = tok.render_chat(prompt.pop("messages"), **prompt)
+        except ValueError:
+            raise
+        except Exception as e:  # the template itself failed on these options
+            raise BadField("messages", f"cannot render the chat template: "
+                                       f"{type(e).__name__}: {e}") from None
+    else:
+        text = body.prompt
+    ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+async def detokenize_response(server, body: DetokenizeRequest) -> dict:
+    server.check_model(body.model)
+    tok, vocab = _tokenizer(server), server.vocab_size
+    bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise BadField("tokens", f"token id {bad[0]} is out of range [0, {vocab})")
+    return {"prompt": await asyncio.to_thread(tok.decode, body.tokens,
+                                              skip_special_tokens=False)}
