@@ -14,10 +14,10 @@ min_p, repetition_penalty and max_new_tokens (as max_tokens).
 """
 from __future__ import annotations
 
-import json
 import os
 
 from tierserve.scheduler.params import SamplingParams
+from tierserve.workers.model.config_files import read_json_object
 
 __all__ = ["generation_defaults", "generation_overrides", "sampling_params_with",
            "GENERATION_CONFIG_HELP"]
@@ -87,13 +87,7 @@ def _source_defaults(source: str, model_path: str) -> dict:
 
 
 def _read_hf(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"generation_config: cannot read {path}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"generation_config: {path} is not a JSON object")
+    raw = read_json_object(path, "generation_config")
     return _typed({ours: raw[theirs] for theirs, ours in _HF_FIELDS.items()
                    if raw.get(theirs) is not None})
 

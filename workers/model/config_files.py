@@ -9,7 +9,20 @@ import os
 from tierserve.workers.model.config import ModelConfig
 from tierserve.workers.model.gguf_file import GGUFFile, open_gguf
 
-__all__ = ["load_model_config"]
+__all__ = ["load_model_config", "read_json_object"]
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in file `path`; ValueError naming `what` (the file's role) where it
+    cannot be read or holds no object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what}: cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: {path} is not a JSON object")
+    return value
 
 
 def _is_gguf(path: str) -> bool:

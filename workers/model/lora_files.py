@@ -17,6 +17,8 @@ import re
 import struct
 from dataclasses import dataclass
 
+from tierserve.workers.model.config_files import read_json_object
+
 __all__ = ["AdapterLayout", "LORA_PROJECTIONS", "read_adapter", "adapter_weights_file",
            "projection_shapes"]
 
@@ -74,13 +76,7 @@ def _read_config(path: str) -> dict:
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
         raise ValueError(f"LoRA adapter {path!r}: no adapter_config.json there")
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {path!r}: cannot read adapter_config.json: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not an object")
+    config = read_json_object(file, f"LoRA adapter {path!r}")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {kind!r} is not LORA")
