@@ -56,8 +56,8 @@ _COLD_BUILD_TEST = "test_concurrent_cold_builds_share_one_compile"
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection
 def pytest_collection_modifyitems(session, config, items):
-    first = [item for item in items if item.originalname == _COLD_BUILD_TEST]
-    items[:] = first + [item for item in items if item.originalname != _COLD_BUILD_TEST]
+    first = [item for item in items if getattr(item, "originalname", None) == _COLD_BUILD_TEST]
+    items[:] = first + [item for item in items if item not in first]
     if not config.option.collectonly:
         _start_kernel_builds(skip=("avx2",) if first else ())
 
