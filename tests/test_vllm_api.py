@@ -250,7 +250,8 @@ def test_vllm_engine_arguments_are_taken_or_refused_with_the_reason(checkpoint):
                                 ("pipeline_parallel_size", 2, "tensor parallelism only"),
                                 ("pipeline_parallel_size", True, "only 1"),
                                 ("enable_chunked_prefill", False, "always prefilled in chunks"),
-                                ("revision", "main", "nothing is downloaded"),
+                                ("revision", "main", "applies to a model named by its Hugging "
+                                                     "Face Hub id"),
                                 ("swap_space", 4, "kv_offload_cpu_bytes"),
                                 ("distributed_executor_backend", "mp", "Ray actors")):
         with pytest.raises(ValueError, match=reason):

@@ -60,7 +60,9 @@ from tierserve.deploy.openai.streaming import (
 )
 from tierserve.deploy.openai.structured import ToolPlan, tool_plan
 from tierserve.deploy.openai.tenants import Tenant, namespace_of
-from tierserve.deploy.openai.tokenize import detokenize_response, tokenize_response
+from tierserve.deploy.openai.tokenize import (
+    detokenize_response, token_text, tokenize_response,
+)
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 from tierserve.runtime import envs
 from tierserve.runtime.client import AsyncLLM
@@ -206,7 +208,7 @@ class OpenAIServer:
         prompts = completion_prompts(body)
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else self._text(p) for p in prompts]
+            echo = [p if isinstance(p, str) else token_text(self, p) for p in prompts]
         return await self.generate("completion", prompts, body, request, tenant, echo=echo)
 
     def check_prompts(self, kind: str, prompts: list, tenant: Tenant | None) -> None:

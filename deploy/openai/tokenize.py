@@ -7,13 +7,18 @@ import asyncio
 from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.protocol import DetokenizeRequest, TokenizeChatRequest, chat_prompt
 
-__all__ = ["tokenize_response", "detokenize_response"]
+__all__ = ["tokenize_response", "detokenize_response", "token_text"]
 
 
 def _tokenizer(server):
     if server.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: send and read token ids")
     return server.tokenizer
+
+
+def token_text(server, ids: list[int]) -> str:
+    """Token ids' text, special tokens included (a 400 for a model without a tokenizer)."""
+    return _tokenizer(server).decode(ids, skip_special_tokens=False)
 
 
 async def tokenize_response(server, body) -> dict:
@@ -37,9 +42,9 @@ async def tokenize_response(server, body) -> dict:
 
 async def detokenize_response(server, body: DetokenizeRequest) -> dict:
     server.check_model(body.model)
-    tok, vocab = _tokenizer(server), server.vocab_size
+    _tokenizer(server)
+    vocab = server.vocab_size
     bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
     if bad:
         raise BadField("tokens", f"token id {bad[0]} is out of range [0, {vocab})")
-    return {"prompt": await asyncio.to_thread(tok.decode, body.tokens,
-                                              skip_special_tokens=False)}
+    return {"prompt": await asyncio.to_thread(token_text, server, body.tokens)}
