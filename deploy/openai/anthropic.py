@@ -149,17 +149,18 @@ class MessageBuilder:
         self.stops = stops
         self._sent = 0
 
-    def _split_stop(self, text: str, reason: str | None) -> tuple[str, str | None]:
-        """The text without a stop sequence that ended it, and that sequence."""
-        if reason == "stop":
-            for s in self.stops:
-                if text.endswith(s):
-                    return text[:-len(s)], s
-        return text, None
+    @staticmethod
+    def _split_stop(c) -> tuple[str, str | None]:
+        """The choice's text without the stop sequence that ended it (its stop_reason; the
+        request keeps it in the text), and that sequence."""
+        stop = c.stop_reason if c.finish_reason == "stop" else None
+        if isinstance(stop, str) and c.text.endswith(stop):
+            return c.text[:-len(stop)], stop
+        return c.text, None
 
     def blocks(self, fold: Fold) -> tuple[list[dict], str, str | None]:
         c = fold.choices[0]
-        text, stop = self._split_stop(c.text, c.finish_reason)
+        text, stop = self._split_stop(c)
         if self.tools is not None:
             calls, content = parse_tool_calls(self.tools, text)
             if calls:
@@ -192,7 +193,7 @@ class MessageBuilder:
             return []
         c = fold.choices[0]
         final = final or c.finish_reason is not None
-        text = self._split_stop(c.text, c.finish_reason)[0] if final else c.text
+        text = self._split_stop(c)[0] if final else c.text
         hold = 0 if final else max((len(s) - 1 for s in self.stops), default=0)
         end = max(self._sent, len(text) - hold)
         out = []
