@@ -88,7 +88,7 @@ class InputProcessor:
                 lora_request: LoRARequest | None = None) -> Processed:
         fields = self.check(prompt, params, priority, cache_salt)
         lora = lora_ref(lora_request)
-        return self.tokenize(req_id, fields, params, priority, cache_salt, label, lora)
+        return self.tokenize(req_id, fields, params, priority, label, lora)
 
     async def process_async(self, req_id: str, prompt, params: SamplingParams,
                             priority: int = 0, cache_salt: str | None = None,
@@ -98,10 +98,9 @@ class InputProcessor:
         fields = self.check(prompt, params, priority, cache_salt)
         lora = lora_ref(lora_request)
         if _text_bytes(fields) <= INLINE_BYTES:
-            return self.tokenize(req_id, fields, params, priority, cache_salt, label, lora)
+            return self.tokenize(req_id, fields, params, priority, label, lora)
         return await asyncio.get_running_loop().run_in_executor(
-            text_pool(), self.tokenize, req_id, fields, params, priority, cache_salt, label,
-            lora)
+            text_pool(), self.tokenize, req_id, fields, params, priority, label, lora)
 
     def check(self, prompt, params: SamplingParams, priority: int,
               cache_salt: str | None) -> Prompt:
@@ -128,7 +127,8 @@ class InputProcessor:
         return fields
 
     def tokenize(self, req_id: str, fields: Prompt, params: SamplingParams, priority: int,
-                 cache_salt: str | None, label: str, lora: LoRARef | None = None) -> Processed:
+                 label: str, lora: LoRARef | None = None) -> Processed:
+        """The engine request of checked fields (check(): its cache salt resolved there)."""
         ids = fields.token_ids
         if ids is None:
             ids = self._encode(fields)
@@ -141,9 +141,8 @@ class InputProcessor:
             params = msgspec.structs.replace(params, bad_words=None, bad_words_token_ids=(
                 params.bad_words_token_ids or []) + bad_word_ids(params.bad_words,
                                                                  self.tokenizer))
-        salt = fields.cache_salt if fields.cache_salt is not None else cache_salt
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
-                                    cache_salt=salt, label=label, lora=lora)
+                                    cache_salt=fields.cache_salt, label=label, lora=lora)
         return Processed(request, fields.text)
 
     def _kept(self, params: SamplingParams) -> int | None:
