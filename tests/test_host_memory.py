@@ -11,6 +11,7 @@ import torch
 
 from tierserve.workers.backends.coded import CodedPanelWeight
 from tierserve.workers.backends.host_memory import HugePageArena, mapped_zeros
+from tierserve.workers.backends.int8_linear import Int8PanelWeight
 from tierserve.workers.backends.linear import PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
 from tierserve.workers.kv_pool import allocate_kv_cache
@@ -111,9 +112,11 @@ def test_kernel_weights_and_kv_pools_are_advised_for_huge_pages(kernels):
     assert isinstance(method, (PanelWeight, CodedPanelWeight))
     assert "hg" in _vm_flags(streamed.data_ptr())
     assert torch.equal(method.weight(), w)
-    quant = kernels.linear_method(w, "q8_0")
+    quant = kernels.linear_method(w, "q4_1")
     assert isinstance(quant, QuantPanelWeight)
     assert {"hg"} <= _vm_flags(quant.codes.data_ptr()) & _vm_flags(quant.scales.data_ptr())
+    int8 = kernels.linear_method(w, "q8_0")
+    assert isinstance(int8, Int8PanelWeight) and "hg" in _vm_flags(int8.pairs.data_ptr())
     (k, v), = allocate_kv_cache(1, 8, 16, 2, 64, torch.float32, "cpu")
     assert k.data_ptr() % (2 << 20) == 0 and v.data_ptr() % (2 << 20) == 0
     assert "hg" in _vm_flags(k.data_ptr()) and "hg" in _vm_flags(v.data_ptr())

@@ -18,6 +18,7 @@ from tierserve.workers.backends.cpu_features import ISAS, CpuFeatures, detect_cp
 from tierserve.workers.backends.kernels import kernel_library
 from tierserve.workers.backends.greedy import GreedyHead
 from tierserve.workers.backends.host_memory import HugePageArena
+from tierserve.workers.backends.int8_linear import Int8PanelWeight
 from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import TorchBackend, half_linear_plan, torch_backend
@@ -59,6 +60,8 @@ class CpuKernelBackend(TorchBackend):
     greedy_head_route: bool = True  # exact greedy tokens from the LM head's Q8_0 codes
     # fp32 weights that are GGUF blocks dequantized run from their codes alone (quant.py).
     quant_linear: bool = True
+    # A decoder's Q8_0 weights run with int8 activations, W8A8 (int8_linear.py).
+    int8_linear: bool = True
     # Other fp32 weights run from coded panels, 28 bits a value (coded.py), with quant_linear.
     coded_linear: bool = True
     panel_width: int = 0
@@ -98,7 +101,8 @@ class CpuKernelBackend(TorchBackend):
                  "fp32_linear": self.fp32_linear, "amx_linear": self.amx_linear,
                  "greedy_head": self.greedy_head_route, "quant_linear": self.quant_linear,
                  "coded_linear": self.coded_linear and self.quant_linear,
-                 "bf16_pairs": self.bf16_pairs, "int8_head": self.int8_head}
+                 "bf16_pairs": self.bf16_pairs, "int8_head": self.int8_head,
+                 "int8_linear": self.int8_linear}
         return [name for name, on in flags.items() if on]
 
     def fuses(self, x: torch.Tensor) -> bool:
@@ -121,11 +125,11 @@ class CpuKernelBackend(TorchBackend):
 
     def _cpu_linear_method(self, weight: torch.Tensor, quantization: str | None, head: bool):
         if quantization is not None and QuantPanelWeight.applies_to(weight):
-            return QuantPanelWeight.quantize(weight, quantization, self)
+            return self._int8_or_codes(QuantPanelWeight.quantize(weight, quantization, self), head)
         if quantization is None:
             exact = QuantPanelWeight.encode(weight, self)
             if exact is not None:
-                return exact
+                return self._int8_or_codes(exact, head)
         # A head with a greedy route runs the panel kernel, whose arithmetic the route repeats.
         greedy = head and GreedyHead.applies_to(weight, self)
         if self.half_linear_for(weight.dtype) == "onednn" and PackedWeight.applies_to(weight) \
@@ -141,6 +145,15 @@ class CpuKernelBackend(TorchBackend):
                 or (None if head else CodedPanelWeight.encode(weight, self)) \
                 or PanelWeight(weight, self)
         return super().linear_method(weight, None, head)
+
+    def _int8_or_codes(self, method: QuantPanelWeight, head: bool):
+        """A decoder's Q8_0 weight runs with int8 activations (int8_linear.py); a head keeps
+        the fp32 chain, which its greedy route and embedding lookups read."""
+        if self.int8_linear and method.format == "q8_0" and not head:
+            codes, d, _ = method.reference_codes()
+            if Int8PanelWeight.takes(d):
+                return Int8PanelWeight.from_codes(codes, d, self)
+        return method
 
     def greedy_head(self, method, weight: torch.Tensor):
         if GreedyHead.applies_to(weight, self, method):

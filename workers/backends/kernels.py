@@ -42,7 +42,7 @@ _UNIT = "kernels.cpp"  # includes the other sources: one translation unit
 _SOURCES = ("kernels.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear_pairs.cpp",
             "linear.cpp", "linear_coded.cpp", "coded_encode.cpp", "linear_coded_pairs.cpp",
             "linear_amx.cpp", "greedy_head.cpp", "int8_head.cpp", "int8_greedy.cpp", "fused.cpp",
-            "quant.cpp", "quant_encode.cpp", "lora.cpp", "layer_stack.cpp")
+            "quant.cpp", "quant_encode.cpp", "linear_int8.cpp", "lora.cpp", "layer_stack.cpp")
 # Part of the build's identity.
 _HEADERS = ("vec.h", "panels.h", "attention_math.h", "decode_tiles.h", "decode_plan.h")
 # -fopenmp: at::parallel_for is an inline `omp parallel` region, serial without it. The .so then

@@ -16,13 +16,14 @@ from typing import Any, NamedTuple
 import torch
 
 from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
+from tierserve.workers.backends.int8_linear import Int8PanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.quant import QuantPanelWeight
 
 __all__ = ["StackLayer", "KernelLayerStack"]
 
 # csrc/layer_stack.cpp's LinearKind.
-_PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1, _CODED_F32, _CODED_PAIRS = range(6)
+_PANEL_F32, _PANEL_HALF, _Q8_0, _Q4_1, _CODED_F32, _CODED_PAIRS, _INT8 = range(7)
 
 
 class StackLayer(NamedTuple):
@@ -59,6 +60,8 @@ def _kernel_of(method, dtype: torch.dtype, rows: int, max_rows: int):
         return (_PANEL_F32, (method.panels,)) if rows <= max_rows else None
     if isinstance(method, CodedPanelWeight) and dtype == torch.float32 and rows <= max_rows:
         return _CODED_F32, method.kernel_tensors()
+    if isinstance(method, Int8PanelWeight) and dtype == torch.float32:
+        return _INT8, method.kernel_tensors()
     if isinstance(method, QuantPanelWeight) and dtype == torch.float32 and rows <= max_rows:
         if method.format == "q4_1":
             return _Q4_1, (method.codes, method.scales, method.offsets)

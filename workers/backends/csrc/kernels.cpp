@@ -16,6 +16,7 @@
 #include "fused.cpp"
 #include "quant.cpp"
 #include "quant_encode.cpp"
+#include "linear_int8.cpp"
 #include "lora.cpp"
 #include "layer_stack.cpp"
 

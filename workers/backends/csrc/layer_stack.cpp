@@ -23,7 +23,8 @@ namespace tierserve {
 namespace {
 
 enum LinearKind : int64_t {
-  kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3, kCodedF32 = 4, kCodedPairs = 5
+  kPanelF32 = 0, kPanelHalf = 1, kQ8_0 = 2, kQ4_1 = 3, kCodedF32 = 4, kCodedPairs = 5,
+  kInt8 = 6
 };
 
 void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
@@ -48,6 +49,8 @@ void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
     case kCodedPairs:
       return linear_coded_pairs_into(x, *w0, *weights.get(3 * slot + 1),
                                      *weights.get(3 * slot + 2), bias, n, out);
+    case kInt8:
+      return linear_int8_into(x, *w0, bias, n, out);
     default:
       TORCH_CHECK(false, "layer_stack: unknown linear kind ", kind);
   }
