@@ -22,6 +22,11 @@ best of --repeats. Routes, of the --cpu-isa backend (default: the best this CPU 
   quantized kernel; the engine takes it up to the backend's panel_max_rows rows. fp32 weights
   are Q4_1 blocks dequantized here, as the default model's are, so that route applies; the
   others read the same values as fp32.
+- `q8_0`: the weight quantized to Q8_0, its products by quant.cpp's fp32 chain (what an LM
+  head in Q8_0 runs); `int8`: the same codes with int8 activations (csrc/linear_int8.cpp,
+  what the engine runs for a decoder's Q8_0 linears), `int8_vnni` and `int8_narrow` with its
+  vpdpbusd tiles (where the CPU has AVX512_VNNI) or its 256-bit tile forced at every row count.
+  Their `err` includes the quantization (Q8_0 of the weight; of the rows too for int8).
 Rows: `<dtype>_<route>_m<M>_ms` (30 layers) and `..._gflops`; `..._err_1e6`, the largest
 deviation from float64 on one gate_up product, in units of 1e-6.
 
@@ -51,6 +56,7 @@ from tierserve.workers.backends.cpu import CpuKernelBackend, kernel_backend
 from tierserve.workers.backends.coded import CodedPairPanels, CodedPanelWeight
 from tierserve.workers.backends.cpu_features import detect_cpu_features
 from tierserve.workers.backends.greedy import GreedyHead
+from tierserve.workers.backends.int8_linear import Int8PanelWeight
 from tierserve.workers.backends.linear import PackedWeight, PanelWeight
 from tierserve.workers.backends.portable import torch_backend
 from tierserve.workers.backends.quant import QuantPanelWeight
@@ -73,6 +79,10 @@ class Weight:
         torch_route = torch_backend().half_linear_for(w.dtype)
         self.onednn = PackedWeight(w) if torch_route == "onednn" else None
         self.quant = QuantPanelWeight.encode(w, backend) if self.panel else None
+        self.q8 = QuantPanelWeight.quantize(w, "q8_0", backend) \
+            if w.dtype == torch.float32 and backend.quant_linear else None
+        self.int8 = Int8PanelWeight.from_codes(*self.q8.reference_codes()[:2], backend) \
+            if self.q8 is not None else None
         if w.dtype == torch.float32:
             coding = dataclasses.replace(backend, coded_linear=True)  # AVX2 does not choose it
             self.coded = CodedPanelWeight.encode(w, coding) if self.panel else None
@@ -102,6 +112,14 @@ def routes(backend: CpuKernelBackend, dtype: torch.dtype, m: int) -> dict:
         out["coded"] = lambda x, w: w.coded.linear(x, None)
         out["q4_1"] = lambda x, w: backend.ops.linear_q4_1(
             x, w.quant.codes, w.quant.scales, w.quant.offsets, None, w.plain.shape[0])
+        if m <= backend.panel_max_rows:
+            out["q8_0"] = lambda x, w: w.q8.linear(x, None)
+        out["int8"] = lambda x, w: w.int8.linear(x, None)
+        if backend.ops.int8_linear_path() == "avx512_vnni":
+            out["int8_vnni"] = lambda x, w: backend.ops.linear_int8(
+                x, w.int8.pairs, None, w.plain.shape[0], 1)
+        out["int8_narrow"] = lambda x, w: backend.ops.linear_int8(
+            x, w.int8.pairs, None, w.plain.shape[0], 2)
     return out
 
 

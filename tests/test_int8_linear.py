@@ -31,8 +31,15 @@ def test_the_kernel_is_its_arithmetic_at_every_row_count(kernels, n, k):
         for b in (None, bias):
             got = linear.linear(x[:m], b)
             assert torch.equal(got, reference_int8_linear(x[:m], codes, d, b)), (m, b is None)
-            # Each row alone gives its row of the batch.
+            # Each row alone gives its row of the batch, and either tile gives the same bits.
             assert torch.equal(linear.linear(x[m - 1:m], b), got[-1:])
+            tiles = (1, 2) if kernels.ops.int8_linear_path() == "avx512_vnni" else (2,)
+            for tile in tiles:
+                forced = kernels.ops.linear_int8(x[:m], linear.pairs, b, n, tile)
+                assert torch.equal(forced, got), tile
+    if kernels.ops.int8_linear_path() != "avx512_vnni":
+        with pytest.raises(RuntimeError, match="tiles"):
+            kernels.ops.linear_int8(x[:1], linear.pairs, None, n, 1)
 
 
 def test_every_isa_path_gives_the_same_bits():

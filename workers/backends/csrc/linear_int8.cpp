@@ -38,6 +38,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace tierserve {
 namespace {
@@ -58,14 +59,17 @@ bool w8_vnni() {
 }
 
 // Rows quantized per block: q [M, K] int8, dx [M, B] fp32, sq [M, B] int32 (sum of q: VNNI's
-// correction).
+// correction), in one buffer of w8_rows_bytes(M, K) bytes.
 struct W8Rows {
-  at::Tensor storage, dx, sq;
   const int8_t* q;
   const float* d;
   const int32_t* s;
   int64_t k, blocks;
 };
+
+inline int64_t w8_rows_bytes(int64_t m, int64_t k) {
+  return m * k + 8 * m * (k / kW8Block);  // k is a multiple of 32: the floats stay aligned
+}
 
 // One block of 32 inputs: codes into q, their sum into *sum, the scale returned.
 inline float quantize_w8_block(const float* x, int8_t* q, int32_t* sum) {
@@ -108,28 +112,26 @@ inline float quantize_w8_block(const float* x, int8_t* q, int32_t* sum) {
   return d;
 }
 
-W8Rows quantize_w8_rows(const at::Tensor& x) {
+// x's rows quantized into `buffer` (w8_rows_bytes of x's shape, 4-byte aligned).
+W8Rows quantize_w8_rows(const at::Tensor& x, uint8_t* buffer) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kW8Block, ldx = x.stride(0);
-  W8Rows rows;
-  rows.storage = at::empty({m, k}, x.options().dtype(at::kChar));
-  rows.dx = at::empty({m, blocks}, x.options());
-  rows.sq = at::zeros({m, blocks}, x.options().dtype(at::kInt));
-  int8_t* q = rows.storage.data_ptr<int8_t>();
-  float* d = rows.dx.data_ptr<float>();
-  int32_t* s = rows.sq.data_ptr<int32_t>();
+  int8_t* q = reinterpret_cast<int8_t*>(buffer);
+  float* d = reinterpret_cast<float*>(buffer + m * k);
+  int32_t* s = reinterpret_cast<int32_t*>(buffer + m * k + 4 * m * blocks);
   const float* xp = x.data_ptr<float>();
   auto quantize = [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t b = 0; b < blocks; ++b) {
+        s[r * blocks + b] = 0;
         d[r * blocks + b] = quantize_w8_block(xp + r * ldx + b * kW8Block,
                                               q + r * k + b * kW8Block, s + r * blocks + b);
+      }
   };
   if (m * k < 16384)
     quantize(0, m);  // a decode step's rows: less than a thread hand-off costs
   else
     at::parallel_for(0, m, 16, quantize);
-  rows.q = q, rows.d = d, rows.s = s, rows.k = k, rows.blocks = blocks;
-  return rows;
+  return {q, d, s, k, blocks};
 }
 
 // Panel h's 16 scales (fp16) in a pair's block.
@@ -240,17 +242,23 @@ struct W8Tiles {
   int64_t rows;  // rows a tile holds at most
 };
 
+// Which tiles a product takes: the choice by its rows, or one forced (bench/linear_kernels.py).
+enum W8Choice : int64_t { kW8Auto = 0, kW8Vnni = 1, kW8Narrow = 2 };
+
 // The tiles for a product of `rows` rows. A lone row streams its weights at a higher rate
-// through the 256-bit tile than through vpdpbusd's (bench/int8_linear.py, Zen 4; the same
-// bits either way); several rows take vpdpbusd where the CPU has it, four rows a tile.
-W8Tiles w8_tiles(int64_t rows) {
-  static constexpr std::array<W8Tile, 1> avx2 = {&w8_tile_avx2};
+// through the 256-bit tile than through vpdpbusd's (bench/linear_kernels.py, routes int8_vnni
+// and int8_narrow, on a Zen 4 EPYC; the same bits either way); several rows take vpdpbusd
+// where the CPU has it, four rows a tile.
+W8Tiles w8_tiles(int64_t rows, int64_t choice) {
+  static constexpr std::array<W8Tile, 1> narrow = {&w8_tile_avx2};
 #if defined(__AVX512F__)
   static constexpr std::array<W8Tile, 4> vnni = {&w8_tile_vnni<1>, &w8_tile_vnni<2>,
                                                  &w8_tile_vnni<3>, &w8_tile_vnni<4>};
-  if (w8_vnni() && rows > 1) return {vnni.data(), static_cast<int64_t>(vnni.size())};
+  if (w8_vnni() && (choice == kW8Vnni || (choice == kW8Auto && rows > 1)))
+    return {vnni.data(), static_cast<int64_t>(vnni.size())};
 #endif
-  return {avx2.data(), static_cast<int64_t>(avx2.size())};
+  (void)rows, (void)choice;
+  return {narrow.data(), static_cast<int64_t>(narrow.size())};
 }
 
 // The path this library takes on this CPU.
@@ -274,17 +282,24 @@ void check_int8_linear(const char* op, const at::Tensor& x, const at::Tensor& pa
 }
 
 void linear_int8_into(const at::Tensor& x, const at::Tensor& pairs_,
-                      const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
+                      const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& out,
+                      int64_t choice = kW8Auto) {
   const char* op = "linear_int8: ";
   check_int8_linear(op, x, pairs_, bias, n);
   const int64_t m = x.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == m && out.size(1) == n,
               op, "out must be a contiguous float32 [", m, ", ", n, "]");
+  TORCH_CHECK(choice == kW8Auto || choice == kW8Narrow || (choice == kW8Vnni && w8_vnni()),
+              op, "tiles must be 0 (auto), 2 (256-bit) or, where the CPU has AVX512_VNNI, 1");
   if (m == 0) return;
-  const W8Rows rows = quantize_w8_rows(x);
+  // The rows' codes, reused call after call by this thread (a decode step makes ~100 calls).
+  thread_local std::vector<uint8_t> buffer;
+  const auto need = static_cast<size_t>(w8_rows_bytes(m, x.size(1)));
+  if (buffer.size() < need) buffer.resize(need);
+  const W8Rows rows = quantize_w8_rows(x, buffer.data());
   const uint8_t* w = pairs_.data_ptr<uint8_t>();
-  const W8Tiles tiles = w8_tiles(m);
+  const W8Tiles tiles = w8_tiles(m, choice);
   const int64_t pairs = (n + 2 * kW8Feat - 1) / (2 * kW8Feat);
   const int64_t pair_bytes = rows.blocks * kW8PairBlock;
   float* o = out.data_ptr<float>();
@@ -312,10 +327,10 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& pairs_,
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& pairs,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t tiles) {
   TORCH_CHECK(x.dim() == 2, "linear_int8: x must be a float32 [M, K] tensor");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  linear_int8_into(x, pairs, bias, n, out);
+  linear_int8_into(x, pairs, bias, n, out, tiles);
   return out;
 }
 
@@ -324,8 +339,11 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1 && x.size(1) % kW8Block == 0,
               "int8_quantize_rows: x must be a float32 [M, K] CPU tensor, K a multiple of 32");
-  const W8Rows rows = quantize_w8_rows(x);
-  return {rows.storage, rows.dx};
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor buffer = at::empty({w8_rows_bytes(m, k)}, x.options().dtype(at::kByte));
+  quantize_w8_rows(x, buffer.data_ptr<uint8_t>());
+  return {buffer.narrow(0, 0, m * k).view(at::kChar).view({m, k}),
+          buffer.narrow(0, m * k, 4 * m * (k / kW8Block)).view(at::kFloat).view({m, k / kW8Block})};
 }
 
 }  // namespace
@@ -333,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("int8_linear_path() -> str", &tierserve::int8_linear_path);
-  m.def("linear_int8(Tensor x, Tensor pairs, Tensor? bias, int n) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor pairs, Tensor? bias, int n, int tiles=0) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
