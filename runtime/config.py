@@ -160,8 +160,9 @@ class EngineConfig:
                                    "false: from the weights as loaded")
     quantization: str | None = _opt(
         None, "quantize the checkpoint's linears at load into GGUF block codes, as llama.cpp's "
-        "quantizer does, and keep only the codes: q8_0 (8-bit), q4_1 (4-bit, the LM head "
-        "q8_0); default: the weights as stored", choices=QUANTIZATIONS)
+        "quantizer does, and keep only the codes: q8_0 (8-bit; on the CPU kernel backends the "
+        "decoder's q8_0 linears run with 8-bit activations, as llama.cpp's do), q4_1 (4-bit, "
+        "the LM head q8_0); default: the weights as stored", choices=QUANTIZATIONS)
     enforce_eager: bool = _opt(
         False, "on CUDA, run every step eagerly; default: a decode-only step at "
         "tensor_parallel_size 1 replays a CUDA graph captured for its batch and context size")
