@@ -52,10 +52,10 @@ class Int8PanelWeight(LinearMethod):
         pad = 2 * FEATURES * pairs - n
         c = torch.cat([codes, codes.new_zeros(pad, blocks, BLOCK)]) if pad else codes
         s = torch.cat([d.float(), d.new_zeros(pad, blocks, dtype=torch.float32)]) if pad else d
-        # [pairs, 2 panels, 16 features, B, 8 groups, 4] -> [pairs, B, 2, 8, 16, 4]
+        # [pairs, 2 panels, 16 features, B, 8 groups, 4] -> [pairs, B, 8, 2, 16, 4]
         packed = (c.to(torch.int16) + 128).to(torch.uint8)
         packed = packed.view(pairs, 2, FEATURES, blocks, BLOCK // GROUP, GROUP)
-        packed = packed.permute(0, 3, 1, 4, 2, 5).reshape(pairs, blocks, -1)
+        packed = packed.permute(0, 3, 4, 1, 2, 5).reshape(pairs, blocks, -1)
         scales = s.half().view(pairs, 2, FEATURES, blocks).permute(0, 3, 1, 2).contiguous()
         scales = scales.view(torch.uint8).reshape(pairs, blocks, -1)
         return cls(torch.cat([packed, scales], dim=-1).contiguous(), n, blocks * BLOCK, backend)
@@ -68,8 +68,8 @@ class Int8PanelWeight(LinearMethod):
         """codes [N, B, 32] int8, d [N, B], None (Q8_0 has no offsets)."""
         pairs, blocks, _ = self.pairs.shape
         code_bytes = 2 * FEATURES * BLOCK
-        c = self.pairs[..., :code_bytes].reshape(pairs, blocks, 2, BLOCK // GROUP, FEATURES, GROUP)
-        c = c.permute(0, 2, 4, 1, 3, 5).reshape(-1, blocks, BLOCK)[: self.out_features]
+        c = self.pairs[..., :code_bytes].reshape(pairs, blocks, BLOCK // GROUP, 2, FEATURES, GROUP)
+        c = c.permute(0, 3, 4, 1, 2, 5).reshape(-1, blocks, BLOCK)[: self.out_features]
         codes = (c.to(torch.int16) - 128).to(torch.int8)
         s = self.pairs[..., code_bytes:].contiguous().view(torch.float16)  # [pairs, B, 32]
         d = s.float().reshape(pairs, blocks, 2 * FEATURES).permute(0, 2, 1).reshape(-1, blocks)

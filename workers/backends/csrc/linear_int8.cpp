@@ -11,17 +11,18 @@
 // forms the same dot and runs the same fp32 operations, so its bits are the same on every CPU
 // and at every batch size (rows are independent).
 //
-// Weights [pairs, B, 1088] uint8, one contiguous stream: per pair of panels (32 output
-// features, 16 a panel) and block b, each panel's codes (512 bytes: eight groups of four inputs,
-// each group the panel's 16 features' four codes side by side, as w + 128 so that
-// AVX512_VNNI's vpdpbusd takes them as its unsigned operand), then each panel's 16 scales d
-// (fp16, as GGUF stores them: the fp32 value widens exactly). Padding features: codes 128
-// (w = 0) and scales 0.
+// Weights [pairs, B, 1088] uint8, one stream read in order: per pair of panels (32 output
+// features, 16 a panel) and block b, for each of eight groups of four inputs, each panel's 64
+// bytes (its 16 features' four codes side by side, as w + 128 so that AVX512_VNNI's vpdpbusd
+// takes them as its unsigned operand), then both panels' 16 scales d (fp16, as GGUF stores
+// them: the fp32 value widens exactly). Padding features: codes 128 (w = 0) and scales 0. The
+// panels' codes interleaved group by group, not one panel's 512 bytes after the other's: a tile
+// then reads its stream strictly forwards, which the hardware prefetchers follow better
+// (bench/linear_kernels.py, route int8 at one row).
 //
-// Tiles: several rows take AVX512_VNNI's vpdpbusd where the CPU has it (the sum of (w + 128) q,
-// less 128 times the block's sum of q); a lone row, and every row on CPUs without it, the
-// 256-bit tile: vpmaddubsw of |q| and w with q's sign, then vpmaddwd (|q|, |w| <= 127 keep the
-// 16-bit pair sums below 2^15).
+// Tiles: AVX512_VNNI's vpdpbusd where the CPU has it (the sum of (w + 128) q, less 128 times
+// the block's sum of q); elsewhere a 256-bit tile: vpmaddubsw of |q| and w with q's sign, then
+// vpmaddwd (|q|, |w| <= 127 keep the 16-bit pair sums below 2^15).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -165,8 +166,8 @@ __attribute__((target("avx512vnni"))) void w8_tile_vnni(const W8Rows& x, int64_t
     __m512i dot[MR][2];
     for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int g = 0; g < kW8Block / 4; ++g) {
-      const __m512i w0 = _mm512_loadu_si512(block + g * 64);
-      const __m512i w1 = _mm512_loadu_si512(block + kW8PanelBlock + g * 64);
+      const __m512i w0 = _mm512_loadu_si512(block + 2 * g * 64);
+      const __m512i w1 = _mm512_loadu_si512(block + (2 * g + 1) * 64);
       for (int r = 0; r < MR; ++r) {
         int32_t a;
         std::memcpy(&a, x.q + (r0 + r) * x.k + b * kW8Block + g * 4, 4);
@@ -217,7 +218,7 @@ __attribute__((target("avx2,fma"))) void w8_tile_avx2(const W8Rows& x, int64_t r
       for (int j = 0; j < 4; ++j) {  // quarter j: panel j / 2, features 8 (j % 2) ..
         const __m256i w = _mm256_xor_si256(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                block + (j / 2) * kW8PanelBlock + g * 64 + (j % 2) * 32)),
+                block + (2 * g + j / 2) * 64 + (j % 2) * 32)),
             flip);
         dot[j] = _mm256_add_epi32(
             dot[j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w, av)), ones));
@@ -242,22 +243,19 @@ struct W8Tiles {
   int64_t rows;  // rows a tile holds at most
 };
 
-// Which tiles a product takes: the choice by its rows, or one forced (bench/linear_kernels.py).
+// Which tiles a product takes: the CPU's best, or one forced (tests, bench/linear_kernels.py).
 enum W8Choice : int64_t { kW8Auto = 0, kW8Vnni = 1, kW8Narrow = 2 };
 
-// The tiles for a product of `rows` rows. A lone row streams its weights at a higher rate
-// through the 256-bit tile than through vpdpbusd's (bench/linear_kernels.py, routes int8_vnni
-// and int8_narrow, on a Zen 4 EPYC; the same bits either way); several rows take vpdpbusd
-// where the CPU has it, four rows a tile.
-W8Tiles w8_tiles(int64_t rows, int64_t choice) {
+// The tiles of a product: vpdpbusd's where the CPU has AVX512_VNNI, else the 256-bit tile (the
+// same bits either way).
+W8Tiles w8_tiles(int64_t choice) {
   static constexpr std::array<W8Tile, 1> narrow = {&w8_tile_avx2};
 #if defined(__AVX512F__)
   static constexpr std::array<W8Tile, 4> vnni = {&w8_tile_vnni<1>, &w8_tile_vnni<2>,
                                                  &w8_tile_vnni<3>, &w8_tile_vnni<4>};
-  if (w8_vnni() && (choice == kW8Vnni || (choice == kW8Auto && rows > 1)))
-    return {vnni.data(), static_cast<int64_t>(vnni.size())};
+  if (w8_vnni() && choice != kW8Narrow) return {vnni.data(), static_cast<int64_t>(vnni.size())};
 #endif
-  (void)rows, (void)choice;
+  (void)choice;
   return {narrow.data(), static_cast<int64_t>(narrow.size())};
 }
 
@@ -299,7 +297,7 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& pairs_,
   if (buffer.size() < need) buffer.resize(need);
   const W8Rows rows = quantize_w8_rows(x, buffer.data());
   const uint8_t* w = pairs_.data_ptr<uint8_t>();
-  const W8Tiles tiles = w8_tiles(m, choice);
+  const W8Tiles tiles = w8_tiles(choice);
   const int64_t pairs = (n + 2 * kW8Feat - 1) / (2 * kW8Feat);
   const int64_t pair_bytes = rows.blocks * kW8PairBlock;
   float* o = out.data_ptr<float>();
