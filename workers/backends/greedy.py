@@ -50,18 +50,15 @@ MAX_CANDIDATES = 256
 
 
 def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes [2P, B, 8, 16, 4]
-    (per 16 features, each feature's 4 consecutive codes side by side), scales [2P, B, 16] and
-    128 x the codes' sums per block [2P, B, 16] int32."""
+    """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes [P, B, 8, 2, 16, 4]
+    (per group of 4 inputs, each half of the panel's features with each feature's 4 codes side
+    by side), scales [P, B, 32] and 128 x the codes' sums per block [P, B, 32] int32."""
     codes, scales = approx.codes, approx.scales
     panels, blocks, inputs, width = codes.shape
     assert inputs == 32 and width == 32, "int8 layout from 32-feature Q8_0 panels"
-    c = codes.view(panels, blocks, 8, 4, 2, 16).permute(0, 4, 1, 2, 5, 3)
+    c = codes.view(panels, blocks, 8, 4, 2, 16).permute(0, 1, 2, 4, 5, 3)
     sums = codes.sum(dim=2, dtype=torch.int32) * 128
-    halves = lambda t: t.view(panels, blocks, 2, 16).permute(0, 2, 1, 3)  # noqa: E731
-    return (c.reshape(2 * panels, blocks, 8, 16, 4).contiguous(),
-            halves(scales).reshape(2 * panels, blocks, 16).contiguous(),
-            halves(sums).reshape(2 * panels, blocks, 16).contiguous())
+    return c.contiguous(), scales.contiguous(), sums.contiguous()
 
 
 def is_q8_codes(method) -> bool:

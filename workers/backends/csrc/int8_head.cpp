@@ -18,10 +18,11 @@
 // quantization and what bounds the fp32 rounding of the sum. A row holding a non-finite value
 // gets inf.
 //
-// Codes [P, B, 8, 16, 4] int8: per panel of 16 output features and block, eight groups of
-// four inputs, each group a feature's four codes side by side (one int32 lane per feature);
-// scales [P, B, 16] fp32 and sums [P, B, 16] int32 (128 x the block's codes summed); P even,
-// its padding features all zero.
+// Codes [pairs, B, 8, 2, 16, 4] int8: per pair of panels of 16 output features (a Q8_0 panel
+// of quant.cpp's 32), block and group of four inputs, each panel's 16 features' four codes side
+// by side (one int32 lane per feature), so that a tile reads its pair's codes strictly in
+// order; scales [pairs, B, 32] fp32 and sums [pairs, B, 32] int32 (128 x the block's codes
+// summed), both panels' per block. Padding features all zero.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -158,14 +159,16 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
                                                      const HeadCodes& head, int64_t p0,
                                                      float* out, int64_t ldo, int64_t cols) {
   const int64_t k = x.k, blocks = k / kI8Block;
-  const int64_t panel_codes = blocks * kI8Block * kI8Feat, panel_meta = blocks * kI8Feat;
+  // Panel p is half p % 2 of pair p / 2, whose stream holds per block and group both halves'
+  // 64 bytes, and per block both halves' 16 scales and sums.
   const int8_t* w[NP];
   const float* s[NP];
   const int32_t* c[NP];
   for (int h = 0; h < NP; ++h) {
-    w[h] = head.codes + (p0 + h) * panel_codes;
-    s[h] = head.scales + (p0 + h) * panel_meta;
-    c[h] = head.sums + (p0 + h) * panel_meta;
+    const int64_t pair = (p0 + h) / 2, half = (p0 + h) % 2;
+    w[h] = head.codes + pair * blocks * 2 * kI8Block * kI8Feat + half * 64;
+    s[h] = head.scales + pair * blocks * 2 * kI8Feat + half * kI8Feat;
+    c[h] = head.sums + pair * blocks * 2 * kI8Feat + half * kI8Feat;
   }
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
@@ -176,7 +179,7 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
       for (int r = 0; r < MR; ++r)
         for (int h = 0; h < NP; ++h) dot[p][r][h] = _mm512_setzero_si512();
     for (int g = 0; g < kI8Block / 4; ++g) {
-      const int64_t at = (b * (kI8Block / 4) + g) * 64;
+      const int64_t at = (b * (kI8Block / 4) + g) * 2 * 64;
       __m512i wv[NP];
       for (int h = 0; h < NP; ++h) wv[h] = _mm512_loadu_si512(w[h] + at);
       for (int p = 0; p < PASSES; ++p)
@@ -188,8 +191,8 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
         }
     }
     for (int h = 0; h < NP; ++h) {
-      const __m512i sum = _mm512_loadu_si512(c[h] + b * kI8Feat);
-      const __m512 scale = _mm512_loadu_ps(s[h] + b * kI8Feat);
+      const __m512i sum = _mm512_loadu_si512(c[h] + 2 * b * kI8Feat);
+      const __m512 scale = _mm512_loadu_ps(s[h] + 2 * b * kI8Feat);
       for (int r = 0; r < MR; ++r)
         for (int p = 0; p < PASSES; ++p) {
           const __m512 xs = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[p][r][h], sum));
@@ -247,23 +250,23 @@ void check_int8_head(const char* op, const at::Tensor& x, const at::Tensor& code
               op, "x must be a contiguous float32 [M, K] CPU tensor");
   const int64_t k = x.size(1), blocks = k / kI8Block;
   TORCH_CHECK(k > 0 && k % kI8Block == 0, op, "K must be a positive multiple of 32, got ", k);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 5 && codes.is_contiguous() &&
-                  codes.size(0) % 2 == 0 && codes.size(1) == blocks && codes.size(2) == 8 &&
-                  codes.size(3) == kI8Feat && codes.size(4) == 4,
-              op, "codes must be contiguous int8 [P, ", blocks, ", 8, 16, 4], P even");
-  const int64_t panels = codes.size(0);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 6 && codes.is_contiguous() &&
+                  codes.size(1) == blocks && codes.size(2) == 8 && codes.size(3) == 2 &&
+                  codes.size(4) == kI8Feat && codes.size(5) == 4,
+              op, "codes must be contiguous int8 [pairs, ", blocks, ", 8, 2, 16, 4]");
+  const int64_t panels = 2 * codes.size(0);
   TORCH_CHECK(n > 0 && n <= panels * kI8Feat, op, "n must be in [1, ", panels * kI8Feat, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == panels * blocks * kI8Feat,
-              op, "scales must be contiguous float32 [P, B, 16]");
+              op, "scales must be contiguous float32 [pairs, B, 32]");
   TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() &&
                   sums.numel() == panels * blocks * kI8Feat,
-              op, "sums must be contiguous int32 [P, B, 16]");
+              op, "sums must be contiguous int32 [pairs, B, 32]");
 }
 
 HeadCodes head_codes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums) {
   return {codes.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>(),
-          codes.size(0)};
+          2 * codes.size(0)};
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_head_logits(const at::Tensor& x, const at::Tensor& codes,
