@@ -252,13 +252,17 @@ def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
             paired = None
             if "vllm" in results:
                 row["tierserve/vllm"] = t / v if v else None
-                paired = _round_ratios(results, dtype, key) if by_round else None
+                paired = _round_ratios(results, dtype, key, "tierserve", "vllm") \
+                    if by_round else None
                 if paired:  # the rounds' own ratios: each pair ran minutes apart at most
                     row["tierserve/vllm"] = statistics.median(paired)
                 if by_round:
                     row["tierserve/vllm by round"] = paired
             for e in variants:
                 row[f"{e}/tierserve"] = values[e] / t if values[e] is not None and t else None
+                rounds = _round_ratios(results, dtype, key, e, "tierserve")
+                if rounds:  # each round's variant and tierserve ran minutes apart at most
+                    row[f"{e}/tierserve by round"] = rounds
             vs_vllm = target is not None and "vLLM" in target[0]
             row["target"] = target[0] if target and (v is not None or not vs_vllm) else ""
             if row["target"] and paired and vs_vllm:
@@ -270,10 +274,11 @@ def table_rows(results: dict, dtypes: list[str], prompt_len: int) -> list[dict]:
     return rows
 
 
-def _round_ratios(results: dict, dtype: str, key: str) -> list[float] | None:
-    """tierserve's figure over vLLM's, round by round (--rounds), or None."""
-    ours = results["tierserve"].get(dtype, {}).get("rounds", {}).get(key)
-    theirs = results["vllm"].get(dtype, {}).get("rounds", {}).get(key)
+def _round_ratios(results: dict, dtype: str, key: str, num: str, den: str
+                  ) -> list[float] | None:
+    """Engine num's figure over engine den's, round by round (--rounds), or None."""
+    ours = results[num].get(dtype, {}).get("rounds", {}).get(key)
+    theirs = results[den].get(dtype, {}).get("rounds", {}).get(key)
     if not ours or not theirs or not all(theirs):
         return None
     return [t / v for t, v in zip(ours, theirs)]
