@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tierserve.workers.backends.linear import LinearMethod
+from tierserve.workers.backends.linear import LinearMethod, run_fp32
 from tierserve.workers.backends.quant import BLOCK, dequantize
 
 __all__ = ["Int8PanelWeight", "reference_int8_linear"]
@@ -76,12 +76,8 @@ class Int8PanelWeight(LinearMethod):
         return codes, d[: self.out_features], None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            b = None if bias is None else bias.float()
-            return self.linear(x.float(), b).to(x.dtype)
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return self.backend.ops.linear_int8(x, self.pairs, bias, self.out_features)
+        return run_fp32(x, bias, lambda x, b: self.backend.ops.linear_int8(
+            x, self.pairs, b, self.out_features))
 
     def weight(self) -> torch.Tensor:
         return dequantize(*self.reference_codes())

@@ -15,11 +15,22 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["LinearMethod", "PlainLinear", "PackedWeight", "PanelWeight", "plain_weight",
-           "tensor_bytes"]
+           "tensor_bytes", "run_fp32"]
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def run_fp32(x: torch.Tensor, bias: torch.Tensor | None, product) -> torch.Tensor:
+    """product(x, bias) on fp32 rows of unit column stride, which the quantized kernels take:
+    rows of another dtype go through fp32 and come back in their dtype."""
+    if x.dtype != torch.float32:
+        b = None if bias is None else bias.float()
+        return run_fp32(x.float(), b, product).to(x.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return product(x, bias)
 
 
 class LinearMethod:

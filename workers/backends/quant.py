@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tierserve.workers.backends.linear import LinearMethod
+from tierserve.workers.backends.linear import LinearMethod, run_fp32
 
 __all__ = ["QuantPanelWeight", "DequantLinear", "QUANT_FORMATS", "reference_quantize",
            "head_format"]
@@ -167,11 +167,9 @@ class QuantPanelWeight(LinearMethod):
         return codes, d, m
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            b = None if bias is None else bias.float()
-            return self.linear(x.float(), b).to(x.dtype)
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        return run_fp32(x, bias, self._linear_fp32)
+
+    def _linear_fp32(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         backend, n = self.backend, self.out_features
         if x.shape[0] <= backend.panel_max_rows:
             if self.format == "q4_1":

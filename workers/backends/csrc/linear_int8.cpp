@@ -50,14 +50,8 @@ constexpr int64_t kW8PanelBlock = kW8Block * kW8Feat;  // code bytes of a panel'
 // Bytes of a panel pair's block: both panels' codes, then both panels' scales.
 constexpr int64_t kW8PairBlock = 2 * kW8PanelBlock + 2 * kW8Feat * 2;
 
-bool w8_vnni() {
-#if defined(__AVX512F__)
-  static const bool on = __builtin_cpu_supports("avx512vnni");
-  return on;
-#else
-  return false;
-#endif
-}
+// Whether the CPU has AVX512_VNNI: int8_head.cpp's cpu_int8_dot (kernels.cpp includes it first).
+bool w8_vnni() { return cpu_int8_dot(); }
 
 // Rows quantized per block: q [M, K] int8, dx [M, B] fp32, sq [M, B] int32 (sum of q: VNNI's
 // correction), in one buffer of w8_rows_bytes(M, K) bytes.
@@ -136,8 +130,13 @@ W8Rows quantize_w8_rows(const at::Tensor& x, uint8_t* buffer) {
 }
 
 // Panel h's 16 scales (fp16) in a pair's block.
-inline const void* w8_scales(const uint8_t* block, int h) {
-  return block + 2 * kW8PanelBlock + h * kW8Feat * 2;
+inline const uint16_t* w8_scales(const uint8_t* block, int h) {
+  return reinterpret_cast<const uint16_t*>(block + 2 * kW8PanelBlock) + h * kW8Feat;
+}
+
+// 8 fp16 scales widened to fp32 (exactly).
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 constexpr int64_t kW8Ahead = 4;  // blocks a tile's stream is prefetched ahead
@@ -176,8 +175,10 @@ __attribute__((target("avx512vnni"))) void w8_tile_vnni(const W8Rows& x, int64_t
         dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, av);
       }
     }
-    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(w8_scales(block, 0))));
-    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(w8_scales(block, 1))));
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(w8_scales(block, 0))));
+    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(w8_scales(block, 1))));
     for (int r = 0; r < MR; ++r) {
       const int64_t rb = (r0 + r) * blocks + b;
       const __m512i shift = _mm512_set1_epi32(128 * x.s[rb]);
@@ -226,8 +227,7 @@ __attribute__((target("avx2,fma"))) void w8_tile_avx2(const W8Rows& x, int64_t r
     }
     const __m256 dx = _mm256_set1_ps(x.d[r0 * blocks + b]);
     for (int j = 0; j < 4; ++j) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w8_scales(block, j / 2)) + (j % 2) * 8)));
+      const __m256 d = widen8(w8_scales(block, j / 2) + (j % 2) * 8);
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j]), _mm256_mul_ps(d, dx), acc[j]);
     }
   }
