@@ -17,8 +17,8 @@
 // takes them as its unsigned operand), then both panels' 16 scales d (fp16, as GGUF stores
 // them: the fp32 value widens exactly). Padding features: codes 128 (w = 0) and scales 0. The
 // panels' codes interleaved group by group, not one panel's 512 bytes after the other's: a tile
-// then reads its stream strictly forwards, which the hardware prefetchers follow better
-// (bench/linear_kernels.py, route int8 at one row).
+// then reads its stream strictly forwards, which the hardware prefetchers follow better than
+// two streams 512 bytes apart.
 //
 // Tiles: AVX512_VNNI's vpdpbusd where the CPU has it (the sum of (w + 128) q, less 128 times
 // the block's sum of q); elsewhere a 256-bit tile: vpmaddubsw of |q| and w with q's sign, then
@@ -319,8 +319,10 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& pairs_,
   });
   if (bias.has_value()) {
     const float* b = bias->data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; ++j) o[r * n + j] += b[j];
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {  // a prefill's rows: shared
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < n; ++j) o[r * n + j] += b[j];
+    });
   }
 }
 
