@@ -2,14 +2,15 @@
 on tiny Llama / Qwen2 / Mistral checkpoints in fp32 under prefix caching, chunked prefill and
 preemption; the CPU and SSD tiers (pinned slots, a copy stream and events) and swap preemption
 keep the tokens of the untiered run; n-gram speculation keeps greedy output; bf16 (the CUDA
-default dtype) serves and frees every block; seeded sampling repeats."""
+default dtype) serves and frees every block; seeded sampling repeats; Q8_0 / Q4_1 weights (a GGUF
+file, or quantized at load) give the CPU torch backend's tokens."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.checkpoints import hf_greedy, load_hf, make_tiny_llama, make_tiny_mistral, \
-    make_tiny_qwen2, make_tiny_qwen3
+    make_tiny_qwen2, make_tiny_qwen3, write_llama_gguf
 from tierserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -135,6 +136,30 @@ def test_bf16_default_serves_and_seeded_sampling_repeats(checkpoints):
         _all_blocks_free(llm)
     assert first == again
     assert all(len(t) == 12 for t in first) and all(len(t) == 10 for t in greedy)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantized_weights_serve_on_cuda(tmp_path, fmt):
+    """A GGUF file of block codes and the same weights quantized at load serve on CUDA (decode
+    graphs replayed) with the tokens of the CPU's torch backend quantizing at load (the same
+    dequantized values); quantized at load, only the codes are kept on the GPU."""
+    llama = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=True)
+    gguf_file = write_llama_gguf(llama, tmp_path / f"tiny-{fmt}.gguf", quantize=fmt)
+    prompts = _prompts(384)
+    with LLM(str(llama), device="cpu", dtype="float32", cpu_isa="torch", block_size=4,
+             quantization=fmt) as llm:
+        want = _tokens(llm, prompts)
+    with LLM(str(llama), block_size=4, **CUDA) as llm:
+        dense_bytes = llm.stats()["weight_bytes"]
+    sources = {"gguf": dict(model=str(gguf_file), tokenizer=str(llama)),
+               "at_load": dict(model=str(llama), quantization=fmt)}
+    for source, opts in sources.items():
+        with LLM(**opts, block_size=4, **CUDA) as llm:
+            assert _tokens(llm, prompts) == want, source
+            assert _graphs(llm).replays > 0 and _graphs(llm).failed is None
+            if source == "at_load":
+                assert llm.stats()["weight_bytes"] < dense_bytes / 2.5
+            _all_blocks_free(llm)
 
 
 def _graphs(llm):
