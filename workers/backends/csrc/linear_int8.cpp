@@ -139,16 +139,9 @@ __attribute__((target("avx2,f16c"))) inline __m256 widen8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-constexpr int64_t kW8Ahead = 4;  // blocks a tile's stream is prefetched ahead
-
-// Prefetches, non-temporally, the block kW8Ahead blocks on: a decode reads its weights once,
-// and the hardware prefetchers alone leave a share of each block to arrive on demand. The
-// stream runs on across pairs (a thread's run of pairs is contiguous); a prefetch past the
-// weight's end never faults.
-__attribute__((always_inline)) inline void prefetch_w8(const uint8_t* block) {
-  const uint8_t* at = block + kW8Ahead * kW8PairBlock;
-  for (int64_t i = 0; i < kW8PairBlock; i += 64) __builtin_prefetch(at + i, 0, 0);
-}
+// No software prefetch: a tile reads its pair's stream strictly forwards (a thread's run of
+// pairs is contiguous), which the hardware prefetchers follow; prefetches of each block a few
+// blocks ahead, issued beside the tile's work, only slowed it.
 
 #if defined(__AVX512F__)
 // out[r][0 .. cols) for MR rows from r0 over one panel pair (32 features), by vpdpbusd.
@@ -161,7 +154,6 @@ __attribute__((target("avx512vnni"))) void w8_tile_vnni(const W8Rows& x, int64_t
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = pair + b * kW8PairBlock;
-    prefetch_w8(block);
     __m512i dot[MR][2];
     for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int g = 0; g < kW8Block / 4; ++g) {
@@ -209,7 +201,6 @@ __attribute__((target("avx2,fma"))) void w8_tile_avx2(const W8Rows& x, int64_t r
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = pair + b * kW8PairBlock;
-    prefetch_w8(block);
     __m256i dot[4];
     for (auto& d : dot) d = _mm256_setzero_si256();
     for (int g = 0; g < kW8Block / 4; ++g) {
