@@ -8,7 +8,8 @@ decode costs without the engine around it. The two paths alternate --repeats tim
 process, --steps steps each (median), so that drift in this machine's memory bandwidth falls
 on both; the table gives each path's median over the repeats. --model: `default` (the GGUF
 default model, its linears run from their Q4_1 codes) or `dense-noise` (its weights plus 1%
-Gaussian noise, an HF checkpoint exported once by bench/export_hf.py).
+Gaussian noise, an HF checkpoint exported once by bench/export_hf.py). --quantization q8_0|q4_1
+adds, per dtype, the same model quantized at load (rows `<dtype>+<format>`).
 
 --ops N adds where a step's time goes: the layer-by-layer path under torch.profiler for
 --steps steps, the N ops of most self CPU time per dtype in milliseconds per step (the stack
@@ -17,7 +18,7 @@ tensor ops, allocations), and `python`: the path's step time (layers_ms) less al
 
 Usage: python bench/decode_step.py [--json] [--model default|dense-noise|PATH]
                                    [--dtypes float32,bfloat16] [--context 580] [--repeats 6]
-                                   [--ops 6]
+                                   [--ops 6] [--quantization q8_0]
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--ops", type=int, default=0, help="add the N costliest ops per step")
+    parser.add_argument("--quantization", choices=("q8_0", "q4_1"),
+                        help="also each dtype with its weights quantized at load")
     args = parser.parse_args()
     features = detect_cpu_features()
     if features.best_isa() == "torch":
@@ -117,9 +120,12 @@ def main() -> None:
     path = model_path(args.model)
     rows, splits = [], {}
     with torch.inference_mode():
-        for name in args.dtypes.split(","):
-            dtype = getattr(torch, name)
-            config, model = load_model(path, dtype, "cpu", backend)
+        variants = [(d, q) for d in args.dtypes.split(",")
+                    for q in (None, args.quantization) if q or q is None]
+        for dtype_name, quantization in variants:
+            dtype = getattr(torch, dtype_name)
+            name = dtype_name + (f"+{quantization}" if quantization else "")
+            config, model = load_model(path, dtype, "cpu", backend, quantization=quantization)
             step = step_fn(model, config, dtype, args.context)
             for _ in range(5):  # warm-up: kernels, pages, caches
                 step()
