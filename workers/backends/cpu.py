@@ -273,19 +273,19 @@ class CpuKernelBackend(TorchBackend):
         return self.ops.greedy_tokens(approx, x, panels, norms, devs, out_features, gamma,
                                       x_err, max_candidates, q8_scales)
 
-    def int8_head_logits(self, x, codes, scales, sums, out_features: int, passes: int = 2):
+    def int8_head_logits(self, x, codes, scales, out_features: int, passes: int = 2):
         """(approx [M, N] fp32, x_err [M, 2]): x [M, K] quantized to 8 bits per block of 32 in
         one or two passes against a head's Q8_0 codes in int8_head.cpp's layout; per row, how
         far the quantized row is from x and the norm of its passes' absolute values."""
-        return self.ops.int8_head_logits(x, codes, scales, sums, out_features, passes)
+        return self.ops.int8_head_logits(x, codes, scales, out_features, passes)
 
-    def int8_greedy_tokens(self, x, codes, scales, sums, panels, norms, devs,
+    def int8_greedy_tokens(self, x, codes, scales, panels, norms, devs,
                            out_features: int, gamma: float, max_candidates: int = 0,
                            q8_scales=None):
         """greedy_tokens' answer for x [M, K] (fp32) from the head's codes in int8_head.cpp's
         layout instead of approximate logits: one pass of x's codes over every column, both
         over the candidates' panels -> long[M], with -1 and -2 as greedy_tokens gives them."""
-        return self.ops.int8_greedy_tokens(x, codes, scales, sums, panels, norms, devs,
+        return self.ops.int8_greedy_tokens(x, codes, scales, panels, norms, devs,
                                            out_features, gamma, max_candidates, q8_scales)
 
 

@@ -49,16 +49,15 @@ FP32_MAX_ROWS = 8
 MAX_CANDIDATES = 256
 
 
-def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes [P, B, 8, 2, 16, 4]
-    (per group of 4 inputs, each half of the panel's features with each feature's 4 codes side
-    by side), scales [P, B, 32] and 128 x the codes' sums per block [P, B, 32] int32."""
+def _int8_layout(approx: QuantPanelWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 panels [P, B, 32 inputs, 32 features] -> int8_head.cpp's codes + 128 as uint8
+    [P, B, 8, 2, 16, 4] (per group of 4 inputs, each half of the panel's features with each
+    feature's 4 codes side by side) and scales [P, B, 32]."""
     codes, scales = approx.codes, approx.scales
     panels, blocks, inputs, width = codes.shape
     assert inputs == 32 and width == 32, "int8 layout from 32-feature Q8_0 panels"
     c = codes.view(panels, blocks, 8, 4, 2, 16).permute(0, 1, 2, 4, 5, 3)
-    sums = codes.sum(dim=2, dtype=torch.int32) * 128
-    return c.contiguous(), scales.contiguous(), sums.contiguous()
+    return (c.to(torch.int16) + 128).to(torch.uint8).contiguous(), scales.contiguous()
 
 
 def is_q8_codes(method) -> bool:

@@ -81,16 +81,16 @@ int64_t int8_greedy_row(const QuantRows& x, int64_t r, const HeadCodes& head,
 // x's rows quantized once, whose candidates the second pass narrows over their own panels ->
 // long[M], -1 and -2 as greedy_tokens gives them.
 at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
-                              const at::Tensor& scales, const at::Tensor& sums,
-                              const at::Tensor& packed, const at::Tensor& norms,
-                              const at::Tensor& devs, int64_t n, double gamma,
+                              const at::Tensor& scales, const at::Tensor& packed,
+                              const at::Tensor& norms, const at::Tensor& devs, int64_t n,
+                              double gamma,
                               int64_t max_candidates, const std::optional<at::Tensor>& q8_scales) {
   const char* op = "int8_greedy_tokens: ";
-  check_int8_head(op, x, codes, scales, sums, n);
+  check_int8_head(op, x, codes, scales, n);
   check_greedy_head(op, x, packed, q8_scales, norms, devs, n);
   const int64_t m = x.size(0), k = x.size(1);
   const QuantRows rows = quantize_rows(x);
-  const HeadCodes head = head_codes(codes, scales, sums);
+  const HeadCodes head = head_codes(codes, scales);
   at::Tensor approx = at::empty({m, n}, x.options());
   pass_logits(rows, m, head, n, 1, approx.data_ptr<float>());
   const float g = static_cast<float>(gamma);
@@ -106,9 +106,8 @@ at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& codes,
 }  // namespace tierserve
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
-  m.def("int8_greedy_tokens(Tensor x, Tensor codes, Tensor scales, Tensor sums, Tensor packed, "
-        "Tensor norms, Tensor devs, int n, float gamma, int max_candidates=0, "
-        "Tensor? q8_scales=None) -> Tensor");
+  m.def("int8_greedy_tokens(Tensor x, Tensor codes, Tensor scales, Tensor packed, Tensor norms, "
+        "Tensor devs, int n, float gamma, int max_candidates=0, Tensor? q8_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {

@@ -5,10 +5,10 @@
 //
 // A row x is quantized per block b of 32 inputs: dx_b = max |x_b| / 127, q = round(x / dx_b)
 // in [-127, 127], then its remainder r = x - dx_b q the same way (er_b, s): xhat = dx_b q +
-// er_b s, within about 2^-16 of x where one pass alone left 2^-8. Codes are held as unsigned
-// bytes (+ 128); per block the int32 sum of (q + 128) w over the block's codes w, less 128
-// times the codes' sum (stored with the codes), is exactly the sum of q w. The logit is
-// sum_b d_b (dx_b (q . w) [+ er_b (s . w)]) in fp32.
+// er_b s, within about 2^-16 of x where one pass alone left 2^-8. The head's codes are held as
+// unsigned bytes (w + 128), vpdpbusd's unsigned operand; per block the int32 sum of (w + 128) q,
+// less 128 times the row's sum of q over the block (kept with the row's codes), is exactly
+// the sum of q w. The logit is sum_b d_b (dx_b (q . w) [+ er_b (s . w)]) in fp32.
 //
 // int8_head_logits gives the logits of one pass or of both; int8_greedy.cpp runs the passes
 // where the greedy head needs them.
@@ -18,11 +18,11 @@
 // quantization and what bounds the fp32 rounding of the sum. A row holding a non-finite value
 // gets inf.
 //
-// Codes [pairs, B, 8, 2, 16, 4] int8: per pair of panels of 16 output features (a Q8_0 panel
-// of quant.cpp's 32), block and group of four inputs, each panel's 16 features' four codes side
-// by side (one int32 lane per feature), so that a tile reads its pair's codes strictly in
-// order; scales [pairs, B, 32] fp32 and sums [pairs, B, 32] int32 (128 x the block's codes
-// summed), both panels' per block. Padding features all zero.
+// Codes [pairs, B, 8, 2, 16, 4] uint8 (w + 128): per pair of panels of 16 output features (a
+// Q8_0 panel of quant.cpp's 32), block and group of four inputs, each panel's 16 features' four
+// codes side by side (one int32 lane per feature), so that a tile reads its pair's codes
+// strictly in order; scales [pairs, B, 32] fp32, both panels' per block. Padding features: codes
+// 128 (w = 0), scales 0.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,15 +55,17 @@ bool cpu_int8_dot() {
 // Whether this library runs int8_head_logits on this CPU.
 bool int8_dot() { return kLanes == 16 && cpu_int8_dot(); }
 
-// One pass of a block's quantization: codes + 128 of v [32] at scale max|v| / 127 into q, the
-// scale returned; v left holding its remainder.
-inline float quantize_block(double* v, uint8_t* q) {
+// One pass of a block's quantization: codes of v [32] at scale max|v| / 127 into q and their sum
+// into *sum, the scale returned; v left holding its remainder.
+inline float quantize_block(double* v, int8_t* q, int32_t* sum) {
   double amax = 0.0;
   for (int64_t i = 0; i < kI8Block; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float d = static_cast<float>(amax / 127.0);
+  *sum = 0;
   for (int64_t i = 0; i < kI8Block; ++i) {
     const int c = d > 0.0f ? std::clamp(static_cast<int>(std::nearbyint(v[i] / d)), -127, 127) : 0;
-    q[i] = static_cast<uint8_t>(c + 128);
+    q[i] = static_cast<int8_t>(c);
+    *sum += c;
     // d c is exact (24 + 8 bits) and within a few binades of v where c != 0, so the remainder
     // is exact or (second pass) within 2^-53 of it: err's 1e-6 margin covers that.
     v[i] -= static_cast<double>(d) * c;
@@ -71,11 +73,11 @@ inline float quantize_block(double* v, uint8_t* q) {
   return d;
 }
 
-// Row x [K] -> codes q1, q2 (+ 128) [K] and scales d1, d2 [K / 32]; err [4]: per number of
-// passes p (1, 2), ||x - xhat_p|| and || the elementwise sum of |each pass's terms| ||, rounded
-// up, or inf for a non-finite row.
-void quantize_row(const float* x, int64_t k, uint8_t* q1, uint8_t* q2, float* d1, float* d2,
-                  float* err) {
+// Row x [K] -> codes q1, q2 [K], scales d1, d2 [K / 32] and 128 x the codes' block sums s1, s2
+// [K / 32]; err [4]: per number of passes p (1, 2), ||x - xhat_p|| and || the elementwise sum
+// of |each pass's terms| ||, rounded up, or inf for a non-finite row.
+void quantize_row(const float* x, int64_t k, int8_t* q1, int8_t* q2, float* d1, float* d2,
+                  int32_t* s1, int32_t* s2, float* err) {
   double rest1 = 0.0, mag1 = 0.0, rest2 = 0.0, mag2 = 0.0;
   for (int64_t b = 0; b < k / kI8Block; ++b) {
     double v[kI8Block], first[kI8Block];
@@ -85,22 +87,26 @@ void quantize_row(const float* x, int64_t k, uint8_t* q1, uint8_t* q2, float* d1
       finite = finite && std::isfinite(v[i]);
     }
     if (!finite) {
-      std::fill(q1, q1 + k, uint8_t{128});
-      std::fill(q2, q2 + k, uint8_t{128});
+      std::fill(q1, q1 + k, int8_t{0});
+      std::fill(q2, q2 + k, int8_t{0});
       std::fill(d1, d1 + k / kI8Block, 0.0f);
       std::fill(d2, d2 + k / kI8Block, 0.0f);
+      std::fill(s1, s1 + k / kI8Block, 0);
+      std::fill(s2, s2 + k / kI8Block, 0);
       std::fill(err, err + 4, INFINITY);
       return;
     }
-    d1[b] = quantize_block(v, q1 + b * kI8Block);
+    d1[b] = quantize_block(v, q1 + b * kI8Block, s1 + b);
+    s1[b] *= 128;
     for (int64_t i = 0; i < kI8Block; ++i) {
       first[i] = x[b * kI8Block + i] - v[i];
       rest1 += v[i] * v[i];
       mag1 += first[i] * first[i];
     }
-    d2[b] = quantize_block(v, q2 + b * kI8Block);
+    d2[b] = quantize_block(v, q2 + b * kI8Block, s2 + b);
+    s2[b] *= 128;
     for (int64_t i = 0; i < kI8Block; ++i) {
-      const double second = static_cast<double>(d2[b]) * (q2[b * kI8Block + i] - 128);
+      const double second = static_cast<double>(d2[b]) * q2[b * kI8Block + i];
       const double a = std::fabs(first[i]) + std::fabs(second);
       rest2 += v[i] * v[i];
       mag2 += a * a;
@@ -111,12 +117,13 @@ void quantize_row(const float* x, int64_t k, uint8_t* q1, uint8_t* q2, float* d1
     err[i] = static_cast<float>(std::sqrt(sums[i]) * (1.0 + 1e-6)) * (1.0f + 1e-6f);
 }
 
-// Rows quantized by quantize_row: row r's pass p codes at q[p] + r k, scales at d[p] + r k / 32,
-// its err at err + 4 r.
+// Rows quantized by quantize_row: row r's pass p codes at q[p] + r k, scales and shifted sums
+// at d[p] + r k / 32 and s[p] + r k / 32, its err at err + 4 r.
 struct QuantRows {
-  at::Tensor storage, scales, errs;
-  const uint8_t* q[2];
+  at::Tensor storage, scales, sums, errs;
+  const int8_t* q[2];
   const float* d[2];
+  const int32_t* s[2];
   const float* err;
   int64_t k;
 };
@@ -124,20 +131,23 @@ struct QuantRows {
 QuantRows quantize_rows(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kI8Block;
   QuantRows rows;
-  rows.storage = at::empty({2, m, k}, x.options().dtype(at::kByte));
+  rows.storage = at::empty({2, m, k}, x.options().dtype(at::kChar));
   rows.scales = at::empty({2, m, blocks}, x.options());
+  rows.sums = at::empty({2, m, blocks}, x.options().dtype(at::kInt));
   rows.errs = at::empty({m, 4}, x.options());
-  uint8_t* q = rows.storage.data_ptr<uint8_t>();
+  int8_t* q = rows.storage.data_ptr<int8_t>();
   float* d = rows.scales.data_ptr<float>();
+  int32_t* s = rows.sums.data_ptr<int32_t>();
   float* err = rows.errs.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       quantize_row(xp + r * k, k, q + r * k, q + (m + r) * k, d + r * blocks,
-                   d + (m + r) * blocks, err + 4 * r);
+                   d + (m + r) * blocks, s + r * blocks, s + (m + r) * blocks, err + 4 * r);
   });
   rows.q[0] = q, rows.q[1] = q + m * k;
   rows.d[0] = d, rows.d[1] = d + m * blocks;
+  rows.s[0] = s, rows.s[1] = s + m * blocks;
   rows.err = err;
   rows.k = k;
   return rows;
@@ -145,9 +155,8 @@ QuantRows quantize_rows(const at::Tensor& x) {
 
 // A head's codes in int8_head_logits' layout.
 struct HeadCodes {
-  const int8_t* codes;
+  const uint8_t* codes;
   const float* scales;
-  const int32_t* sums;
   int64_t panels;
 };
 
@@ -160,15 +169,13 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
                                                      float* out, int64_t ldo, int64_t cols) {
   const int64_t k = x.k, blocks = k / kI8Block;
   // Panel p is half p % 2 of pair p / 2, whose stream holds per block and group both halves'
-  // 64 bytes, and per block both halves' 16 scales and sums.
-  const int8_t* w[NP];
+  // 64 bytes, and per block both halves' 16 scales.
+  const uint8_t* w[NP];
   const float* s[NP];
-  const int32_t* c[NP];
   for (int h = 0; h < NP; ++h) {
     const int64_t pair = (p0 + h) / 2, half = (p0 + h) % 2;
     w[h] = head.codes + pair * blocks * 2 * kI8Block * kI8Feat + half * 64;
     s[h] = head.scales + pair * blocks * 2 * kI8Feat + half * kI8Feat;
-    c[h] = head.sums + pair * blocks * 2 * kI8Feat + half * kI8Feat;
   }
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
@@ -187,16 +194,17 @@ __attribute__((target("avx512vnni"))) void int8_tile(const QuantRows& x, int64_t
           int32_t a;
           __builtin_memcpy(&a, x.q[p] + (r0 + r) * k + b * kI8Block + g * 4, 4);
           const __m512i av = _mm512_set1_epi32(a);
-          for (int h = 0; h < NP; ++h) dot[p][r][h] = _mm512_dpbusd_epi32(dot[p][r][h], av, wv[h]);
+          for (int h = 0; h < NP; ++h) dot[p][r][h] = _mm512_dpbusd_epi32(dot[p][r][h], wv[h], av);
         }
     }
     for (int h = 0; h < NP; ++h) {
-      const __m512i sum = _mm512_loadu_si512(c[h] + 2 * b * kI8Feat);
       const __m512 scale = _mm512_loadu_ps(s[h] + 2 * b * kI8Feat);
       for (int r = 0; r < MR; ++r)
         for (int p = 0; p < PASSES; ++p) {
-          const __m512 xs = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[p][r][h], sum));
-          const __m512 ds = _mm512_set1_ps(x.d[p][(r0 + r) * blocks + b]);
+          const int64_t rb = (r0 + r) * blocks + b;
+          const __m512 xs = _mm512_cvtepi32_ps(
+              _mm512_sub_epi32(dot[p][r][h], _mm512_set1_epi32(x.s[p][rb])));
+          const __m512 ds = _mm512_set1_ps(x.d[p][rb]);
           acc[r][h] = _mm512_fmadd_ps(xs, _mm512_mul_ps(scale, ds), acc[r][h]);
         }
     }
@@ -243,42 +251,37 @@ void pass_logits(const QuantRows& x, int64_t m, const HeadCodes& head, int64_t n
 }
 
 void check_int8_head(const char* op, const at::Tensor& x, const at::Tensor& codes,
-                     const at::Tensor& scales, const at::Tensor& sums, int64_t n) {
+                     const at::Tensor& scales, int64_t n) {
   TORCH_CHECK(int8_dot(), op, "needs a CPU with AVX512_VNNI and the avx512 or amx library");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(),
               op, "x must be a contiguous float32 [M, K] CPU tensor");
   const int64_t k = x.size(1), blocks = k / kI8Block;
   TORCH_CHECK(k > 0 && k % kI8Block == 0, op, "K must be a positive multiple of 32, got ", k);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 6 && codes.is_contiguous() &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 6 && codes.is_contiguous() &&
                   codes.size(1) == blocks && codes.size(2) == 8 && codes.size(3) == 2 &&
                   codes.size(4) == kI8Feat && codes.size(5) == 4,
-              op, "codes must be contiguous int8 [pairs, ", blocks, ", 8, 2, 16, 4]");
+              op, "codes must be contiguous uint8 [pairs, ", blocks, ", 8, 2, 16, 4]");
   const int64_t panels = 2 * codes.size(0);
   TORCH_CHECK(n > 0 && n <= panels * kI8Feat, op, "n must be in [1, ", panels * kI8Feat, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == panels * blocks * kI8Feat,
               op, "scales must be contiguous float32 [pairs, B, 32]");
-  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() &&
-                  sums.numel() == panels * blocks * kI8Feat,
-              op, "sums must be contiguous int32 [pairs, B, 32]");
 }
 
-HeadCodes head_codes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& sums) {
-  return {codes.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>(),
-          2 * codes.size(0)};
+HeadCodes head_codes(const at::Tensor& codes, const at::Tensor& scales) {
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), 2 * codes.size(0)};
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_head_logits(const at::Tensor& x, const at::Tensor& codes,
-                                                    const at::Tensor& scales,
-                                                    const at::Tensor& sums, int64_t n,
+                                                    const at::Tensor& scales, int64_t n,
                                                     int64_t passes) {
   const char* op = "int8_head_logits: ";
-  check_int8_head(op, x, codes, scales, sums, n);
+  check_int8_head(op, x, codes, scales, n);
   TORCH_CHECK(passes == 1 || passes == 2, op, "passes must be 1 or 2, got ", passes);
   const QuantRows rows = quantize_rows(x);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  pass_logits(rows, x.size(0), head_codes(codes, scales, sums), n, static_cast<int>(passes),
+  pass_logits(rows, x.size(0), head_codes(codes, scales), n, static_cast<int>(passes),
               out.data_ptr<float>());
   return {out, rows.errs.narrow(1, 2 * (passes - 1), 2).contiguous()};
 }
@@ -288,8 +291,8 @@ std::tuple<at::Tensor, at::Tensor> int8_head_logits(const at::Tensor& x, const a
 
 TORCH_LIBRARY_FRAGMENT(TIERSERVE_OPS, m) {
   m.def("int8_dot() -> bool", &tierserve::int8_dot);
-  m.def("int8_head_logits(Tensor x, Tensor codes, Tensor scales, Tensor sums, int n, "
-        "int passes=2) -> (Tensor, Tensor)");
+  m.def("int8_head_logits(Tensor x, Tensor codes, Tensor scales, int n, int passes=2) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(TIERSERVE_OPS, CPU, m) {
