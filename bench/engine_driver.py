@@ -12,9 +12,10 @@ Spec: spawned_at (the parent's time.time() just before it started this process),
 max_model_len, sections (of SECTIONS), ready_prompt, prompts, output_len, decode_prompts (pairs
 of prompts of one length, all distinct), ttft_prompts (distinct prompts of one length), plus
 what the adapter reads (model, ...). The paired_decode section also reads paired_dtypes (the
-other dtypes, each built as a second engine in this process), paired_rounds and
-paired_decode_prompts (a warm-up pair per dtype, then a pair per round and dtype, all
-distinct).
+other dtypes, each built as a further engine in this process), paired_base (engine options of
+one more engine, labelled "base": the engine a variant is compared with; absent or null: none),
+paired_rounds and paired_decode_prompts (a warm-up pair per engine, then a pair per round and
+engine, all distinct).
 """
 from __future__ import annotations
 
@@ -120,37 +121,41 @@ def decode(engine: Engine, spec: dict) -> dict:
 
 
 def paired_decode(engine: Engine, spec: dict, make_engine: Callable[[dict], Engine]) -> dict:
-    """Single-stream decode of this engine's dtype against paired_dtypes, all engines in this
-    process, in rounds of one decode pair each, so that drift in the machine's memory bandwidth
-    falls on every dtype alike. The rounds run the dtypes forwards and backwards in turn (A B,
-    B A, ...); each round's ratio to this dtype, then the median over rounds. Then, where the
-    engines can be stepped (stream_steps), as many rounds of interleaved_steps."""
-    dtypes = [spec["dtype"]] + list(spec["paired_dtypes"])
+    """Single-stream decode of this engine (labelled by its dtype) against paired_dtypes and
+    paired_base, all engines in this process, in rounds of one decode pair each, so that drift
+    in the machine's memory bandwidth falls on every engine alike. The rounds run the engines
+    forwards and backwards in turn (A B, B A, ...); each round's ratio to this engine, then
+    the median over rounds. Then, where the engines can be stepped (stream_steps), as many
+    rounds of interleaved_steps."""
+    others = {d: {"dtype": d} for d in spec["paired_dtypes"]}
+    if spec.get("paired_base") is not None:
+        others["base"] = {"engine_options": spec["paired_base"]}
+    labels = [spec["dtype"], *others]
     engines = {spec["dtype"]: engine}
     try:
-        for dtype in dtypes[1:]:
-            engines[dtype] = make_engine(dict(spec, dtype=dtype))
-            engines[dtype].generate([spec["ready_prompt"]], 1)
+        for label, overrides in others.items():
+            engines[label] = make_engine(dict(spec, **overrides))
+            engines[label].generate([spec["ready_prompt"]], 1)
         prompts, n = iter(spec["paired_decode_prompts"]), spec["output_len"]
         # A decode pair per engine first, untimed: an engine's first long prefill (oneDNN's
         # primitives, fresh KV pages) costs more than later ones, which the pair's difference
         # would credit to the decode.
-        for dtype in dtypes:
-            _decode_pair(engines[dtype], next(prompts), next(prompts), n)
-        tok_s: dict[str, list[float]] = {d: [] for d in dtypes}
+        for label in labels:
+            _decode_pair(engines[label], next(prompts), next(prompts), n)
+        tok_s: dict[str, list[float]] = {d: [] for d in labels}
         for r in range(spec["paired_rounds"]):
-            for dtype in dtypes if r % 2 == 0 else dtypes[::-1]:
-                tok_s[dtype].append(_decode_pair(engines[dtype], next(prompts), next(prompts),
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                tok_s[label].append(_decode_pair(engines[label], next(prompts), next(prompts),
                                                  n)[0])
         interleaved = interleaved_steps(engines, spec["paired_decode_prompts"][0], n,
                                         spec["paired_rounds"]) \
             if all(hasattr(e, "stream_steps") for e in engines.values()) else None
     finally:
-        for dtype in dtypes[1:]:
-            if dtype in engines:
-                engines[dtype].close()
-    ratios = {d: [x / y for x, y in zip(tok_s[d], tok_s[dtypes[0]])] for d in dtypes[1:]}
-    result = {"dtypes": dtypes, "rounds": spec["paired_rounds"], "tok_s": tok_s,
+        for label in labels[1:]:
+            if label in engines:
+                engines[label].close()
+    ratios = {d: [x / y for x, y in zip(tok_s[d], tok_s[labels[0]])] for d in labels[1:]}
+    result = {"engines": labels, "rounds": spec["paired_rounds"], "tok_s": tok_s,
               "median_tok_s": {d: statistics.median(v) for d, v in tok_s.items()},
               "ratios": ratios, "ratio": {d: statistics.median(v) for d, v in ratios.items()}}
     if interleaved:

@@ -28,7 +28,11 @@ own ratios (each pair of runs minutes apart at most), listed round by round besi
 (`--engine 'speculative_config={"method": "ngram", "num_speculative_tokens": 4}'`).
 --variant NAME:KEY=VALUE[;KEY=VALUE...] (repeatable) adds a column `tierserve[NAME]` run with
 those options on top, beside tierserve and vLLM, with its ratio to tierserve: e.g.
-`--variant q8:quantization=q8_0` for quantization at load against fp32 in one run.
+`--variant q8:quantization=q8_0` for quantization at load against fp32 in one run. A
+variant's single-stream decode is also paired with tierserve's in its own process (a second
+engine there, --paired-rounds alternating rounds, then step-interleaved rounds): the variant
+table's ratio, which drift in the machine's bandwidth moves far less than the ratio of runs
+minutes apart.
 
 --model: an HF folder or .gguf for every engine (vLLM needs a folder), or `dense-noise`: the
 default model's weights plus 1% Gaussian noise, fp32 (export_hf.py --noise 0.01), a dense

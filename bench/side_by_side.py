@@ -131,15 +131,20 @@ def run_engines(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
     """{engine label: {dtype: driver result}}, all of one engine's runs before the next's;
     tag names this round's logs."""
     fresh_cache = tempfile.mkdtemp(prefix="vllm-cache-") if args.vllm_fresh_cache else None
+    base = next((e["options"] for e in engines if e["label"] == "tierserve"), None)
     results: dict[str, dict] = {}
     for entry in engines:
         engine = entry["label"]
         results[engine] = {}
         for dtype, sections in runs:
+            run_spec = dict(spec, dtype=dtype, engine_options=entry["options"])
             if entry["kind"] != "tierserve":
                 sections = [s for s in sections if s != "paired_decode"]
-            run_spec = dict(spec, dtype=dtype, sections=sections,
-                            engine_options=entry["options"])
+            elif engine != "tierserve" and dtype == runs[0][0] and "decode" in sections:
+                # A variant's decode is also paired with tierserve's in this process.
+                sections = sections + ["paired_decode"] * ("paired_decode" not in sections)
+                run_spec["paired_base"] = base
+            run_spec["sections"] = sections
             if entry["kind"] == "vllm":
                 argv = [args.against, os.path.join(HERE, "vllm_driver.py")]
                 env = vllm_env(args.kv_cache_gib, fresh_cache)
@@ -177,6 +182,9 @@ def run_rounds(args, spec: dict, hf_folder: str | None, runs, log_dir: str,
         return merged
     for engine, by_dtype in merged.items():
         for dtype, result in by_dtype.items():
+            if "paired_decode" in result:  # every round's, pooled by variant_rows
+                result["paired_decode_rounds"] = [r[engine][dtype]["paired_decode"]
+                                                  for r in rounds]
             for later in rounds[1:]:
                 later[engine][dtype].pop("throughput_token_ids", None)
             figures = {k: [r[engine][dtype][k] for r in rounds]
@@ -207,7 +215,8 @@ def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | 
     dtypes = dtypes or ["float32"]
     rounds = getattr(args, "paired_rounds", 0)
     length = len((decode_prompts or long)[0])
-    paired = random_prompts(2 * (rounds + 1) * len(dtypes), length, seed=2)
+    # A pair per warm-up and round for each dtype's engine and a variant's base engine.
+    paired = random_prompts(2 * (rounds + 1) * (len(dtypes) + 1), length, seed=2)
     return {"paired_dtypes": dtypes[1:], "paired_rounds": rounds,
             "paired_decode_prompts": paired, "model": model, "cpu_isa": args.cpu_isa,
             "max_model_len": args.max_model_len,
@@ -319,6 +328,32 @@ def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
     return rows
 
 
+def variant_rows(results: dict, dtypes: list[str], engines: list[dict]) -> list[dict]:
+    """Each variant's single-stream decode over tierserve's, both engines in the variant's
+    first-dtype process (paired_decode's "base"), so that the machine's drift falls on both:
+    `ratio`, the median of the paired rounds' ratios (pooled over --rounds, listed under `by
+    round`), and `interleaved`, the step-interleaved one's, which the target reads where it ran.
+    Issue 27 asks quantization="q8_0" for 1.8x fp32."""
+    first, rows = dtypes[0], []
+    for entry in engines:
+        result = results.get(entry["label"], {}).get(first, {})
+        pairs = [p for p in result.get("paired_decode_rounds", [result.get("paired_decode")])
+                 if p and "base" in p["ratios"]]
+        if not pairs:
+            continue
+        ratios = [1 / r for p in pairs for r in p["ratios"]["base"]]
+        steps = [1 / r for p in pairs if p.get("interleaved")
+                 for r in p["interleaved"]["ratios"]["base"]]
+        row = {"engine": entry["label"], "decode": f"{SHORT[first]}, 1 request",
+               "ratio": statistics.median(ratios), "by round": ratios}
+        if steps:
+            row["interleaved"] = statistics.median(steps)
+        q8 = entry["options"].get("quantization") == "q8_0" and first == "float32"
+        read = row.get("interleaved", row["ratio"])
+        rows.append({**row, "target": ">= 1.8x" if q8 else "", "met": read >= 1.8 if q8 else None})
+    return rows
+
+
 def add_fractions(result: dict, dtype: str, limits: dict | None, cost, prompts: list[list[int]],
                   output_len: int, decode_context: int, quantization: str | None,
                   streamed_weight_bytes: int | None = None) -> None:
@@ -383,8 +418,9 @@ def notes(config: dict, results: dict, agree: dict) -> list[str]:
              + (f"; {rounds} rounds, the order reversed every other one: each engine's "
                 f"figures are its medians, each ratio the median of the rounds' ratios"
                 if rounds > 1 else "")
-             + ("; the dtype ratio's paired decode ran each tierserve engine's dtypes in its "
-                "first dtype's process, one request at a time" if paired else ""),
+             + ("; the paired decode ran each tierserve engine's dtypes (and, for a variant, "
+                "tierserve's engine) in its first dtype's process, one request at a time"
+                if paired else ""),
              f"CPU: {config['cpu']} ({', '.join(config['isas']) or 'no kernel ISA'}); "
              f"native bf16: {'yes' if config['native_bf16'] else 'no'}",
              f"model: {config['model']}; decode workload: {config['decode_workload']}"]
@@ -465,9 +501,10 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
               "log_dir": log_dir}
     rows = table_rows(results, dtypes, args.prompt_len)
     ratios = dtype_rows(results, dtypes)
+    variants = variant_rows(results, dtypes, engines)
     if args.json:
         out = {"config": config, "rows": rows, "dtype_ratios": ratios,
-               "greedy_agreement": agree, **results}
+               "variant_ratios": variants, "greedy_agreement": agree, **results}
         if limits:
             out.update(bandwidth_gb_s=limits["bandwidth_gb_s"],
                        matmul_gflop_s=limits["matmul_gflop_s"],
@@ -475,9 +512,10 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
         print(json.dumps(out))
         return
     print_table([{k: _fmt(v) for k, v in row.items()} for row in rows])
-    if ratios:
-        print()
-        print_table([{k: _fmt(v) for k, v in row.items()} for row in ratios])
+    for table in (ratios, variants):
+        if table:
+            print()
+            print_table([{k: _fmt(v) for k, v in row.items()} for row in table])
     print()
     for line in notes(config, results, agree):
         print("- " + line)

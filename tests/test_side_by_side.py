@@ -1,5 +1,6 @@
 """bench/side_by_side.py's --rounds: engines alternate their order round by round, each figure
-is an engine's median over the rounds, and each ratio to vLLM the median of the rounds' own."""
+is an engine's median over the rounds, and each ratio to vLLM the median of the rounds' own; a
+variant's decode is paired with tierserve's in one process, its ratio read from those pairs."""
 from __future__ import annotations
 
 import os
@@ -51,3 +52,49 @@ def test_one_round_keeps_the_plain_ratio(monkeypatch):
     assert "rounds" not in results["tierserve"]["float32"]
     assert row["tierserve/vllm"] == pytest.approx(1.4) and row["met"] is False
     assert "tierserve/vllm by round" not in row
+
+
+def test_a_variant_pairs_its_decode_with_tierserve_in_its_process(monkeypatch):
+    """A variant's first-dtype process runs paired_decode with tierserve's engine options as its
+    base; tierserve's own processes and the variant's other dtypes do not."""
+    specs = []
+    monkeypatch.setattr(side_by_side, "run_driver",
+                        lambda argv, spec, env, log: specs.append(spec) or {})
+    engines = [{"label": "tierserve", "kind": "tierserve", "options": {"async": True}},
+               {"label": "tierserve[q8]", "kind": "tierserve",
+                "options": {"async": True, "quantization": "q8_0"}}]
+    runs = [("float32", ["throughput", "decode"]), ("bfloat16", ["decode"])]
+    side_by_side.run_engines(SimpleNamespace(vllm_fresh_cache=False), {"output_len": 8}, None,
+                             runs, "/tmp", engines)
+    assert [(s["dtype"], s["engine_options"]) for s in specs] == [
+        ("float32", {"async": True}), ("bfloat16", {"async": True}),
+        ("float32", engines[1]["options"]), ("bfloat16", engines[1]["options"])]
+    assert all("paired_decode" not in s["sections"] and "paired_base" not in s
+               for s in (specs[0], specs[1], specs[3]))
+    assert specs[2]["sections"] == ["throughput", "decode", "paired_decode"]
+    assert specs[2]["paired_base"] == {"async": True}
+
+
+def test_variant_rows_pool_the_rounds_and_read_the_interleaved_ratio():
+    def paired(own_tok_s, base_tok_s, own_ms, base_ms):
+        # paired_decode's ratios are the other engine's over this one's (speeds; step times
+        # the other way round)
+        return {"ratios": {"base": [b / o for o, b in zip(own_tok_s, base_tok_s)]},
+                "interleaved": {"ratios": {"base": [o / b for o, b in zip(own_ms, base_ms)]}}}
+
+    rounds = [paired([150, 160], [80, 100], [6.0], [12.0]), paired([140], [70], [7.0], [12.6])]
+    results = {"tierserve": {"float32": {}},
+               "tierserve[q8]": {"float32": {"paired_decode": rounds[0],
+                                             "paired_decode_rounds": rounds}}}
+    engines = [{"label": "tierserve", "kind": "tierserve", "options": {}},
+               {"label": "tierserve[q8]", "kind": "tierserve",
+                "options": {"quantization": "q8_0"}}]
+    [row] = side_by_side.variant_rows(results, ["float32"], engines)
+    assert row["engine"] == "tierserve[q8]"
+    assert row["by round"] == pytest.approx([1.875, 1.6, 2.0])
+    assert row["ratio"] == pytest.approx(1.875)
+    assert row["interleaved"] == pytest.approx(1.9)
+    assert row["target"] == ">= 1.8x" and row["met"] is True
+    results["tierserve[q8]"]["float32"]["paired_decode_rounds"] = [rounds[1]]
+    rounds[1]["interleaved"]["ratios"]["base"] = [7.0 / 12.0]
+    assert side_by_side.variant_rows(results, ["float32"], engines)[0]["met"] is False
