@@ -55,21 +55,23 @@ bool cpu_int8_dot() {
 // Whether this library runs int8_head_logits on this CPU.
 bool int8_dot() { return kLanes == 16 && cpu_int8_dot(); }
 
-// One pass of a block's quantization: codes of v [32] at scale max|v| / 127 into q and their sum
-// into *sum, the scale returned; v left holding its remainder.
-inline float quantize_block(double* v, int8_t* q, int32_t* sum) {
+// One pass of a block's quantization: codes of v [32] at scale max|v| / 127 into q and 128 x
+// their sum (the correction for the head's codes + 128) into *shift, the scale returned; v left
+// holding its remainder.
+inline float quantize_block(double* v, int8_t* q, int32_t* shift) {
   double amax = 0.0;
   for (int64_t i = 0; i < kI8Block; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float d = static_cast<float>(amax / 127.0);
-  *sum = 0;
+  int32_t sum = 0;
   for (int64_t i = 0; i < kI8Block; ++i) {
     const int c = d > 0.0f ? std::clamp(static_cast<int>(std::nearbyint(v[i] / d)), -127, 127) : 0;
     q[i] = static_cast<int8_t>(c);
-    *sum += c;
+    sum += c;
     // d c is exact (24 + 8 bits) and within a few binades of v where c != 0, so the remainder
     // is exact or (second pass) within 2^-53 of it: err's 1e-6 margin covers that.
     v[i] -= static_cast<double>(d) * c;
   }
+  *shift = 128 * sum;
   return d;
 }
 
@@ -97,14 +99,12 @@ void quantize_row(const float* x, int64_t k, int8_t* q1, int8_t* q2, float* d1, 
       return;
     }
     d1[b] = quantize_block(v, q1 + b * kI8Block, s1 + b);
-    s1[b] *= 128;
     for (int64_t i = 0; i < kI8Block; ++i) {
       first[i] = x[b * kI8Block + i] - v[i];
       rest1 += v[i] * v[i];
       mag1 += first[i] * first[i];
     }
     d2[b] = quantize_block(v, q2 + b * kI8Block, s2 + b);
-    s2[b] *= 128;
     for (int64_t i = 0; i < kI8Block; ++i) {
       const double second = static_cast<double>(d2[b]) * q2[b * kI8Block + i];
       const double a = std::fabs(first[i]) + std::fabs(second);
