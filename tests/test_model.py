@@ -372,7 +372,8 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
     ("llama", torch.float32, None), ("qwen2", torch.bfloat16, None),  # qwen2: biases
     ("mistral", torch.float32, None), ("qwen2", torch.float32, "q4_1"),  # mistral: windows
     ("qwen3", torch.float32, None), ("qwen3", torch.bfloat16, None),  # per-head q/k norms
-    ("qwen2", torch.float32, "q8_0")])  # int8 activations (int8_linear.py), biases
+    ("qwen2", torch.float32, "q8_0"),  # int8 activations (int8_linear.py), biases
+    ("qwen2", torch.bfloat16, "q8_0"), ("llama", torch.bfloat16, "q4_1")])  # codes, bf16 rows
 def test_layer_stack_is_bitwise_the_layer_by_layer_path(tiny_ckpts, kernels, name, dtype, quant,
                                                         monkeypatch):
     """A kernel backend runs a step's layers in one call (backends/stack.py) where every piece

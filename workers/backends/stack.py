@@ -60,9 +60,11 @@ def _kernel_of(method, dtype: torch.dtype, rows: int, max_rows: int):
         return (_PANEL_F32, (method.panels,)) if rows <= max_rows else None
     if isinstance(method, CodedPanelWeight) and dtype == torch.float32 and rows <= max_rows:
         return _CODED_F32, method.kernel_tensors()
-    if isinstance(method, Int8PanelWeight) and dtype == torch.float32:
+    # Codes' kernels take fp32 rows: half-precision rows go through fp32 and back
+    # (linear.run_fp32), in the stack as in the layer-by-layer path.
+    if isinstance(method, Int8PanelWeight):
         return _INT8, method.kernel_tensors()
-    if isinstance(method, QuantPanelWeight) and dtype == torch.float32 and rows <= max_rows:
+    if isinstance(method, QuantPanelWeight) and rows <= max_rows:
         if method.format == "q4_1":
             return _Q4_1, (method.codes, method.scales, method.offsets)
         return _Q8_0, (method.codes, method.scales)

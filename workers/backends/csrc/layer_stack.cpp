@@ -27,11 +27,24 @@ enum LinearKind : int64_t {
   kInt8 = 6
 };
 
+// Kinds whose kernels take fp32 rows alone (the GGUF codes' chains and the int8 linears).
+bool fp32_rows_only(int64_t kind) { return kind == kQ8_0 || kind == kQ4_1 || kind == kInt8; }
+
 void stack_linear(const at::Tensor& x, int64_t kind, int64_t n,
                   const c10::List<std::optional<at::Tensor>>& weights, int64_t slot,
                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const std::optional<at::Tensor> w0 = weights.get(3 * slot);
   TORCH_CHECK(w0.has_value(), "layer_stack: linear ", slot, " has no weight");
+  if (x.scalar_type() != at::kFloat && fp32_rows_only(kind)) {
+    // As the model's path runs them (linear.py's run_fp32): rows and bias widened, the product
+    // in fp32, rounded once to the stack's dtype.
+    at::Tensor wide = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+    const std::optional<at::Tensor> wide_bias =
+        bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+    stack_linear(x.to(at::kFloat).contiguous(), kind, n, weights, slot, wide_bias, wide);
+    out.copy_(wide);
+    return;
+  }
   switch (kind) {
     case kPanelF32:
       return linear_f32_into(x, *w0, bias, n, out);
