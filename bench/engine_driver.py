@@ -168,29 +168,36 @@ def interleaved_steps(engines: dict[str, Engine], prompt: list[int], n: int,
     """Single-stream decode steps of the engines taken in turn, a step each, the order reversed
     every step and round: bandwidth that drifts within seconds falls on every engine alike,
     where a round of whole decodes (seconds each) leaves it to chance. Per round each engine's
-    median step time (ms) after its prefill; each later engine's speed-up over the first
-    (the first's step time over its own), then the median round's."""
+    milliseconds per token after its prefill: its steps' time over the tokens they emitted
+    (one a step, or several where it speculates, so that its stream ends in fewer steps);
+    each later engine's speed-up over the first (the first's time per token over its own),
+    then the median round's."""
     names = list(engines)
-    step_ms: dict[str, list[float]] = {d: [] for d in names}
+    token_ms: dict[str, list[float]] = {d: [] for d in names}
     for r in range(rounds):
         streams = {d: engines[d].stream_steps(prompt, n + 1) for d in names}
-        times: dict[str, list[float]] = {d: [] for d in names}
+        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         try:
             for stream in streams.values():
                 next(stream)  # the prefill
-            order = names if r % 2 == 0 else names[::-1]
-            for k in range(n):
-                for d in order if k % 2 == 0 else order[::-1]:
+            order, live, k = names if r % 2 == 0 else names[::-1], set(names), 0
+            while live:
+                for d in [d for d in (order if k % 2 == 0 else order[::-1]) if d in live]:
                     t0 = time.perf_counter()
-                    next(streams[d])
-                    times[d].append(time.perf_counter() - t0)
+                    outputs = next(streams[d], None)
+                    if outputs is None:
+                        live.discard(d)
+                        continue
+                    seconds[d] += time.perf_counter() - t0
+                    tokens[d] += sum(len(o.new_token_ids) for o in outputs)
+                k += 1
         finally:
             for stream in streams.values():
                 stream.close()
         for d in names:
-            step_ms[d].append(statistics.median(times[d]) * 1e3)
-    ratios = {d: [a / b for a, b in zip(step_ms[names[0]], step_ms[d])] for d in names[1:]}
-    return {"step_ms": step_ms, "ratios": ratios,
+            token_ms[d].append(seconds[d] / tokens[d] * 1e3)
+    ratios = {d: [a / b for a, b in zip(token_ms[names[0]], token_ms[d])] for d in names[1:]}
+    return {"token_ms": token_ms, "ratios": ratios,
             "ratio": {d: statistics.median(v) for d, v in ratios.items()}}
 
 

@@ -299,7 +299,7 @@ def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
     one process, alternating rounds: the median round's ratio) where it ran; `separate` the
     ratio of the decode sections, each dtype in its own process minutes apart; `interleaved`
     the step-interleaved one (engine_driver.interleaved_steps: the median round's ratio of
-    median step times), which the target reads where it ran: of the three, drift in this
+    times per token), which the target reads where it ran: of the three, drift in this
     machine's bandwidth moves it least."""
     first, rows = dtypes[0], []
     for engine, by_dtype in results.items():
@@ -320,8 +320,8 @@ def dtype_rows(results: dict, dtypes: list[str]) -> list[dict]:
                            rounds=paired["rounds"])
             steps = (paired or {}).get("interleaved")
             if steps:
-                row.update({f"interleaved {SHORT[d]} step ms": statistics.median(
-                    steps["step_ms"][d]) for d in (first, dtype)},
+                row.update({f"interleaved {SHORT[d]} ms/token": statistics.median(
+                    steps["token_ms"][d]) for d in (first, dtype)},
                            interleaved=steps["ratio"][dtype])
                 ratio = steps["ratio"][dtype]
             rows.append({**row, "target": target, "met": None if not target else ratio >= 1.7})

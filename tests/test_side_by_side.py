@@ -98,3 +98,32 @@ def test_variant_rows_pool_the_rounds_and_read_the_interleaved_ratio():
     results["tierserve[q8]"]["float32"]["paired_decode_rounds"] = [rounds[1]]
     rounds[1]["interleaved"]["ratios"]["base"] = [7.0 / 12.0]
     assert side_by_side.variant_rows(results, ["float32"], engines)[0]["met"] is False
+
+
+def test_interleaved_steps_time_tokens_of_an_engine_that_speculates(monkeypatch):
+    """A speculating engine emits several tokens a step and ends its stream in fewer steps:
+    the interleaved rounds step the engines until each stream ends and compare time per token,
+    not per step. The clock is the engines' own (each step advances it by the engine's cost)."""
+    import engine_driver
+    clock = [0.0]
+    monkeypatch.setattr(engine_driver.time, "perf_counter", lambda: clock[0])
+
+    class Stepper:
+        def __init__(self, step_s: float, per_step: int) -> None:
+            self.step_s, self.per_step = step_s, per_step
+
+        def stream_steps(self, prompt, max_tokens):
+            yield [SimpleNamespace(new_token_ids=[1])]  # the prefill's token
+            left = max_tokens - 1
+            while left > 0:
+                clock[0] += self.step_s
+                k = min(self.per_step, left)
+                left -= k
+                yield [SimpleNamespace(new_token_ids=[1] * k)]
+
+    # The plain engine: 10 ms a token; the speculating one: 15 ms a step of 3 tokens.
+    got = engine_driver.interleaved_steps(
+        {"plain": Stepper(0.010, 1), "ngram": Stepper(0.015, 3)}, [1, 2, 3], 12, 2)
+    assert got["token_ms"]["plain"] == pytest.approx([10.0, 10.0])
+    assert got["token_ms"]["ngram"] == pytest.approx([5.0, 5.0])
+    assert got["ratio"]["ngram"] == pytest.approx(2.0)
