@@ -43,7 +43,9 @@ with one change, whose answer repeats its context (what n-gram speculation draft
 
 Every figure also comes as a fraction of its bound on this machine (roofline.py, measured first
 with the engines' threads; `--no-roofline` skips it): offline_frac, the run's FLOPs over the
-matmul peak; decode_frac, the bytes a decode step streams over the bandwidth.
+matmul peak; decode_frac, the bytes a decode step streams over the bandwidth (tierserve's own
+count of what its step reads, stats()["decode_weight_bytes"], with the context's K/V; a peer's
+from the config).
 
 Usage: python bench/offline_throughput.py [--json] [--dtypes float32,bfloat16] [--skip-hf]
            [--all-backends | --cpu-isa auto|amx|avx512|avx2|torch]

@@ -358,8 +358,8 @@ def add_fractions(result: dict, dtype: str, limits: dict | None, cost, prompts: 
                   output_len: int, decode_context: int, quantization: str | None,
                   streamed_weight_bytes: int | None = None) -> None:
     """offline_frac and decode_frac of one run (roofline.py); nothing without limits.
-    streamed_weight_bytes: the weight bytes a decode step streams where the model's config
-    cannot tell them (tierserve on a GGUF model, from its codes)."""
+    streamed_weight_bytes: the weight bytes the engine says its decode step reads (tierserve's
+    stats()["decode_weight_bytes"]); None: the config's weights in the run's dtype."""
     if limits is None or cost is None:
         return
     from roofline import decode_frac, offline_frac
@@ -474,19 +474,14 @@ def compare(args, prompts: list[list[int]], dtypes: list[str], features, *,
     spec = base_spec(args, prompts, decode_prompts, model, dtypes)
     results = run_rounds(args, spec, hf_folder, plan(parts, dtypes), log_dir, engines)
     decode_context = len(spec["decode_prompts"][1]) + args.output_len // 2
-    gguf = model is None or str(model).endswith(".gguf")
     for entry in engines:
         options = entry["options"]
-        # tierserve runs a GGUF model in fp32 from its codes (each weight in a format of its
-        # own); the peers run its fp32 export, which the config's costs describe.
-        from_codes = (gguf and entry["kind"] == "tierserve" and "quantization" not in options
-                      and options.get("quantized_linears", True))
         for dtype, result in results[entry["label"]].items():
             add_derived(result)
+            # tierserve says what its decode step reads (GGUF codes, coded panels, the greedy
+            # head's codes); a peer's bound is the config's weights in its dtype.
             add_fractions(result, dtype, limits, cost, prompts, args.output_len, decode_context,
-                          options.get("quantization"),
-                          result.get("weight_bytes") if from_codes and dtype == "float32"
-                          else None)
+                          options.get("quantization"), result.get("decode_weight_bytes"))
     agree = agreement(results)
     all_dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "bfloat16"]
     config = {"order": [e["label"] for e in engines], "rounds": args.rounds, "engines": engines,

@@ -49,6 +49,7 @@ class TierserveEngine:
         stats = self.llm.stats()
         return {"version": version("tierserve"), "torch": torch.__version__,
                 "cpu_backend": stats["cpu_backend"], "weight_bytes": stats["weight_bytes"],
+                "decode_weight_bytes": stats["decode_weight_bytes"],
                 "compile_cache": self._cache, "compile_cache_files_before": self._cache_files,
                 "compile_cache_new_files": new_files,
                 "compile_cache_warm": self._cache_files > 0 and new_files == 0}

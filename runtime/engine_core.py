@@ -109,6 +109,7 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.backends = info.backends
         self.weight_bytes = info.weight_bytes
+        self.decode_weight_bytes = info.decode_weight_bytes
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)

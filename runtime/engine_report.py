@@ -74,6 +74,7 @@ def engine_stats(core: EngineCore) -> dict:
     stats["max_model_len"] = core.max_model_len
     stats["block_size"] = core.config.block_size
     stats["weight_bytes"] = core.weight_bytes
+    stats["decode_weight_bytes"] = core.decode_weight_bytes
     if core.backends:
         stats["cpu_backend"] = core.backends[0]["name"]
         stats["backend"] = dict(core.backends[0])

@@ -36,6 +36,7 @@ class WorkerInfo:
     kv_head_ranges: tuple[tuple[int, int], ...] = ()  # per rank: the KV heads it holds
     copy_bytes_per_s: float = 0.0
     weight_bytes: int = 0  # the model's weights as the ranks hold them, all ranks
+    decode_weight_bytes: int = 0  # of them, what a lone greedy decode step reads, all ranks
     # Seconds rank 0 spent in each part of its start (Worker.startup).
     startup: dict = field(default_factory=dict)
 
@@ -49,7 +50,7 @@ class WorkerInfo:
                    first.eos_token_ids, tuple(r.backend for r in ranks), first.kv_block_bytes,
                    min(t.cpu_slots for t in tiers), tuple(t.kv_heads for t in tiers),
                    min(t.copy_bytes_per_s for t in tiers), sum(r.weight_bytes for r in ranks),
-                   dict(startup or {}))
+                   sum(r.decode_weight_bytes for r in ranks), dict(startup or {}))
 
 
 class Executor(Protocol):

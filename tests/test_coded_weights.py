@@ -224,3 +224,28 @@ def test_layer_stack_runs_coded_panels_bitwise_as_the_layers(tmp_path, kernels, 
     assert len(taken) == 5 and all(taken)
     for (k1, v1), (k2, v2) in zip(stacked.kv_caches, plain.kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_weight_bytes_count_what_a_lone_decode_reads(tmp_path, backend, tied):
+    """decode_weight_bytes (stats()' figure): each decoder weight as its single-row route holds
+    it, the norms, and the head's greedy route where it has one, never the embedding table. On
+    the torch backend the routes are the checkpoint's tensors: all but the embedding, which a
+    tied head reads whole. On a kernel backend coded panels and the greedy head's codes read
+    fewer bytes than the weights held, and the head's own panels, which only the candidates'
+    columns read, are not counted."""
+    from safetensors.torch import load_file
+    path = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
+    file_bytes = {k: v.numel() * v.element_size()
+                  for k, v in load_file(path / "model.safetensors").items()}
+    _, model = load_model(str(path), torch.float32, "cpu", backend)
+    read = model.decode_weight_bytes()
+    if backend.name == "torch":
+        assert model.lm_head.greedy_head is None
+        embed = 0 if tied else file_bytes["model.embed_tokens.weight"]
+        assert read == sum(file_bytes.values()) - embed
+        return
+    head = model.lm_head
+    assert head.greedy_head is not None
+    panels = sum(t.numel() * t.element_size() for t in head.method.tensors())
+    assert read + panels <= model.weight_bytes()

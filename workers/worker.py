@@ -150,7 +150,7 @@ class Worker:
                                                self.spec.block_size, self.dtype)
         return ModelInfo(config.vocab_size, config.max_position_embeddings,
                          tuple(config.eos_token_ids), self.backend.describe(), block_bytes,
-                         self.model.weight_bytes())
+                         self.model.weight_bytes(), self.model.decode_weight_bytes())
 
     @contextlib.contextmanager
     def _load_threads(self):

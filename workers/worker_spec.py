@@ -76,6 +76,7 @@ class ModelInfo:
     backend: dict  # Backend.describe() of the backend the rank runs
     kv_block_bytes: int  # one block id of the pool on this rank, all layers, K and V
     weight_bytes: int = 0  # the model shard's weights as this rank holds them
+    decode_weight_bytes: int = 0  # of them, what a lone greedy decode step reads
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,12 @@ class GreedyHead:
         approx = () if self.approx is None else self.approx.tensors()
         return (*approx, *(self.int8 or ()), self.norms, self.devs)
 
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What a single row's pass reads: the int8 copy where the CPU runs it (it then takes
+        every row count), else the Q8_0 codes; the rows' norms and deviations."""
+        first = self.int8 if self.int8 is not None else self.approx.tensors()
+        return (*first, self.norms, self.devs)
+
     def place(self, arena) -> "GreedyHead":
         """The first pass's codes into `arena` (the head's panels, or codes, are its linear
         method's)."""

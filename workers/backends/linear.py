@@ -50,6 +50,10 @@ class LinearMethod:
         """The tensors the method holds (stats() sums their bytes, each tensor once)."""
         raise NotImplementedError
 
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a single input row's product reads (a lone decode step's bytes)."""
+        return self.tensors()
+
     def place(self, arena) -> "LinearMethod":
         """Moves the tensors a product streams into `arena` (host_memory.HugePageArena);
         returns self. Methods whose tensors are not plain CPU storage keep them."""
@@ -134,6 +138,9 @@ class PackedWeight(LinearMethod):
         # The packed copy is what a product streams; the plain weight (or the panels) is kept
         # for weight() (an LM head's is the embedding's) and for single rows.
         return (self.packed, *((self.plain,) if self.panel is None else self.panel.tensors()))
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.panel.row_tensors() if self.panel_takes(1) else (self.packed,)
 
 
 def plain_weight(panels: torch.Tensor, out_features: int, pairs: bool) -> torch.Tensor:

@@ -249,6 +249,24 @@ class LlamaForCausalLM(nn.Module):
         unique = {_storage_key(t): t.numel() * t.element_size() for t in held if t.numel()}
         return sum(unique.values())
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a greedy single-sequence decode step reads on this rank: each
+        decoder linear's single-row route (LinearMethod.row_tensors) with its bias, the norms,
+        and the head's greedy route where it has one (else its product's); not the embedding
+        table, of which a step reads one row."""
+        read: list[torch.Tensor] = []
+        for m in [*self.model.layers.modules(), self.model.norm]:
+            read += [p for p in m.parameters(recurse=False) if p is not None]
+            if getattr(m, "method", None) is not None:
+                read += m.method.row_tensors()
+        head = self.lm_head
+        if head.greedy_head is not None:
+            read += head.greedy_head.row_tensors()
+        else:
+            read += head.method.row_tensors() if head.method is not None else [head.weight]
+        unique = {_storage_key(t): t.numel() * t.element_size() for t in read if t.numel()}
+        return sum(unique.values())
+
     def enable_lora(self) -> LoRAStep:
         """Gives every decoder projection the model's LoRAStep, which the model runner fills
         with the adapters of each step."""
