@@ -57,6 +57,12 @@ def _storage_key(t: torch.Tensor) -> int:
     return id(t) if t.is_mkldnn else t.data_ptr()
 
 
+def _bytes_once(tensors: list[torch.Tensor]) -> int:
+    """The tensors' bytes, each memory counted once (a tied head's weight is the embedding's)."""
+    return sum({_storage_key(t): t.numel() * t.element_size()
+                for t in tensors if t.numel()}.values())
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device,
                  backend: Backend, window: int | None = None):
@@ -246,8 +252,7 @@ class LlamaForCausalLM(nn.Module):
             for route in (getattr(m, "method", None), getattr(m, "greedy_head", None)):
                 if route is not None:
                     held += route.tensors()
-        unique = {_storage_key(t): t.numel() * t.element_size() for t in held if t.numel()}
-        return sum(unique.values())
+        return _bytes_once(held)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights a greedy single-sequence decode step reads on this rank: each
@@ -264,8 +269,7 @@ class LlamaForCausalLM(nn.Module):
             read += head.greedy_head.row_tensors()
         else:
             read += head.method.row_tensors() if head.method is not None else [head.weight]
-        unique = {_storage_key(t): t.numel() * t.element_size() for t in read if t.numel()}
-        return sum(unique.values())
+        return _bytes_once(read)
 
     def enable_lora(self) -> LoRAStep:
         """Gives every decoder projection the model's LoRAStep, which the model runner fills
