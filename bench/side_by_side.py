@@ -207,16 +207,22 @@ def _cache_load_failure(log_path: str) -> str | None:
 def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | None = None,
               model: str | None = None, dtypes: list[str] | None = None) -> dict:
     """What every driver gets; the random prompts are distinct, so none is cached at first.
-    decode_prompts: the single-stream prompts, a pair per decode (default: random ids of
-    --prompt-len, --decode-repeats pairs). The paired decode's prompts are random ids of the
-    decode prompts' length, a warm-up pair per dtype, then a pair per round and dtype."""
+    decode_prompts: the single-stream prompts of a workload (--decode-workload), a pair per
+    decode (default: random ids of --prompt-len, --decode-repeats pairs). The paired decode
+    takes a warm-up pair per dtype, then a pair per round and dtype: distinct random ids of the
+    decode prompts' length, or a workload's own pairs again and again, since what a speculating
+    variant drafts depends on them (after the warm-up their prefixes are cached for every
+    engine alike)."""
     pairs = 2 * getattr(args, "decode_repeats", 1)
     long = random_prompts(pairs + args.ttft_repeats, args.prompt_len, seed=1)
     dtypes = dtypes or ["float32"]
     rounds = getattr(args, "paired_rounds", 0)
-    length = len((decode_prompts or long)[0])
     # A pair per warm-up and round for each dtype's engine and a variant's base engine.
-    paired = random_prompts(2 * (rounds + 1) * (len(dtypes) + 1), length, seed=2)
+    count = 2 * (rounds + 1) * (len(dtypes) + 1)
+    if decode_prompts:
+        paired = [decode_prompts[i % len(decode_prompts)] for i in range(count)]
+    else:
+        paired = random_prompts(count, args.prompt_len, seed=2)
     return {"paired_dtypes": dtypes[1:], "paired_rounds": rounds,
             "paired_decode_prompts": paired, "model": model, "cpu_isa": args.cpu_isa,
             "max_model_len": args.max_model_len,

@@ -127,3 +127,18 @@ def test_interleaved_steps_time_tokens_of_an_engine_that_speculates(monkeypatch)
     assert got["token_ms"]["plain"] == pytest.approx([10.0, 10.0])
     assert got["token_ms"]["ngram"] == pytest.approx([5.0, 5.0])
     assert got["ratio"]["ngram"] == pytest.approx(2.0)
+
+
+def test_the_paired_decode_takes_the_decode_workloads_own_prompts():
+    """Random distinct prompts for the default workload; a workload's own pairs (what a
+    speculating variant drafts from) again and again, pair by pair, for the others."""
+    args = SimpleNamespace(decode_repeats=1, ttft_repeats=1, prompt_len=8, paired_rounds=2,
+                           cpu_isa="auto", max_model_len=64, kv_cache_gib=1,
+                           output_len=4)
+    plain = side_by_side.base_spec(args, [[1, 2]], dtypes=["float32"])["paired_decode_prompts"]
+    assert len(plain) == 12 and len({tuple(p) for p in plain}) == 12
+    assert all(len(p) == 8 for p in plain)
+    edit = [[5, 6, 7], [8, 9, 10]]
+    paired = side_by_side.base_spec(args, [[1, 2]], edit, dtypes=["float32"])
+    assert paired["paired_decode_prompts"] == edit * 6
+    assert paired["decode_prompts"] == edit
