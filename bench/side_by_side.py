@@ -206,7 +206,8 @@ def _cache_load_failure(log_path: str) -> str | None:
 
 def base_spec(args, prompts: list[list[int]], decode_prompts: list[list[int]] | None = None,
               model: str | None = None, dtypes: list[str] | None = None) -> dict:
-    """What every driver gets; the random prompts are distinct, so none is cached at first.
+    """What every driver gets; the random prompts are distinct, so none of them is cached at
+    first.
     decode_prompts: the single-stream prompts of a workload (--decode-workload), a pair per
     decode (default: random ids of --prompt-len, --decode-repeats pairs). The paired decode
     takes a warm-up pair per dtype, then a pair per round and dtype: distinct random ids of the
