@@ -193,3 +193,29 @@ def test_a_thinking_servers_constrained_reply_reasons_first(thinking_client):
             jsonschema.validate(json.loads(out.message.content), schema)
         else:
             assert out.finish_reason == "length" and out.message.model_extra["reasoning"]
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(thinking_client):
+    """reasoning_effort is the template's `reasoning_effort`, and its `enable_thinking` (off
+    for "none") unless chat_template_kwargs set that; the Responses API's reasoning.effort
+    alike."""
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{{ reasoning_effort }}{% if enable_thinking %} think{% endif %}")
+
+    def prompt_tokens(**fields) -> int:
+        return thinking_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            temperature=0, extra_body={"chat_template": template, **fields}).usage.prompt_tokens
+
+    def given(effort: str, thinking: bool) -> int:  # the same variables, set by the client
+        return prompt_tokens(chat_template_kwargs={"reasoning_effort": effort,
+                                                   "enable_thinking": thinking})
+
+    assert given("high", True) > given("high", False) > prompt_tokens()
+    assert prompt_tokens(reasoning_effort="high") == given("high", True)
+    assert prompt_tokens(reasoning_effort="none") == given("none", False)
+    assert prompt_tokens(reasoning_effort="none",
+                         chat_template_kwargs={"enable_thinking": True}) == given("none", True)
+    r = thinking_client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                         reasoning={"effort": "low", "summary": "auto"})
+    assert r.status in ("completed", "incomplete")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Literal
 
 import msgspec
 from fastapi import Request
@@ -47,6 +48,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     metadata: dict | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
 
 
 def _text(content, where: str) -> str:

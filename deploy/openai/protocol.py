@@ -7,6 +7,8 @@ field, which the server turns into the error's `param`.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.deploy.openai.errors import BadField, param_of
@@ -86,6 +88,15 @@ class ChatMessage(BaseModel):
     # An assistant turn's calls, and a tool turn's answer to one (multi-turn tool use).
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    # The rest of an earlier reply as OpenAI's clients send it back (the message's
+    # model_dump()): a refusal stands for its text, its reasoning is not re-read, and audio or
+    # a deprecated function_call cannot be (chat_messages).
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -102,6 +113,26 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    # The chat template's reasoning_effort, and enable_thinking unless the kwargs set it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # OpenAI's fields that change nothing this server answers, taken so that its clients run
+    # unchanged: no completion is stored (store, metadata), there is one tier of service, the
+    # prefix cache needs no key, a predicted output could only speed up the same answer, and
+    # safety_identifier is another user.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Refused unless text alone is asked for (_refuse_unsupported).
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -201,11 +232,27 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def _refuse_unsupported(req) -> None:
     if req.length_penalty != 1.0:
         raise BadField("length_penalty", "length_penalty applies to use_beam_search only")
+    if isinstance(req, ChatCompletionRequest):
+        _refuse_unsupported_chat(req)
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise BadField("suffix", "suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise BadField("best_of", "best_of must equal n (beam-style best_of is not supported)")
+
+
+def _refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
+    if req.modalities is not None and set(req.modalities) != {"text"}:
+        raise BadField("modalities", f"this model writes text only: modalities is [\"text\"], "
+                                     f"got {req.modalities}")
+    if req.audio is not None:
+        raise BadField("audio", "audio output is not supported")
+    if req.web_search_options is not None:
+        raise BadField("web_search_options", "web search is not supported")
+    if req.functions is not None or req.function_call is not None:
+        name = "functions" if req.functions is not None else "function_call"
+        raise BadField(name, f"{name} is OpenAI's deprecated form of tools and tool_choice: "
+                             f"send those")
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -225,12 +272,25 @@ def prompts_of(value, field: str) -> list[str | list[int]]:
 
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
-                template: str | None = None, fmt: ToolCallFormat = HERMES) -> dict:
+                template: str | None = None, fmt: ToolCallFormat = HERMES,
+                thinks: bool = False) -> dict:
     """The body's conversation as a prompt dict: its messages and how to render them (with
-    `template`, the server's, where the body sends no chat_template)."""
+    `template`, the server's, where the body sends no chat_template). A reasoning_effort
+    needs a model that `thinks` (the server parses its reasoning), as OpenAI refuses it for
+    models that answer directly."""
     options = {name: getattr(req, name, None) for name in CHAT_OPTIONS}
     if options["chat_template"] is None:
         options["chat_template"] = template
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and not thinks:
+        raise BadField("reasoning_effort", "reasoning_effort needs a reasoning model (a server "
+                                           "started with --reasoning-parser); this one answers "
+                                           "directly")
+    if effort is not None and (options["chat_template_kwargs"] is None
+                               or isinstance(options["chat_template_kwargs"], dict)):
+        given = options["chat_template_kwargs"] or {}
+        options["chat_template_kwargs"] = {"reasoning_effort": effort,
+                                           "enable_thinking": effort != "none", **given}
     try:
         check_chat_options(options)
     except ValueError as e:  # its message opens with the option's name
@@ -244,7 +304,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest,
     an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []
     for i, m in enumerate(req.messages):
+        for name in ("audio", "function_call"):
+            if getattr(m, name, None) is not None:
+                raise BadField(f"messages[{i}].{name}", f"a message's {name} cannot be read "
+                               f"back here" + (": send tool_calls" * (name == "function_call")))
         content = m.content
+        if not content and getattr(m, "refusal", None):
+            content = m.refusal
         if content is None:
             content = ""
         elif isinstance(content, list):

@@ -39,7 +39,8 @@ class ResponsesEndpoint:
         try:
             tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                               server.tool_format)
-            prompt = chat_prompt(chat, server.config.chat_template, server.tool_format)
+            prompt = chat_prompt(chat, server.config.chat_template, server.tool_format,
+                                 thinks=server.config.reasoning_parser is not None)
             params = sampling_params(chat, tools, server.generation_defaults)
         except BadField as e:
             raise BadField(renamed(e.param), str(e)) from None

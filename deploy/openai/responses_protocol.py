@@ -4,10 +4,12 @@ body, which the chat endpoint's own code turns into a prompt and SamplingParams.
 
 Items are text: messages (roles user, assistant, system, developer; content a string or
 input_text / output_text parts), function_call and function_call_output. A response's own
-`output` items may be sent back as input. Anything else (images, files, reasoning items, hosted
-tools) is a 400 naming the item.
+`output` items may be sent back as input (its reasoning items are not re-read). Anything else
+(images, files, hosted tools) is a 400 naming the item.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,7 +23,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat-body fields whose errors name a Responses field of another name.
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-            "messages": "input", "response_format": "text.format", "logprobs": "top_logprobs"}
+            "messages": "input", "response_format": "text.format", "logprobs": "top_logprobs",
+            "reasoning_effort": "reasoning"}
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +57,16 @@ class ResponsesRequest(BaseModel):
     truncation: str = "disabled"
     background: bool = False
     reasoning: dict | None = None
+    # OpenAI's fields that change nothing this server answers (as chat's); max_tool_calls
+    # bounds hosted tools' calls, of which there are none.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
+    # Refused unless null: prompt templates and conversations stored with OpenAI.
+    prompt: dict | None = None
+    conversation: str | dict | None = None
     seed: int | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -144,7 +157,8 @@ def chat_body(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequ
         logprobs=logprobs, top_logprobs=(body.top_logprobs or 0) if logprobs else None,
         response_format=_response_format(body.text), tools=_chat_tools(body.tools),
         tool_choice=_chat_tool_choice(body.tool_choice),
-        parallel_tool_calls=body.parallel_tool_calls, stream=body.stream)
+        parallel_tool_calls=body.parallel_tool_calls, stream=body.stream,
+        reasoning_effort=(body.reasoning or {}).get("effort"))
     try:
         return ChatCompletionRequest(**fields)
     except ValidationError as e:
@@ -161,9 +175,13 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.background:
         raise BadField("background", "background responses are not supported: stream it, or "
                                      "wait for it")
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise BadField("reasoning", "reasoning options need a reasoning model; this one answers "
-                                    "directly")
+    unknown = sorted(set(body.reasoning or ()) - {"effort", "summary", "generate_summary"})
+    if unknown:
+        raise BadField("reasoning", f"reasoning takes effort and summary, got {unknown}")
+    for name in ("prompt", "conversation"):
+        if getattr(body, name) is not None:
+            raise BadField(name, f"{name} refers to what OpenAI stores; send the input itself "
+                                 f"(or previous_response_id)")
 
 
 def renamed(param: str | None) -> str | None:
