@@ -87,6 +87,29 @@ def test_tool_use_blocks_and_their_results_go_on(claude):
     assert follow.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_count_tokens_is_what_the_message_prefills(claude, server):
+    """`messages.count_tokens` (Claude Code asks it before sending) equals the usage of the
+    same message, with a system prompt, tools and a tool-use turn."""
+    convs = [dict(system="be brief", messages=[{"role": "user", "content": "hello there"}]),
+             dict(tools=[WEATHER], messages=[
+                 {"role": "user", "content": "weather in Paris?"},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                    "name": "get_weather",
+                                                    "input": {"city": "Paris"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                               "content": "sunny"}]}])]
+    for conv in convs:
+        counted = claude.messages.count_tokens(model=MODEL, **conv).input_tokens
+        used = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, **conv)
+        assert counted == used.usage.input_tokens > 0
+    bad = httpx.post(server.base + "/v1/messages/count_tokens", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "system", "content": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
+    unknown = httpx.post(server.base + "/v1/messages/count_tokens", timeout=30, json={
+        "model": "claude-9", "messages": [{"role": "user", "content": "x"}]})
+    assert unknown.status_code == 404
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0]"),

@@ -27,8 +27,9 @@ from tierserve.deploy.openai.streaming import (
 )
 from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls, tool_plan
 from tierserve.deploy.openai.tenants import Tenant
+from tierserve.deploy.openai.tokenize import chat_prompt_tokens
 
-__all__ = ["MessagesRequest", "messages_response"]
+__all__ = ["MessagesRequest", "messages_response", "CountTokensRequest", "count_tokens_response"]
 
 _encode = msgspec.json.Encoder().encode
 _STOP = {"length": "max_tokens", "stop": "end_turn"}
@@ -49,6 +50,17 @@ class MessagesRequest(BaseModel):
     tool_choice: dict | None = None
     metadata: dict | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`: the fields of a message that make its prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[dict] = Field(min_length=1)
+    system: str | list[dict] | None = None
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
 
 
 def _text(content, where: str) -> str:
@@ -249,6 +261,14 @@ async def messages_response(server, body: MessagesRequest, request: Request,
     if body.stream:
         return StreamingResponse(_events(stream, fold, builder), media_type="text/event-stream")
     return await until_disconnect(request, _whole(stream, fold, builder), stream)
+
+
+async def count_tokens_response(server, body: CountTokensRequest) -> dict:
+    """`input_tokens`: what a message of these fields prefills (its usage.input_tokens)."""
+    server.check_model(body.model)
+    chat = _chat(MessagesRequest(max_tokens=1, **body.model_dump()))
+    prompt = chat_prompt(chat, server.config.chat_template, server.tool_format)
+    return {"input_tokens": await chat_prompt_tokens(server, prompt)}
 
 
 async def _whole(stream: EngineStream, fold: Fold, builder: MessageBuilder) -> JSONResponse:

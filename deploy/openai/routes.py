@@ -17,7 +17,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tierserve.deploy.openai.admission import Admission, BodyLimit
-from tierserve.deploy.openai.anthropic import MessagesRequest, messages_response
+from tierserve.deploy.openai.anthropic import (
+    CountTokensRequest, MessagesRequest, count_tokens_response, messages_response,
+)
 from tierserve.deploy.openai.beam import beam_response
 from tierserve.deploy.openai.connections import uvicorn_config
 from tierserve.deploy.openai.embeddings import EmbeddingRequest, embeddings_response
@@ -312,6 +314,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request, tenant: Tenant | None = auth):
         return await messages_response(server, body, request, tenant)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest, tenant: Tenant | None = auth):
+        return await count_tokens_response(server, body)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, tenant: Tenant | None = auth):

@@ -7,7 +7,8 @@ import asyncio
 from tierserve.deploy.openai.errors import ApiError, BadField
 from tierserve.deploy.openai.protocol import DetokenizeRequest, TokenizeChatRequest, chat_prompt
 
-__all__ = ["tokenize_response", "detokenize_response", "token_text"]
+__all__ = ["tokenize_response", "detokenize_response", "token_text", "rendered",
+           "chat_prompt_tokens"]
 
 
 def _tokenizer(server):
@@ -25,19 +26,32 @@ async def tokenize_response(server, body) -> dict:
     server.check_model(body.model)
     tok = _tokenizer(server)
     if isinstance(body, TokenizeChatRequest):
-        prompt = chat_prompt(body, server.config.chat_template, server.tool_format)
-        try:
-            text = tok.render_chat(prompt.pop("messages"), **prompt)
-        except ValueError:
-            raise
-        except Exception as e:  # the template itself failed on these options
-            raise BadField("messages", f"cannot render the chat template: "
-                                       f"{type(e).__name__}: {e}") from None
+        text = rendered(server, chat_prompt(body, server.config.chat_template,
+                                            server.tool_format))
     else:
         text = body.prompt
     ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
     return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
             "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+def rendered(server, prompt: dict) -> str:
+    """A chat prompt dict (chat_prompt) as the engine's template writes it."""
+    options = dict(prompt)
+    try:
+        return _tokenizer(server).render_chat(options.pop("messages"), **options)
+    except ValueError:
+        raise
+    except Exception as e:  # the template itself failed on these options
+        raise BadField("messages", f"cannot render the chat template: "
+                                   f"{type(e).__name__}: {e}") from None
+
+
+async def chat_prompt_tokens(server, prompt: dict) -> int:
+    """How many tokens the engine prefills for a chat prompt dict: its rendered text encoded
+    without special tokens, as the engine's input processor encodes chat."""
+    text = rendered(server, prompt)
+    return len(await asyncio.to_thread(_tokenizer(server).encode, text, False))
 
 
 async def detokenize_response(server, body: DetokenizeRequest) -> dict:
