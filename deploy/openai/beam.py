@@ -62,14 +62,16 @@ async def beam_response(server, kind: str, prompts: list, body, request: Request
             server.admission.started()
     if outputs is None:  # the client left: its searches' requests are aborted
         return Response(status_code=499)
-    reply = _body(kind, server.model_name(body.model), outputs, echo)
+    reply = _body(kind, server.model_name(body.model), outputs, echo, body.return_token_ids)
     usage = reply["usage"]
     server.metrics.served_whole(tenant, usage["prompt_tokens"], usage["completion_tokens"],
                                 [c["finish_reason"] for c in reply["choices"]])
     return JSONResponse(reply)
 
 
-def _body(kind: str, model: str, outputs: list, echo: list[str] | None) -> dict:
+def _body(kind: str, model: str, outputs: list, echo: list[str] | None,
+          token_ids: bool = False) -> dict:
+    """The response; with token_ids (return_token_ids), the ids as responses.py gives them."""
     choices, prompt_tokens, made = [], 0, 0
     for i, out in enumerate(outputs):
         prompt_len = len(out.sequences[0].tokens) - len(out.sequences[0].logprobs)
@@ -82,7 +84,15 @@ def _body(kind: str, model: str, outputs: list, echo: list[str] | None) -> dict:
                             "finish_reason": seq.finish_reason} if kind == "completion" else
                            {"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": None, "finish_reason": seq.finish_reason})
+            if token_ids:
+                choices[-1]["token_ids"] = list(seq.tokens[prompt_len:])
+                if kind == "completion":
+                    choices[-1]["prompt_token_ids"] = list(seq.tokens[:prompt_len])
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+    body = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
             "object": "text_completion" if kind == "completion" else "chat.completion",
             "choices": choices, "usage": usage_json(prompt_tokens, made)}
+    if token_ids and kind == "chat":  # chat's one prompt
+        first = outputs[0].sequences[0]
+        body["prompt_token_ids"] = list(first.tokens[:len(first.tokens) - len(first.logprobs)])
+    return body

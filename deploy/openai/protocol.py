@@ -66,6 +66,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text (responses.py).
+    return_token_ids: bool = False
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0

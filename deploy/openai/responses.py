@@ -49,11 +49,16 @@ class Fold:
         self.cached_tokens = [0] * num_prompts
         self.completion_tokens = 0
 
-    def add(self, i: int, delta: RequestOutput) -> list[Piece]:
-        """Folds prompt i's delta in; returns its pieces with something to send."""
+    def note_prompt(self, i: int, delta: RequestOutput) -> None:
+        """Prompt i's tokens, from its first delta: before its outputs are folded in, a
+        stream's opening chunks can carry them."""
         if delta.prompt_token_ids:
             self.prompt_tokens[i] = len(delta.prompt_token_ids)
             self.prompt_ids[i] = delta.prompt_token_ids
+
+    def add(self, i: int, delta: RequestOutput) -> list[Piece]:
+        """Folds prompt i's delta in; returns its pieces with something to send."""
+        self.note_prompt(i, delta)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[i] = delta.prompt_logprobs
         self.cached_tokens[i] = max(self.cached_tokens[i], delta.num_cached_tokens)
@@ -87,8 +92,14 @@ class Responder:
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
                  include_usage: bool, tools: ToolPlan | None = None, echo_logprobs: bool = False,
                  show_prompt_logprobs: bool = True, reasoning: bool = False,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, token_ids: bool = False) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
+        # vLLM's return_token_ids: completions' choices carry their prompt's ids, chat's
+        # response carries its one prompt's; streamed, the first chunk that can does, and
+        # each chunk a choice's ids made since its previous chunk.
+        self.token_ids = token_ids
+        self._ids_sent: dict[int, int] = {}
+        self._prompt_ids_sent: set[int] = set()  # choices (chat: the response, as -1)
         self.include_usage = include_usage
         # vLLM's continuous_usage_stats: every chunk carries the usage so far.
         self.continuous_usage = include_usage and continuous_usage
@@ -116,7 +127,27 @@ class Responder:
         choices = [self._choice(k, c, fold) for k, c in enumerate(fold.choices)]
         for k, choice in enumerate(choices):
             self._prompt_logprobs(choice, fold, k)
-        return dict(self.head, choices=choices, usage=fold.usage())
+            if self.token_ids:
+                choice["token_ids"] = list(fold.choices[k].token_ids)
+                if self.kind == "completion":
+                    choice["prompt_token_ids"] = list(fold.prompt_ids[k // fold.n])
+        body = dict(self.head, choices=choices, usage=fold.usage())
+        if self.token_ids and self.kind == "chat":
+            body["prompt_token_ids"] = list(fold.prompt_ids[0])
+        return body
+
+    def _stream_ids(self, chunk: dict, choice: dict) -> None:
+        """return_token_ids on a stream chunk (see __init__)."""
+        index, fold = choice["index"], self._fold
+        ids = fold.choices[index].token_ids
+        sent = self._ids_sent.get(index, 0)
+        choice["token_ids"] = list(ids[sent:])
+        self._ids_sent[index] = len(ids)
+        key, holder = (index, choice) if self.kind == "completion" else (-1, chunk)
+        prompt = fold.prompt_ids[index // fold.n]
+        if prompt and key not in self._prompt_ids_sent:
+            self._prompt_ids_sent.add(key)
+            holder["prompt_token_ids"] = list(prompt)
 
     def _prompt_logprobs(self, choice: dict, fold: Fold, index: int) -> dict:
         """vLLM's prompt_logprobs of the choice's prompt, when it was asked for."""
@@ -274,6 +305,8 @@ class Responder:
             # vLLM's field: the stop string or token that ended the choice (None: EOS).
             choice["stop_reason"] = self._fold.choices[choice["index"]].stop_reason
         chunk = dict(self.chunk_head, choices=[choice])
+        if self.token_ids and self._fold is not None:
+            self._stream_ids(chunk, choice)
         if self.include_usage:
             chunk["usage"] = self._fold.usage() if self.continuous_usage and self._fold \
                 else None

@@ -158,7 +158,8 @@ class OpenAIServer:
         responder = Responder(kind, base_id, int(time.time()), self.model_name(body.model),
                               self.decode_token, params.logprobs or 0, include_usage, tools,
                               echo_logprobs, body.prompt_logprobs is not None, reasoning,
-                              options is not None and options.continuous_usage_stats)
+                              options is not None and options.continuous_usage_stats,
+                              body.return_token_ids)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
                     prompt_only=echo is not None and body.max_tokens == 0)
         try:
@@ -190,6 +191,8 @@ class OpenAIServer:
         return JSONResponse(responder.full(await fold_whole(stream, fold)))
 
     async def _chunks(self, stream: EngineStream, fold: Fold, responder: Responder):
+        if stream.head is not None:  # the opening chunks can carry its prompt's ids
+            fold.note_prompt(*stream.head)
         try:
             for chunk in responder.opening(fold):
                 yield chunk
