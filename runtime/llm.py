@@ -23,6 +23,7 @@ from tierserve.runtime.pooling import (
     embedding_of, score_pairs, scores_of,
 )
 from tierserve.runtime.processor import InputProcessor, OutputProcessor, Processed
+from tierserve.runtime.requests import CHAT_OPTIONS
 from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["LLM", "PromptType"]
@@ -44,6 +45,7 @@ class LLM:
         self._ids = itertools.count()
         self._processors: tuple[InputProcessor, OutputProcessor] | None = None
         self._defaults: dict | None = None
+        self._queued: list = []  # enqueue()'s requests (or their failures), in order
 
     @property
     def tokenizer(self):
@@ -68,14 +70,49 @@ class LLM:
         """One RequestOutput per prompt, in input order. A bad prompt or bad parameters fail
         that request alone (its output has `error` set and finish_reason "error").
         lora_request: the LoRA adapter of every prompt, or one per prompt (enable_lora)."""
+        requests = self._requests(prompts, sampling_params, priority, cache_salt, lora_request)
+        return self._run(requests, use_tqdm and len(requests) >= _PROGRESS_MIN)
+
+    def enqueue(self, prompts: PromptType | Sequence[PromptType],
+                sampling_params: SamplingParams | dict | Sequence | None = None, *,
+                use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                cache_salt: str | Sequence[str | None] | None = None,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                ) -> list[str]:
+        """vLLM's: generate()'s prompts checked and tokenized now, run by the next
+        wait_for_completion() with every other prompt enqueued before it; their request ids."""
+        requests = self._requests(prompts, sampling_params, priority, cache_salt, lora_request)
+        self._queued += requests
+        return [r.request_id if isinstance(r, RequestOutput) else r.request.req_id
+                for r in requests]
+
+    def enqueue_chat(self, messages: list[dict] | Sequence[list[dict]],
+                     sampling_params: SamplingParams | dict | Sequence | None = None, *,
+                     use_tqdm: bool = True,
+                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                     **options: Any) -> list[str]:
+        """chat()'s conversations (with chat's template options), enqueued (enqueue)."""
+        return self.enqueue(_chat_prompts(messages, **options), sampling_params,
+                            use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def wait_for_completion(self, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt enqueued since the last call; their outputs in enqueue order."""
+        queued, self._queued = self._queued, []
+        return self._run(queued, use_tqdm and len(queued) >= _PROGRESS_MIN)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks of one replica (tensor_parallel_size), times the replicas."""
+        config = self.config
+        return config.tensor_parallel_size * (config.data_parallel_size if include_dp else 1)
+
+    def _requests(self, prompts, sampling_params, priority, cache_salt, lora_request) -> list:
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch), "sampling_params")
         salts = _per_prompt(cache_salt, len(batch), "cache_salt")
         priorities = _per_prompt(priority, len(batch), "priority")
         loras = _per_prompt(lora_request, len(batch), "lora_request")
-        requests = [self._request(p, sp, salt, prio or 0, lora)
-                    for p, sp, salt, prio, lora in zip(batch, params, salts, priorities, loras)]
-        return self._run(requests, use_tqdm and len(batch) >= _PROGRESS_MIN)
+        return [self._request(p, sp, salt, prio or 0, lora)
+                for p, sp, salt, prio, lora in zip(batch, params, salts, priorities, loras)]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | dict | Sequence | None = None, *,
@@ -88,13 +125,12 @@ class LLM:
         """Applies the model's chat template (or chat_template) to one conversation or a batch
         of them, vLLM's way: a generation prompt after the last message, or that message
         continued; chat_template_kwargs and tools reach the template (e.g. enable_thinking)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        options = dict(add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message,
-                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                       tools=tools)
-        return self.generate([{"messages": list(c), **options} for c in conversations],
-                             sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        prompts = _chat_prompts(messages, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template=chat_template,
+                                chat_template_kwargs=chat_template_kwargs, tools=tools)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,
@@ -221,6 +257,15 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _chat_prompts(messages, **options) -> list[dict]:
+    """One conversation or a batch of them as prompt dicts with chat's template options."""
+    unknown = sorted(set(options) - set(CHAT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown chat options: {', '.join(unknown)}")
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    return [{"messages": list(c), **options} for c in conversations]
 
 
 def _as_batch(prompts) -> list[PromptType]:

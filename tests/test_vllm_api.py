@@ -377,3 +377,24 @@ def test_a_hub_id_is_served_from_the_local_hub_cache(checkpoint, tmp_path, monke
                                  download_dir=str(tmp_path / "hub"))
     with pytest.raises(ValueError, match="model is a path"):
         EngineConfig.from_kwargs(model=str(checkpoint), revision="main")
+
+
+def test_enqueue_then_wait_for_completion_as_vllm_does(checkpoint):
+    """LLM.enqueue / enqueue_chat queue prompts (a bad one fails alone), and
+    wait_for_completion runs them all: their outputs in enqueue order, as generate gives."""
+    from tierserve import LLM, SamplingParams
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    chat = [{"role": "user", "content": "hi"}]
+    with LLM(str(checkpoint), block_size=4, max_model_len=128) as llm:
+        assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+        ids = llm.enqueue(["one", [5, 6, 7]], greedy) + llm.enqueue_chat(chat, greedy)
+        ids += llm.enqueue([[10**9]], greedy)  # out of the vocabulary: fails alone
+        assert not llm.engine.has_unfinished_requests()  # nothing runs before the wait
+        outs = llm.wait_for_completion(use_tqdm=False)
+        assert [o.request_id for o in outs] == ids and llm.wait_for_completion() == []
+        expected = llm.generate(["one", [5, 6, 7]], greedy) + llm.chat(chat, greedy)
+        assert [o.outputs[0].token_ids for o in outs[:3]] == \
+            [o.outputs[0].token_ids for o in expected]
+        assert outs[3].error and outs[3].outputs[0].finish_reason == "error"
+        with pytest.raises(TypeError, match="unknown chat options: templat"):
+            llm.enqueue_chat(chat, greedy, templat="x")
