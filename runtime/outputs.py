@@ -119,11 +119,14 @@ def prompt_logprobs_of(lps, decode: Callable[[int], str] | None = None
 
 
 def logprob_dict(lp, decode: Callable[[int], str] | None = None) -> dict[int, Logprob]:
-    """token id -> Logprob, the sampled token first, then the top-n; `decode` (a token's
-    text) fills decoded_token."""
+    """token id -> Logprob, the sampled token first, then the top-n, then any
+    logprob_token_ids (with their own ranks); `decode` (a token's text) fills decoded_token."""
     text = decode or (lambda tid: None)
     out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, text(lp.token_ids[0]))}
-    for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
+    chosen = getattr(lp, "chosen_ranks", None) or []
+    top = len(lp.token_ids) - 1 - len(chosen)
+    ranks = list(range(1, top + 1)) + list(chosen)
+    for rank, tid, value in zip(ranks, lp.token_ids[1:], lp.logprobs[1:]):
         if tid not in out:
             out[tid] = Logprob(value, rank, text(tid))
     return out

@@ -172,11 +172,13 @@ class FlushTiers(msgspec.Struct, tag=4, **_WIRE):
 
 
 class SampleLogprobs(msgspec.Struct, **_WIRE):
-    """Logprobs of one sampled token: the sampled token first, then the top-n."""
+    """Logprobs of one sampled token: the sampled token first, then the top-n, then the
+    request's logprob_token_ids, whose ranks are `chosen_ranks` (the top-n's are 1..n)."""
 
     token_ids: list[int]
     logprobs: list[float]
     sampled_rank: int = 0
+    chosen_ranks: list[int] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, tag=11, **_WIRE):

@@ -17,6 +17,7 @@ __all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "Re
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 
 class LoRARef(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -182,6 +183,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Token ids whose logprobs come with every sampled token's, after its top `logprobs`
+    # (which they set to 0 when it is None), each with its true rank (vLLM's field).
+    logprob_token_ids: list[int] | None = None
     # Samples per prompt: the prompt's KV is computed once and each sample forks from it.
     n: int = 1
     # A grammar the output must follow; its matcher lives on the rank that samples.
@@ -327,6 +331,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             for w in self.bad_words_token_ids:
                 for t in w:
                     _check_token(t, "bad_words_token_ids")
+        if isinstance(self.logprob_token_ids, tuple):
+            self.logprob_token_ids = list(self.logprob_token_ids)
+        if self.logprob_token_ids is not None:
+            if not isinstance(self.logprob_token_ids, list) or \
+                    not 1 <= len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(f"SamplingParams.logprob_token_ids must be a list of 1 to "
+                                 f"{MAX_LOGPROB_TOKEN_IDS} token ids")
+            for t in self.logprob_token_ids:
+                _check_token(t, "logprob_token_ids")
+            if self.logprobs is None:
+                self.logprobs = 0
         if type(self.include_stop_str_in_output) is not bool:
             raise ValueError("SamplingParams.include_stop_str_in_output must be True or False")
 
@@ -344,6 +359,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         ids = list(self.stop_token_ids)
         ids += list(self.logit_bias or ())
         ids += self.allowed_token_ids or []
+        ids += self.logprob_token_ids or []
         for w in self.bad_words_token_ids or ():
             ids += w
         return ids

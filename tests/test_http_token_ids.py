@@ -1,6 +1,6 @@
 """vLLM's `return_token_ids`: the prompt's and each choice's token ids beside the text, whole,
 streamed (the prompt's in the first chunk that can carry them, each chunk the ids made since
-the choice's last) and for beam search, on both endpoints."""
+the choice's last) and for beam search, on both endpoints; and its `logprob_token_ids`."""
 import json
 
 import httpx
@@ -77,4 +77,28 @@ def test_beam_search_gives_them_too(server, engine):
         GREEDY, messages=[{"role": "user", "content": "hi"}], n=2, use_beam_search=True))
     assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
     assert all(c["token_ids"] for c in chat["choices"])
+    wait_idle(engine)
+
+
+def test_logprob_token_ids_list_after_the_top_logprobs(server, engine):
+    """vLLM's logprob_token_ids: each sampled token's top logprobs, then those ids' (their
+    values the same whichever else is asked), on both endpoints; an id past the vocabulary
+    is a 400."""
+    decode = {t: _text_of(server, [t]) for t in (3, 9, 12)}
+    base = dict(GREEDY, prompt=PROMPT, logprobs=1, return_token_ids=False)
+    one = _post(server, "/v1/completions", dict(base, logprob_token_ids=[3, 9]))
+    alone = _post(server, "/v1/completions", dict(base, logprob_token_ids=[9]))
+    for top, single in zip(one["choices"][0]["logprobs"]["top_logprobs"],
+                           alone["choices"][0]["logprobs"]["top_logprobs"]):
+        assert decode[3] in top and decode[9] in top and len(top) <= 3
+        assert abs(top[decode[9]] - single[decode[9]]) < 1e-5
+    chat = _post(server, "/v1/chat/completions", dict(
+        GREEDY, messages=[{"role": "user", "content": "hi"}], logprob_token_ids=[12],
+        return_token_ids=False))
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    assert all([e["token"] for e in c["top_logprobs"]] == [decode[12]] for c in content)
+    r = httpx.post(server.base + "/v1/completions", timeout=30,
+                   json=dict(base, logprob_token_ids=[10**6]))
+    assert r.status_code == 400, r.text
     wait_idle(engine)

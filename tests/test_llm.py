@@ -142,6 +142,34 @@ def test_logprobs_are_returned_for_the_sampled_token(checkpoints):
                                                        zip(out.token_ids, out.logprobs)))
 
 
+def test_logprob_token_ids_come_with_each_token_as_the_full_distribution_has_them(
+        checkpoints):
+    """Each step's entries for logprob_token_ids equal that step's full log-softmax (every
+    token asked with logprob_token_ids too), ranks included; an id outside the vocabulary is
+    that request's error."""
+    prompt, asked = [[5, 6, 7, 8]], [3, 9, 40]
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(checkpoints["qwen2"]), block_size=4) as llm:
+        vocab = llm.engine.vocab_size
+        out = llm.generate(prompt, SamplingParams(**greedy, logprob_token_ids=asked),
+                           use_tqdm=False)[0].outputs[0]
+        full = llm.generate(prompt, SamplingParams(**greedy, logprob_token_ids=list(
+            range(min(vocab, 128)))), use_tqdm=False)[0].outputs[0]
+        bad = llm.generate(prompt, SamplingParams(**greedy, logprob_token_ids=[vocab]),
+                           use_tqdm=False)[0]
+    assert full.token_ids == out.token_ids and len(out.logprobs) == 4
+    for token, entry, every in zip(out.token_ids, out.logprobs, full.logprobs):
+        assert list(entry) == [token, *[t for t in asked if t != token]]
+        assert entry[token].rank == 1
+        for t in asked:
+            assert entry[t].logprob == pytest.approx(every[t].logprob, abs=1e-5)
+            assert entry[t].rank == every[t].rank
+        if vocab <= 128:  # the whole distribution: ranks are its order
+            order = sorted(every, key=lambda t: -every[t].logprob)
+            assert all(every[t].rank == order.index(t) + 1 for t in asked)
+    assert bad.error and "out of range" in bad.error
+
+
 def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
     """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
     streams get the same tokens as LLM, and leaving a stream early frees its blocks."""

@@ -419,6 +419,29 @@ def test_logprobs_zero_returns_only_the_sampled_token():
                                torch.log_softmax(logits, -1).max(-1).values)
 
 
+def test_logprob_token_ids_get_their_raw_logprobs_and_true_ranks():
+    vocab = 300
+    logits = random_logits(3, vocab, seed=11)
+    ids = [7, 250, 3]
+    params = [SamplingParams(temperature=0.0, logprob_token_ids=ids),
+              SamplingParams(temperature=1.0, logprobs=2, logprob_token_ids=ids[:1]),
+              SamplingParams(temperature=1.0, logprobs=4)]
+    assert params[0].logprobs == 0  # set by the ids
+    out = Sampler(torch.Generator().manual_seed(2))(logits, batch_of(params, vocab))
+    want = torch.log_softmax(logits.double(), -1)
+    assert sorted(out.logprobs.chosen) == [0, 1]
+    for row, asked in ((0, ids), (1, ids[:1])):
+        values, ranks = out.logprobs.chosen[row]
+        order = torch.argsort(want[row], descending=True).tolist()
+        assert ranks == [order.index(t) + 1 for t in asked]
+        torch.testing.assert_close(torch.tensor(values, dtype=torch.double),
+                                   want[row, asked], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="logprob_token_ids must be a list of 1 to 128"):
+        SamplingParams(logprob_token_ids=[])
+    with pytest.raises(ValueError, match="logprob_token_ids token ids must be ints"):
+        SamplingParams(logprob_token_ids=[1, -2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_and_keeps_seeded_streams():
     vocab = 32

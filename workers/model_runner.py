@@ -264,9 +264,12 @@ class ModelRunner:
             chosen, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
             for token, i, rid, j in zip(token_ids, packed, inputs.sample_req_ids,
                                         rows.first.tolist()):
-                k = self.batch.params_of(rid).logprobs
+                params = self.batch.params_of(rid)
+                k = params.logprobs
                 if k is None:
                     continue
-                logprobs[i] = SampleLogprobs([token] + top_ids[j][:k],
-                                             [chosen[j]] + top_lps[j][:k], ranks[j])
+                picked_lps, picked_ranks = lp.chosen.get(j, ([], []))
+                logprobs[i] = SampleLogprobs(
+                    [token] + top_ids[j][:k] + (params.logprob_token_ids or []),
+                    [chosen[j]] + top_lps[j][:k] + picked_lps, ranks[j], picked_ranks)
         return ModelRunnerOutput(out.step_id, sampled, logprobs, num_accepted=num_accepted)

@@ -101,7 +101,8 @@ class Sampler:
             token_ids = self._choose(apply_penalties(logits, batch.penalties), batch, owned=True)
         logprobs = None
         if batch.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw, token_ids, batch.max_num_logprobs)
+            logprobs = compute_logprobs(raw, token_ids, batch.max_num_logprobs,
+                                        batch.logprob_token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:

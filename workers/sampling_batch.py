@@ -94,6 +94,8 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # random-row index -> seeded generator
     penalties: PenaltyInputs | None
     max_num_logprobs: int | None         # largest `logprobs` asked for; None when nobody asks
+    # Rows with logprob_token_ids -> those ids (their logprobs are gathered besides the top).
+    logprob_token_ids: dict[int, list[int]] | None = None
     # Constrained rows (long[c]) and what their grammars add: float32[c, vocab], 0 or -inf.
     masks: tuple[torch.Tensor, torch.Tensor] | None = None
     # Rows with token rules (long[k]) and what each adds to its logits (float32[k, vocab]).
@@ -142,6 +144,8 @@ class SamplingBatch:
                         if generators[i] is not None},
             penalties=penalties,
             max_num_logprobs=max(asked) if asked else None,
+            logprob_token_ids={i: p.logprob_token_ids for i, p in enumerate(params)
+                               if p.logprob_token_ids} or None,
             masks=None if masks is None else (tensor(masks[0], torch.long),
                                               masks[1].to(device)),
             adjust=None if adjust is None else (tensor(adjust[0], torch.long), adjust[1]),

@@ -2,7 +2,7 @@
 masks, penalties, top-k / top-p / min-p truncation, and logprobs of the raw distribution."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class LogprobsOutput:
     sampled_ranks: torch.Tensor     # long[n]: 1 + number of tokens with a strictly higher logprob
     top_token_ids: torch.Tensor     # long[n, k], by descending logprob
     top_logprobs: torch.Tensor      # float32[n, k]
+    # Rows with logprob_token_ids: row -> (their logprobs, their ranks), in the ids' order.
+    chosen: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
 
 
 def greedy(logits: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
@@ -122,8 +124,10 @@ def apply_min_p_(x: torch.Tensor, min_p: torch.Tensor) -> None:
     x.masked_fill_(x < threshold, -float("inf"))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsOutput:
-    """logits: raw float32[n, vocab]; token_ids: long[n] sampled tokens."""
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                     chosen: dict[int, list[int]] | None = None) -> LogprobsOutput:
+    """logits: raw float32[n, vocab]; token_ids: long[n] sampled tokens; chosen: row -> the
+    token ids whose logprobs and ranks that row also wants (logprob_token_ids)."""
     logprobs = logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > sampled).sum(dim=-1) + 1
@@ -132,4 +136,9 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
     else:
         top_logprobs = logprobs.new_empty(logprobs.shape[0], 0)
         top_ids = token_ids.new_empty(logprobs.shape[0], 0)
-    return LogprobsOutput(sampled.squeeze(1), ranks, top_ids, top_logprobs)
+    picked = {}
+    for row, ids in (chosen or {}).items():
+        values = logprobs[row].index_select(0, torch.tensor(ids, device=logprobs.device))
+        above = (logprobs[row].unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1) + 1
+        picked[row] = (values.tolist(), above.tolist())
+    return LogprobsOutput(sampled.squeeze(1), ranks, top_ids, top_logprobs, picked)

@@ -68,6 +68,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text (responses.py).
     return_token_ids: bool = False
+    # vLLM's: these tokens' logprobs with every sampled token's, after its top logprobs.
+    logprob_token_ids: list[int] | None = None
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -205,7 +207,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         bad_words=req.bad_words, skip_special_tokens=req.skip_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, logprob_token_ids=req.logprob_token_ids)
     try:
         return SamplingParams(**fields)
     except ValueError as e:

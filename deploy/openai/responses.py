@@ -92,8 +92,10 @@ class Responder:
     def __init__(self, kind: str, rid: str, created: int, model: str, decode, num_logprobs: int,
                  include_usage: bool, tools: ToolPlan | None = None, echo_logprobs: bool = False,
                  show_prompt_logprobs: bool = True, reasoning: bool = False,
-                 continuous_usage: bool = False, token_ids: bool = False) -> None:
+                 continuous_usage: bool = False, token_ids: bool = False,
+                 logprob_ids: list[int] | None = None) -> None:
         self.kind, self.decode, self.k = kind, decode, num_logprobs
+        self.ids = logprob_ids or ()  # logprob_token_ids: listed after the top k
         # vLLM's return_token_ids: completions' choices carry their prompt's ids, chat's
         # response carries its one prompt's; streamed, the first chunk that can does, and
         # each chunk a choice's ids made since its previous chunk.
@@ -161,10 +163,11 @@ class Responder:
     def _choice(self, index: int, c: CompletionOutput, fold: Fold) -> dict:
         if self.kind == "completion":
             if not self.echo_logprobs:
-                lps = completion_logprobs(c, self.decode, self.k)
+                lps = completion_logprobs(c, self.decode, self.k, ids=self.ids)
             else:
                 echoed = self._echo_logprobs(index, fold)
-                made = completion_logprobs(c, self.decode, self.k, len(fold.echo[index // fold.n]))
+                made = completion_logprobs(c, self.decode, self.k, len(fold.echo[index // fold.n]),
+                                           self.ids)
                 lps = {key: echoed[key] + made[key] for key in echoed}
             return {"index": index, "text": c.text, "logprobs": lps,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -180,7 +183,8 @@ class Responder:
                 message.update(content=content, tool_calls=calls)
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
-                "logprobs": chat_logprobs(c, self.decode, self.k), "finish_reason": reason,
+                "logprobs": chat_logprobs(c, self.decode, self.k, self.ids),
+                "finish_reason": reason,
                 "stop_reason": c.stop_reason}
 
     def _echo_logprobs(self, index: int, fold: Fold) -> dict:
@@ -211,7 +215,8 @@ class Responder:
                                         "logprobs": self._echo_logprobs(p.index, fold),
                                         "finish_reason": None}))
             choice = {"index": p.index, "text": c.text,
-                      "logprobs": completion_logprobs(c, self.decode, self.k, p.text_offset),
+                      "logprobs": completion_logprobs(c, self.decode, self.k, p.text_offset,
+                                                  self.ids),
                       "finish_reason": c.finish_reason}
             if p.index not in self._announced:
                 self._announced.add(p.index)
@@ -228,7 +233,7 @@ class Responder:
             delta["content"] = text[sent:]
             self._sent[p.index] = len(text)
         return [self._chunk({"index": p.index, "delta": delta,
-                             "logprobs": chat_logprobs(c, self.decode, self.k),
+                             "logprobs": chat_logprobs(c, self.decode, self.k, self.ids),
                              "finish_reason": c.finish_reason})]
 
     def _split(self, index: int, fold: Fold, final: bool) -> tuple[str, str]:
@@ -255,7 +260,7 @@ class Responder:
         parses, the text held back. Content deltas join to the full response's content."""
         c = p.output
         sent = self._sent.get(p.index, 0)
-        lp = chat_logprobs(c, self.decode, self.k)
+        lp = chat_logprobs(c, self.decode, self.k, self.ids)
         if c.finish_reason is None:
             end = max(sent, self.tools.format.held_from(text))
             self._sent[p.index] = end
@@ -277,7 +282,7 @@ class Responder:
         """A forced call streams as OpenAI streams calls: a named function's arguments as they
         come (the first chunk names the call); `required` calls whole, once the list closes."""
         c, plan, chunks = p.output, self.tools, []
-        lp = chat_logprobs(c, self.decode, self.k)
+        lp = chat_logprobs(c, self.decode, self.k, self.ids)
         if plan.mode == "named":
             if p.text_offset == 0:
                 call = parse_tool_calls(plan, "")[0][0]
@@ -332,13 +337,20 @@ def sse(obj) -> bytes:
 
 # ---------------------------------------------------------------------------- logprobs JSON
 
-def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    # The sampled token keeps its true rank; the top-k are ranks 1..k.
-    return sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
-                   and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
+def _top(entries: dict[int, Logprob], k: int, ids=()) -> list[tuple[int, Logprob]]:
+    """The top k (ranks 1..k; the sampled token keeps its true rank), then the request's
+    logprob_token_ids `ids` in their order, each once."""
+    top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
+                  and 1 <= lp.rank <= k), key=lambda e: e[1].rank)
+    seen = {t for t, _ in top}
+    for t in ids:
+        if t in entries and t not in seen:
+            seen.add(t)
+            top.append((t, entries[t]))
+    return top
 
 
-def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
+def chat_logprobs(completion: CompletionOutput, decode, k: int, ids=()) -> dict | None:
     if completion.logprobs is None:
         return None
     content = []
@@ -347,7 +359,7 @@ def chat_logprobs(completion: CompletionOutput, decode, k: int) -> dict | None:
         content.append({
             "token": token, "logprob": entries[tid].logprob, "bytes": list(token.encode()),
             "top_logprobs": [{"token": (t := decode(i)), "logprob": lp.logprob,
-                              "bytes": list(t.encode())} for i, lp in _top(entries, k)]})
+                              "bytes": list(t.encode())} for i, lp in _top(entries, k, ids)]})
     return {"content": content}
 
 
@@ -369,7 +381,7 @@ def prompt_logprobs_json(ids: list[int], lps: list | None, decode, k: int) -> di
 
 
 def completion_logprobs(completion: CompletionOutput, decode, k: int,
-                        offset: int = 0) -> dict | None:
+                        offset: int = 0, ids=()) -> dict | None:
     if completion.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -377,7 +389,7 @@ def completion_logprobs(completion: CompletionOutput, decode, k: int,
         token = decode(tid)
         tokens.append(token)
         token_lps.append(entries[tid].logprob)
-        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k)})
+        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k, ids)})
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

@@ -159,7 +159,7 @@ class OpenAIServer:
                               self.decode_token, params.logprobs or 0, include_usage, tools,
                               echo_logprobs, body.prompt_logprobs is not None, reasoning,
                               options is not None and options.continuous_usage_stats,
-                              body.return_token_ids)
+                              body.return_token_ids, params.logprob_token_ids)
         fold = Fold(len(prompts), params.n, params.logprobs is not None, echo,
                     prompt_only=echo is not None and body.max_tokens == 0)
         try:
