@@ -33,9 +33,10 @@ from tierserve.runtime.requests import (
 )
 from tierserve.runtime.tokenizer import Tokenizer
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import FinishReason, LoRARef, SamplingParams
+from tierserve.scheduler.params import FinishReason, LoRARef, SamplingParams, ThinkingTags
 
-__all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool", "bad_word_ids"]
+__all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool", "bad_word_ids",
+           "thinking_tags"]
 
 log = logging.getLogger("tierserve.processor")
 
@@ -122,6 +123,8 @@ class InputProcessor:
             raise ValueError("this model has no tokenizer: pass prompt token ids")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if params.thinking_token_budget is not None and self.tokenizer is None:
+            raise ValueError("thinking_token_budget needs a tokenizer (its <think> tags)")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; use bad_words_token_ids")
         return fields
@@ -141,6 +144,8 @@ class InputProcessor:
             params = msgspec.structs.replace(params, bad_words=None, bad_words_token_ids=(
                 params.bad_words_token_ids or []) + bad_word_ids(params.bad_words,
                                                                  self.tokenizer))
+        if params.thinking_token_budget is not None:
+            params = msgspec.structs.replace(params, thinking=thinking_tags(ids, self.tokenizer))
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
                                     cache_salt=fields.cache_salt, label=label, lora=lora)
         return Processed(request, fields.text)
@@ -176,6 +181,28 @@ class InputProcessor:
 
     def _too_long(self, n: int) -> str:
         return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
+
+
+# The reasoning tags of Qwen3's and DeepSeek-R1's templates (the HTTP server's parsers').
+THINK_START, THINK_END = "<think>", "</think>"
+_OPEN_TAIL = 256  # prompt tokens searched for a reasoning the template left open
+
+
+def thinking_tags(prompt_ids: list[int], tokenizer: Tokenizer) -> ThinkingTags:
+    """The tags' token ids, and whether the prompt's last tag (in its last tokens) opens."""
+    start = tokenizer.encode(THINK_START, add_special_tokens=False)
+    end = tokenizer.encode(THINK_END, add_special_tokens=False)
+    if not start or not end:
+        raise ValueError(f"thinking_token_budget: this tokenizer writes {THINK_START!r} or "
+                         f"{THINK_END!r} as no tokens")
+    tail = list(prompt_ids[-_OPEN_TAIL:])
+    return ThinkingTags(start, end, _last_at(tail, start) > _last_at(tail, end))
+
+
+def _last_at(ids: list[int], seq: list[int]) -> int:
+    """Where the last occurrence of seq in ids begins; -1: nowhere."""
+    n = len(seq)
+    return next((i for i in range(len(ids) - n, -1, -1) if ids[i:i + n] == seq), -1)
 
 
 def bad_word_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:

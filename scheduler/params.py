@@ -11,9 +11,9 @@ from json import dumps as _json_text
 
 import msgspec
 
-__all__ = ["SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestStatus",
-           "RequestOutputKind", "Pooling", "LoRARef", "ReasoningStart", "FinishReason",
-           "ErrorKind", "QueueFullError", "MAX_N"]
+__all__ = ["SamplingParams", "ThinkingTags", "StructuredOutputs", "StructuredOutputsParams",
+           "RequestStatus", "RequestOutputKind", "Pooling", "LoRARef", "ReasoningStart",
+           "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
@@ -167,6 +167,15 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
 StructuredOutputsParams = StructuredOutputs
 
 
+class ThinkingTags(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """What a thinking_token_budget is enforced by, tokenized by the caller's processor: the
+    reasoning's opening and closing token ids, and whether the prompt leaves it open."""
+
+    start: list[int]
+    end: list[int]
+    open: bool = False
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, gc=False):
     """vLLM's names and defaults. temperature 0 is greedy; top_k 0 or -1 disables top-k."""
 
@@ -215,6 +224,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # What AsyncLLM.generate yields (LLM returns finished requests whatever it says); vLLM's
     # AsyncLLM defaults to CUMULATIVE, ours to the deltas a stream is made of.
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # vLLM's: at most this many tokens of reasoning; past them the closing tag is forced
+    # (workers/token_rules.py). `thinking` is set from it by the input processor.
+    thinking_token_budget: int | None = None
+    thinking: ThinkingTags | None = None
     # Set by the embedding frontends (LLM.embed, AsyncLLM.encode, /v1/embeddings), not a
     # sampling choice: the request's output carries its pooled hidden state (Pooling).
     pooling: Pooling = Pooling.NONE
@@ -342,6 +355,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 _check_token(t, "logprob_token_ids")
             if self.logprobs is None:
                 self.logprobs = 0
+        if self.thinking_token_budget is not None:
+            _check_int(self.thinking_token_budget, "thinking_token_budget",
+                       lambda v: 0 <= v < 2**63, "must be >= 0")
         if type(self.include_stop_str_in_output) is not bool:
             raise ValueError("SamplingParams.include_stop_str_in_output must be True or False")
 
@@ -360,6 +376,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         ids += list(self.logit_bias or ())
         ids += self.allowed_token_ids or []
         ids += self.logprob_token_ids or []
+        if self.thinking is not None:
+            ids += self.thinking.start + self.thinking.end
         for w in self.bad_words_token_ids or ():
             ids += w
         return ids

@@ -108,7 +108,7 @@ def speculable(params: SamplingParams) -> bool:
             and params.frequency_penalty == 0.0 and params.logprobs is None
             and params.structured_outputs is None and not params.logit_bias
             and not params.min_tokens and not params.bad_words_token_ids
-            and params.allowed_token_ids is None)
+            and params.allowed_token_ids is None and params.thinking_token_budget is None)
 
 
 class Speculator:

@@ -219,3 +219,18 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(thinking_client
     r = thinking_client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
                                          reasoning={"effort": "low", "summary": "auto"})
     assert r.status in ("completed", "incomplete")
+
+
+def test_a_thinking_budget_ends_the_reasoning_and_the_answer_follows(thinking_client):
+    """The THINKING template opens <think> and the tiny model never closes it: all of its
+    reply is reasoning, unless thinking_token_budget closes it, after which the rest is the
+    answer."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                  temperature=0, extra_body={"ignore_eos": True})
+    free = thinking_client.chat.completions.create(**kwargs).choices[0].message
+    assert free.content is None and free.model_extra["reasoning"]
+    capped = thinking_client.chat.completions.create(
+        **dict(kwargs, extra_body={"ignore_eos": True, "thinking_token_budget": 4})
+    ).choices[0].message
+    assert capped.content  # the answer after the forced </think>
+    assert free.model_extra["reasoning"].startswith(capped.model_extra["reasoning"])

@@ -508,3 +508,36 @@ def test_token_rules_ban_bad_words_where_they_would_end_and_eos_before_min_token
     assert banned() == ([2, 6, 7, 9], 1.5)  # 5 was written: 6 would end [5, 6]
     rules.push(4)
     assert banned() == ([7], 1.5)
+
+
+def test_a_thinking_budget_forces_the_closing_tag_once_spent():
+    from tierserve.scheduler.params import ThinkingTags
+    from tierserve.workers.token_rules import TokenRules
+
+    def run(params: SamplingParams, tokens: list[int]) -> list[int | None]:
+        """The token each step was forced to (None: free), as the model writes `tokens`
+        wherever it is free."""
+        rules, forced, free = TokenRules(params, 20, [0], torch.device("cpu")), [], iter(tokens)
+        for _ in range(len(tokens)):
+            row = rules.row()
+            pick = None if row is None or (row == 0).sum() != 1 else int(row.argmax())
+            forced.append(pick)
+            rules.push(pick if pick is not None else next(free))
+        return forced
+
+    tags = ThinkingTags(start=[5], end=[7, 8], open=True)
+    budget = dict(thinking_token_budget=3, thinking=tags)
+    # Open in the prompt: three tokens of reasoning, then </think> forced, then free again.
+    assert run(SamplingParams(**budget), [1, 2, 3, 4, 9, 9, 9]) == \
+        [None, None, None, 7, 8, None, None]
+    # Closed by the model within the budget: nothing forced.
+    assert run(SamplingParams(**budget), [1, 7, 8, 1, 2, 3, 4]) == [None] * 7
+    # Not open: counted from the model's own <think>.
+    shut = dict(budget, thinking=ThinkingTags(start=[5], end=[7, 8]))
+    assert run(SamplingParams(**shut), [1, 5, 2, 2, 2, 3, 3, 3]) == \
+        [None, None, None, None, None, 7, 8, None]
+    assert run(SamplingParams(thinking_token_budget=0, thinking=tags), [1, 1, 1]) == \
+        [7, 8, None]
+    assert not TokenRules.needed(SamplingParams(thinking_token_budget=3))  # no tags yet
+    with pytest.raises(ValueError, match="thinking_token_budget must be >= 0"):
+        SamplingParams(thinking_token_budget=-1)

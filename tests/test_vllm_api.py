@@ -398,3 +398,25 @@ def test_enqueue_then_wait_for_completion_as_vllm_does(checkpoint):
         assert outs[3].error and outs[3].outputs[0].finish_reason == "error"
         with pytest.raises(TypeError, match="unknown chat options: templat"):
             llm.enqueue_chat(chat, greedy, templat="x")
+
+
+def test_thinking_token_budget_closes_the_reasoning_in_time(checkpoint):
+    """vLLM's thinking_token_budget: a prompt that leaves <think> open gets that many tokens
+    of reasoning, the same the model writes without a budget, then </think>; 0 closes it at
+    once; a prompt that opens none is left alone."""
+    from tierserve import LLM, SamplingParams
+    greedy = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(checkpoint), block_size=4, max_model_len=128) as llm:
+        close = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+
+        def tokens(prompt: str, **extra) -> list[int]:
+            out = llm.generate([prompt], SamplingParams(**greedy, **extra), use_tqdm=False)[0]
+            assert out.error is None, out.error
+            return out.outputs[0].token_ids
+
+        opened, plain = "Question: why?\n<think>\n", "Question: why?\n"
+        free = tokens(opened)
+        capped = tokens(opened, thinking_token_budget=3)
+        assert capped[:3] == free[:3] and capped[3:3 + len(close)] == close
+        assert tokens(opened, thinking_token_budget=0)[:len(close)] == close
+        assert tokens(plain, thinking_token_budget=2) == tokens(plain)

@@ -1,5 +1,5 @@
-"""Per-request logit adjustments named by token ids: logit_bias, allowed_token_ids, bad words
-and min_tokens, as one additive row over the vocabulary per request and step.
+"""Per-request logit adjustments named by token ids: logit_bias, allowed_token_ids, bad words,
+min_tokens and a thinking budget, as one additive row over the vocabulary per request and step.
 
 The static part (bias, allowed tokens, one-token bad words) is built once per request; the part
 that moves with the output (EOS and stop tokens banned before min_tokens, the last token of a
@@ -13,15 +13,57 @@ from typing import Sequence
 
 import torch
 
-from tierserve.scheduler.params import SamplingParams
+from tierserve.scheduler.params import SamplingParams, ThinkingTags
 
 __all__ = ["TokenRules"]
 
 _NEG_INF = -float("inf")
 
 
+class ThinkingLimit:
+    """thinking_token_budget: counts the reasoning's tokens (from its opening tag, or from the
+    first token where the prompt left it open) and, once the budget is spent before the model
+    closed it, forces the closing tag's tokens one by one; after that, nothing."""
+
+    __slots__ = ("budget", "start", "end", "inside", "count", "forced", "done", "recent")
+
+    def __init__(self, budget: int, tags: ThinkingTags) -> None:
+        self.budget, self.start, self.end = budget, list(tags.start), list(tags.end)
+        self.inside, self.count, self.done = tags.open, 0, False
+        self.forced: int | None = None  # tokens of the closing tag forced so far
+        self.recent: deque[int] = deque(maxlen=max(len(self.start), len(self.end)))
+
+    def push(self, token: int) -> None:
+        self.recent.append(token)
+        if self.done:
+            return
+        if self.forced is not None:
+            self.forced += 1
+            self.done = self.forced == len(self.end)
+        elif self.inside:
+            if _ends_with(self.recent, self.end):
+                self.done = True  # closed within the budget
+            else:
+                self.count += 1
+        elif _ends_with(self.recent, self.start):
+            self.inside = True
+
+    def forced_token(self) -> int | None:
+        """The token this step must be (None: any)."""
+        if self.done or not self.inside:
+            return None
+        if self.forced is None and self.count >= self.budget:
+            self.forced = 0
+        return None if self.forced is None else self.end[self.forced]
+
+
+def _ends_with(recent: deque[int], seq: list[int]) -> bool:
+    return len(recent) >= len(seq) and list(recent)[len(recent) - len(seq):] == seq
+
+
 class TokenRules:
-    __slots__ = ("static", "min_tokens", "ends", "multi", "num_out", "recent", "vocab", "device")
+    __slots__ = ("static", "min_tokens", "ends", "multi", "num_out", "recent", "vocab", "device",
+                 "thinking")
 
     def __init__(self, params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int],
                  device: torch.device) -> None:
@@ -44,19 +86,30 @@ class TokenRules:
         self.num_out = 0
         self.recent: deque[int] = deque(maxlen=max((len(w) - 1 for w in self.multi),
                                                    default=0))
+        self.thinking = None
+        if params.thinking_token_budget is not None and params.thinking is not None:
+            self.thinking = ThinkingLimit(params.thinking_token_budget, params.thinking)
 
     @staticmethod
     def needed(params: SamplingParams) -> bool:
         return bool(params.logit_bias or params.allowed_token_ids or params.bad_words_token_ids
-                    or params.min_tokens)
+                    or params.min_tokens or (params.thinking_token_budget is not None
+                                             and params.thinking is not None))
 
     def push(self, token: int) -> None:
         self.num_out += 1
         if self.recent.maxlen:
             self.recent.append(token)
+        if self.thinking is not None:
+            self.thinking.push(token)
 
     def row(self) -> torch.Tensor | None:
         """This step's additive row float32[vocab] (None: nothing to add)."""
+        forced = self.thinking.forced_token() if self.thinking is not None else None
+        if forced is not None:  # the closing tag overrides every other rule
+            row = torch.full((self.vocab,), _NEG_INF, device=self.device)
+            row[forced] = 0.0
+            return row
         bans = []
         if self.num_out < self.min_tokens:
             bans += self.ends

@@ -70,6 +70,8 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     # vLLM's: these tokens' logprobs with every sampled token's, after its top logprobs.
     logprob_token_ids: list[int] | None = None
+    # vLLM's: at most this many tokens of reasoning before </think> is forced.
+    thinking_token_budget: int | None = None
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -207,7 +209,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         bad_words=req.bad_words, skip_special_tokens=req.skip_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        prompt_logprobs=prompt_logprobs, logprob_token_ids=req.logprob_token_ids)
+        prompt_logprobs=prompt_logprobs, logprob_token_ids=req.logprob_token_ids,
+        thinking_token_budget=req.thinking_token_budget)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
