@@ -54,8 +54,11 @@ class Admission:
         swapped = self.tiers.swapped_tokens(req.request_id)
         if swapped:
             return self._resume_swapped(req, swapped, plan)
-        # Prompt logprobs want every prompt position's logits: no hit in any tier.
-        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+        # Prompt logprobs want every prompt position's logits: no hit in any tier; nor for a
+        # request that skips reading the cache.
+        params = req.sampling_params
+        if params.skip_reading_prefix_cache or (params.prompt_logprobs is not None
+                                                and not req.output_token_ids):
             hits, num_hit, admission = [], 0, TierAdmission()
         else:
             hits, num_hit = self.kv.get_computed_blocks(req)

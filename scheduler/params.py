@@ -213,6 +213,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # Logprobs of each prompt token given the ones before (and the top-n there); the prompt
     # is then computed in full, without prefix cache hits.
     prompt_logprobs: int | None = None
+    # vLLM's: the prompt reads no cached blocks of any tier (its own are still cached).
+    skip_reading_prefix_cache: bool = False
     # Text work in the caller's process (runtime/processor.py), which the engine never reads:
     # words tokenized into bad_words_token_ids (alone and after a space, vLLM's spellings);
     # special tokens left out of the text; no text at all; only the prompt's last k tokens
@@ -358,6 +360,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if self.thinking_token_budget is not None:
             _check_int(self.thinking_token_budget, "thinking_token_budget",
                        lambda v: 0 <= v < 2**63, "must be >= 0")
+        if type(self.skip_reading_prefix_cache) is not bool:
+            raise ValueError("SamplingParams.skip_reading_prefix_cache must be True or False")
         if type(self.include_stop_str_in_output) is not bool:
             raise ValueError("SamplingParams.include_stop_str_in_output must be True or False")
 

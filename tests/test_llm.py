@@ -170,6 +170,24 @@ def test_logprob_token_ids_come_with_each_token_as_the_full_distribution_has_the
     assert bad.error and "out of range" in bad.error
 
 
+def test_skip_reading_prefix_cache_recomputes_the_prompt(checkpoints, references):
+    """vLLM's skip_reading_prefix_cache: the request hits nothing (its tokens the same), and
+    what it computes is still cached for the next request."""
+    skip = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                          skip_reading_prefix_cache=True)
+    with LLM(str(checkpoints["llama"]), block_size=4) as llm:
+        prompt = _prompts(llm.engine.vocab_size)[5]
+        first = llm.generate([prompt], skip, use_tqdm=False)[0]
+        again = llm.generate([prompt], skip, use_tqdm=False)[0]
+        read = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == again.num_cached_tokens == 0
+    assert read.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == \
+        read.outputs[0].token_ids == references["llama"][5]
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache must be True or False"):
+        SamplingParams(skip_reading_prefix_cache=1)
+
+
 def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
     """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
     streams get the same tokens as LLM, and leaving a stream early frees its blocks."""
