@@ -9,7 +9,8 @@ import importlib
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputs",
            "ReasoningStart", "LoRARequest", "TextPrompt", "TokensPrompt",
-           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
+           "StructuredOutputsParams", "RepetitionDetectionParams", "BeamSearchParams",
+           "BeamSearchOutput",
            "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput",
            "ScoringRequestOutput", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineDeadError", "DuplicateRequestError", "connect", "serve",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RequestOutputKind": "tierserve.scheduler.params",
     "ReasoningStart": "tierserve.scheduler.params",
     "StructuredOutputsParams": "tierserve.scheduler.params",
+    "RepetitionDetectionParams": "tierserve.scheduler.params",
     "analyze": "tierserve.runtime.analyze",
     "BeamSearchParams": "tierserve.runtime.beam_search",
     "BeamSearchOutput": "tierserve.runtime.beam_search",

@@ -281,7 +281,7 @@ def write_log(path: str, header: LogHeader, records) -> int:
 
 
 def _finish_code(status) -> int:
-    # RequestStatus FINISHED_STOPPED.. FINISHED_ERROR map in order onto FinishReason 0..3.
+    # RequestStatus FINISHED_STOPPED.. FINISHED_REPETITION map in order onto FinishReason 0..4.
     return max(int(status) - 3, 0)
 
 

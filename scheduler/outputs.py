@@ -29,6 +29,10 @@ def append_tokens(req: Request, tokens: list[int], max_model_len: int) -> Reques
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= req.max_output_tokens or req.num_tokens >= max_model_len:
             status = RequestStatus.FINISHED_LENGTH
+        elif params.repetition_detection is not None and \
+                req.num_output_tokens >= params.min_tokens and \
+                params.repetition_detection.found(req.output_token_ids):
+            status = RequestStatus.FINISHED_REPETITION
         else:
             continue
         del tokens[n:]
@@ -46,8 +50,12 @@ def engine_output(req: Request, tokens: list[int], status: RequestStatus | None,
                             index=req.index, stop_reason=_stop_token(req, tokens, status))
 
 
-def _stop_token(req: Request, tokens: list[int], status: RequestStatus | None) -> int | None:
-    """The stop_token_ids entry that stopped the request (append_tokens' order: EOS first)."""
+def _stop_token(req: Request, tokens: list[int], status: RequestStatus | None
+                ) -> int | str | None:
+    """The stop_token_ids entry that stopped the request (append_tokens' order: EOS first);
+    vLLM's "repetition_detected" for a repetition."""
+    if status == RequestStatus.FINISHED_REPETITION:
+        return "repetition_detected"
     if status != RequestStatus.FINISHED_STOPPED or not tokens:
         return None
     token, params = tokens[-1], req.sampling_params

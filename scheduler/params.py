@@ -13,7 +13,8 @@ import msgspec
 
 __all__ = ["SamplingParams", "ThinkingTags", "StructuredOutputs", "StructuredOutputsParams",
            "RequestStatus", "RequestOutputKind", "Pooling", "LoRARef", "ReasoningStart",
-           "FinishReason", "ErrorKind", "QueueFullError", "MAX_N"]
+           "FinishReason", "ErrorKind", "QueueFullError", "MAX_N", "RepetitionDetection",
+           "RepetitionDetectionParams"]
 
 # Most samples one request may ask for (OpenAI's limit).
 MAX_N = 128
@@ -42,6 +43,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_REPETITION = 7
 
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
@@ -52,6 +54,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
+    REPETITION = 4  # a repeated pattern ended it (repetition_detection)
 
     def __str__(self) -> str:  # vLLM's user-facing strings
         return self.name.lower()
@@ -106,6 +109,7 @@ _STATUS_TO_REASON = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
 
 
@@ -167,6 +171,42 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
 StructuredOutputsParams = StructuredOutputs
 
 
+class RepetitionDetection(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
+                          gc=False):
+    """vLLM's RepetitionDetectionParams: the output ends (finish_reason "repetition") once
+    its tail is one pattern of min_pattern_size..max_pattern_size tokens (0: 1) repeated
+    min_count times in a row; max_pattern_size 0 turns it off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _check_int(getattr(self, name), f"repetition_detection.{name}",
+                       lambda v: 0 <= v <= 1 << 16, "must be in [0, 65536]")
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("SamplingParams.repetition_detection.min_pattern_size must be <= "
+                             "max_pattern_size")
+        if self.max_pattern_size and self.min_count < 2:
+            raise ValueError("SamplingParams.repetition_detection.min_count must be >= 2 (the "
+                             "times a pattern repeats)")
+
+    def found(self, tokens: list[int]) -> bool:
+        """Whether tokens end with a pattern repeated min_count times."""
+        for n in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            span = n * self.min_count
+            if span > len(tokens):
+                return False
+            tail = tokens[-span:]
+            if tail == tail[:n] * self.min_count:
+                return True
+        return False
+
+
+RepetitionDetectionParams = RepetitionDetection  # vLLM's name
+
+
 class ThinkingTags(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """What a thinking_token_budget is enforced by, tokenized by the caller's processor: the
     reasoning's opening and closing token ids, and whether the prompt leaves it open."""
@@ -215,6 +255,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     prompt_logprobs: int | None = None
     # vLLM's: the prompt reads no cached blocks of any tier (its own are still cached).
     skip_reading_prefix_cache: bool = False
+    # vLLM's: ends an output that loops (RepetitionDetection); a dict is taken too.
+    repetition_detection: RepetitionDetection | None = None
     # Text work in the caller's process (runtime/processor.py), which the engine never reads:
     # words tokenized into bad_words_token_ids (alone and after a space, vLLM's spellings);
     # special tokens left out of the text; no text at all; only the prompt's last k tokens
@@ -360,6 +402,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if self.thinking_token_budget is not None:
             _check_int(self.thinking_token_budget, "thinking_token_budget",
                        lambda v: 0 <= v < 2**63, "must be >= 0")
+        if isinstance(self.repetition_detection, dict):
+            try:
+                self.repetition_detection = RepetitionDetection(**self.repetition_detection)
+            except TypeError as e:  # a field it does not have
+                raise ValueError(f"SamplingParams.repetition_detection: {e}") from None
+        if self.repetition_detection is not None and not isinstance(
+                self.repetition_detection, RepetitionDetection):
+            raise ValueError("SamplingParams.repetition_detection must be a "
+                             "RepetitionDetectionParams or a dict of its fields")
         if type(self.skip_reading_prefix_cache) is not bool:
             raise ValueError("SamplingParams.skip_reading_prefix_cache must be True or False")
         if type(self.include_stop_str_in_output) is not bool:

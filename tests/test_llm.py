@@ -188,6 +188,26 @@ def test_skip_reading_prefix_cache_recomputes_the_prompt(checkpoints, references
         SamplingParams(skip_reading_prefix_cache=1)
 
 
+def test_repetition_detection_ends_a_looping_output(checkpoints):
+    """An output held to one token loops at once: repetition_detection ends it after
+    min_count repeats (not before min_tokens), finish_reason "repetition" and stop_reason
+    "repetition_detected", as vLLM reports it; without it the output runs to its length."""
+    loop = dict(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[5])
+    from tierserve import RepetitionDetectionParams
+    rep = RepetitionDetectionParams(max_pattern_size=2, min_count=4)
+    with LLM(str(checkpoints["llama"]), block_size=4) as llm:
+        outs = llm.generate([[7, 8, 9]] * 3, [
+            SamplingParams(**loop, repetition_detection=rep),
+            SamplingParams(**loop, repetition_detection=rep, min_tokens=6),
+            SamplingParams(**loop)], use_tqdm=False)
+        stats = llm.stats()
+    (a,), (b,), (c,) = (o.outputs for o in outs)
+    assert a.token_ids == [5] * 4 and b.token_ids == [5] * 6 and c.token_ids == [5] * 12
+    assert a.finish_reason == b.finish_reason == "repetition" and c.finish_reason == "length"
+    assert a.stop_reason == "repetition_detected" and c.stop_reason is None
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
     """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
     streams get the same tokens as LLM, and leaving a stream early frees its blocks."""

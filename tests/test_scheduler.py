@@ -183,6 +183,22 @@ def test_length_and_stop_finishing():
     assert got["stop"] == [stop_tok] and len(got["eos"]) == 1 and len(got["ign"]) == 3
 
 
+def test_repetition_detection_finds_a_repeated_tail_only():
+    from tierserve.scheduler.params import RepetitionDetectionParams
+    rep = RepetitionDetectionParams(max_pattern_size=3, min_pattern_size=2, min_count=3)
+    assert rep.found([9, 1, 2, 1, 2, 1, 2]) and rep.found([4, 5, 6, 4, 5, 6, 4, 5, 6])
+    assert not rep.found([1, 2, 1, 2, 1, 2, 9]) and not rep.found([1, 2, 1, 2])
+    assert not rep.found([7] * 5) and RepetitionDetectionParams(2, 0, 3).found([7] * 3)
+    assert not RepetitionDetectionParams().found([7] * 50)  # max_pattern_size 0: off
+    for bad, match in ((dict(max_pattern_size=2, min_count=1), "min_count must be >= 2"),
+                       (dict(max_pattern_size=1, min_pattern_size=2, min_count=2),
+                        "min_pattern_size must be <= max_pattern_size"),
+                       (dict(max_pattern_size=-1), "max_pattern_size must be in"),
+                       (dict(max_size=2), "Unexpected keyword argument .max_size.")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(repetition_detection=bad)
+
+
 def test_finish_reasons_are_reported():
     sched = make_scheduler()
     sched.add_request("a", [1, 2, 3], greedy(2), eos_token_id=EOS)

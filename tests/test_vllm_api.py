@@ -420,3 +420,20 @@ def test_thinking_token_budget_closes_the_reasoning_in_time(checkpoint):
         assert capped[:3] == free[:3] and capped[3:3 + len(close)] == close
         assert tokens(opened, thinking_token_budget=0)[:len(close)] == close
         assert tokens(plain, thinking_token_budget=2) == tokens(plain)
+
+
+def test_repetition_detection_over_http_as_vllm_reports_it(server, client):
+    body = dict(model=MODEL, prompt="loop", max_tokens=12, temperature=0,
+                extra_body={"allowed_token_ids": [5], "ignore_eos": True,
+                            "repetition_detection": {"max_pattern_size": 1, "min_count": 3}})
+    out = client.completions.create(**body).choices[0]
+    assert out.finish_reason == "repetition"
+    assert out.model_extra["stop_reason"] == "repetition_detected"
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **body)]
+    assert streamed[-1].finish_reason == "repetition"
+    assert "".join(c.text for c in streamed) == out.text
+    bad = httpx.post(server.base + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "repetition_detection": {"max_pattern_size": 2}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection"
+    metrics = httpx.get(server.base + "/metrics", timeout=30).text
+    assert 'finished_reason="repetition"' in metrics

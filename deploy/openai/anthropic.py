@@ -32,7 +32,7 @@ from tierserve.deploy.openai.tokenize import chat_prompt_tokens
 __all__ = ["MessagesRequest", "messages_response", "CountTokensRequest", "count_tokens_response"]
 
 _encode = msgspec.json.Encoder().encode
-_STOP = {"length": "max_tokens", "stop": "end_turn"}
+_STOP = {"length": "max_tokens", "stop": "end_turn", "repetition": "end_turn"}
 
 
 class MessagesRequest(BaseModel):

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 __all__ = ["Metrics", "Tracker", "EngineCollector", "FINISH_REASONS", "REFUSED_STATUSES"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # The statuses a request can be refused with (each series starts at zero).
 REFUSED_STATUSES = ("400", "401", "404", "405", "413", "422", "429", "500", "503")
 CACHED_TIERS = ("device", "cpu")

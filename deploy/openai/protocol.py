@@ -72,6 +72,8 @@ class _Common(BaseModel):
     logprob_token_ids: list[int] | None = None
     # vLLM's: at most this many tokens of reasoning before </think> is forced.
     thinking_token_budget: int | None = None
+    # vLLM's: {max_pattern_size, min_pattern_size, min_count}; a looping output ends.
+    repetition_detection: dict | None = None
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -210,7 +212,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs, logprob_token_ids=req.logprob_token_ids,
-        thinking_token_budget=req.thinking_token_budget)
+        thinking_token_budget=req.thinking_token_budget,
+        repetition_detection=req.repetition_detection)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
