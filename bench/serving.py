@@ -132,7 +132,7 @@ def grammar_compile_ms() -> dict:
     (the median of 20 of each; the tokenizer view is built once, before timing)."""
     from tierserve.runtime.tokenizer import tokenizer_json_file
     from tierserve.runtime import envs
-    from tierserve.scheduler.params import StructuredOutputs
+    from tierserve.scheduler.output_rules import StructuredOutputs
     from tierserve.workers.model.loader import default_model_path
     from tierserve.workers.structured import GrammarMatchers
     from tierserve.runtime.tokenizer import load_model_tokenizer

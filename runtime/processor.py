@@ -33,7 +33,8 @@ from tierserve.runtime.requests import (
 )
 from tierserve.runtime.tokenizer import Tokenizer
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
-from tierserve.scheduler.params import FinishReason, LoRARef, SamplingParams, ThinkingTags
+from tierserve.scheduler.output_rules import ThinkingTags
+from tierserve.scheduler.params import FinishReason, LoRARef, SamplingParams
 
 __all__ = ["InputProcessor", "OutputProcessor", "Processed", "text_pool", "bad_word_ids",
            "thinking_tags"]

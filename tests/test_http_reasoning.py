@@ -158,7 +158,7 @@ def test_a_constraint_after_reasoning_holds_the_answer_alone(checkpoint, start, 
     import llguidance
     from transformers import AutoTokenizer
 
-    from tierserve.scheduler.params import ReasoningStart, StructuredOutputs
+    from tierserve.scheduler.output_rules import ReasoningStart, StructuredOutputs
     from tierserve.workers.grammar import check_structured
     hf = AutoTokenizer.from_pretrained(checkpoint)
     tok = llguidance.LLTokenizer((checkpoint / "tokenizer.json").read_text(), n_vocab=len(hf),

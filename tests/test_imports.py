@@ -14,7 +14,7 @@ PACKAGES = ("kvcache", "scheduler", "workers", "runtime", "deploy")
 
 # Which of tierserve's packages (or modules of one) each package may import. workers and deploy
 # see only the scheduler's message types: the wire messages and the parameters inside them.
-SCHEDULER_MESSAGES = {"scheduler.messages", "scheduler.params"}
+SCHEDULER_MESSAGES = {"scheduler.messages", "scheduler.params", "scheduler.output_rules"}
 ALLOWED = {
     "kvcache": set(),
     "scheduler": {"kvcache"},

@@ -511,7 +511,7 @@ def test_token_rules_ban_bad_words_where_they_would_end_and_eos_before_min_token
 
 
 def test_a_thinking_budget_forces_the_closing_tag_once_spent():
-    from tierserve.scheduler.params import ThinkingTags
+    from tierserve.scheduler.output_rules import ThinkingTags
     from tierserve.workers.token_rules import TokenRules
 
     def run(params: SamplingParams, tokens: list[int]) -> list[int | None]:

@@ -184,7 +184,7 @@ def test_length_and_stop_finishing():
 
 
 def test_repetition_detection_finds_a_repeated_tail_only():
-    from tierserve.scheduler.params import RepetitionDetectionParams
+    from tierserve.scheduler.output_rules import RepetitionDetectionParams
     rep = RepetitionDetectionParams(max_pattern_size=3, min_pattern_size=2, min_count=3)
     assert rep.found([9, 1, 2, 1, 2, 1, 2]) and rep.found([4, 5, 6, 4, 5, 6, 4, 5, 6])
     assert not rep.found([1, 2, 1, 2, 1, 2, 9]) and not rep.found([1, 2, 1, 2])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json as jsonlib
 import re
 
-from tierserve.scheduler.params import ReasoningStart, StructuredOutputs
+from tierserve.scheduler.output_rules import ReasoningStart, StructuredOutputs
 
 __all__ = ["grammar_of", "check_structured", "llguidance_module"]
 

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tierserve.scheduler.params import StructuredOutputs
+from tierserve.scheduler.output_rules import StructuredOutputs
 from tierserve.workers.grammar import grammar_of, llguidance_module
 
 __all__ = ["GrammarMatchers", "mask_bias"]

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from tierserve.scheduler.params import SamplingParams, ThinkingTags
+from tierserve.scheduler.output_rules import ThinkingTags
+from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["TokenRules"]
 

@@ -19,7 +19,8 @@ import asyncio
 import msgspec
 
 from tierserve.runtime.requests import CHAT_OPTIONS
-from tierserve.scheduler.params import ReasoningStart, SamplingParams
+from tierserve.scheduler.output_rules import ReasoningStart
+from tierserve.scheduler.params import SamplingParams
 
 __all__ = ["REASONING_PARSERS", "OPEN", "CLOSE", "opens_inside", "split_reasoning",
            "constrained_after_reasoning", "parses_reasoning"]

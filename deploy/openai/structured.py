@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tierserve.deploy.openai.errors import BadField
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS, ToolCallFormat
-from tierserve.scheduler.params import StructuredOutputs
+from tierserve.scheduler.output_rules import StructuredOutputs
 from tierserve.workers.grammar import check_structured
 
 __all__ = ["structured_of", "ToolPlan", "tool_plan", "parse_tool_calls", "written_call"]
