@@ -88,7 +88,7 @@ def _api_server_parser(sub) -> None:
                           "(vLLM's): LoRA adapters added and removed while serving, each a "
                           "folder on this machine (needs enable_lora; default: off)")
     api.add_argument("--tool-call-parser", default="hermes",
-                     choices=("hermes", "llama3_json", "mistral"),
+                     choices=("hermes", "llama3_json", "mistral", "pythonic"),
                      help="how the model writes tool calls, read back for tool_choice auto "
                           "(default: hermes, <tool_call> blocks)")
     api.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),

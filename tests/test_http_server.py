@@ -807,11 +807,12 @@ def test_auto_tool_calls_stream_as_the_full_response_gives_them(client, written)
                     '{"name": "get_time", "parameters": {"zone": "CET"}}', None),
     ("mistral", 'Let me see. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
                 '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Let me see. "),
+    ("pythonic", '[get_time(zone="UTC"), get_time(zone="CET")]', None),
 ])
 def test_other_tool_call_formats_parse_and_stream_alike(engine, parser, written, content):
-    """--tool-call-parser: Llama 3's JSON calls and Mistral's [TOOL_CALLS] list become
-    tool_calls, whole and streamed, and an earlier turn's call is written back in the same
-    format."""
+    """--tool-call-parser: Llama 3's JSON calls, Mistral's [TOOL_CALLS] list and Python's
+    call lists become tool_calls, whole and streamed, and an earlier turn's call is written
+    back in the same format."""
     with Server(engine, tool_call_parser=parser) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
         kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}],
@@ -836,7 +837,8 @@ def test_other_tool_call_formats_parse_and_stream_alike(engine, parser, written,
                            "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}]
         r = httpx.post(srv.base + "/tokenize", json={"messages": history}, timeout=10).json()
         text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
-        assert ("[TOOL_CALLS]" if parser == "mistral" else '"parameters"') in text
+        assert {"mistral": "[TOOL_CALLS]", "llama3_json": '"parameters"',
+                "pythonic": '[get_time(zone="UTC")]'}[parser] in text
 
 
 def test_api_keys_files_in_toml_and_json(tmp_path):

@@ -5,7 +5,8 @@ import pytest
 
 from tierserve.deploy.openai.tool_parsers import TOOL_CALL_PARSERS
 
-H, L, M = (TOOL_CALL_PARSERS[n] for n in ("hermes", "llama3_json", "mistral"))
+H, L, M, P = (TOOL_CALL_PARSERS[n]
+              for n in ("hermes", "llama3_json", "mistral", "pythonic"))
 
 
 @pytest.mark.parametrize("fmt, text, want", [
@@ -22,6 +23,12 @@ H, L, M = (TOOL_CALL_PARSERS[n] for n in ("hermes", "llama3_json", "mistral"))
                                                                    "Sure. ")),
     (M, '[TOOL_CALLS] {"name": "f", "arguments": {}}', ([("f", {})], None)),
     (M, "[TOOL_CALLS] not json", None),
+    (P, '[f(x=1, y="a"), g()]', ([("f", {"x": 1, "y": "a"}), ("g", {})], None)),
+    (P, '<|python_start|>[f(z=[True, None, {"k": 2.5}])]<|python_end|>',
+     ([("f", {"z": [True, None, {"k": 2.5}]})], None)),
+    (P, "[f(1)]", None),  # a positional argument: no call of a tool
+    (P, "[f(x=y)]", None),  # not a literal
+    (P, "Sure: [f()]", None), (P, "[]", None), (P, "[f(**kw)]", None),
 ])
 def test_found(fmt, text, want):
     assert fmt.found(text) == want
@@ -31,12 +38,13 @@ def test_found(fmt, text, want):
     (H, "Hello <tool", 6), (H, "Hello <tool_call>{", 6), (H, "  ", 0), (H, "Hello", 5),
     (L, "{", 0), (L, " <|python", 0), (L, "Hello {", 7), (L, "", 0),
     (M, "Hi [TOOL", 3), (M, "Hi there", 8), (M, "\n", 0),
+    (P, " [get", 0), (P, "<|python", 0), (P, "Hi [", 4),
 ])
 def test_held_from(fmt, text, held):
     assert fmt.held_from(text) == held
 
 
-@pytest.mark.parametrize("fmt", [H, L, M])
+@pytest.mark.parametrize("fmt", [H, L, M, P])
 def test_a_written_call_reads_back(fmt):
     text = fmt.write("f", {"x": [1, 2]})
     calls, _ = fmt.found(text)

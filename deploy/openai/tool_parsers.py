@@ -9,9 +9,13 @@ earlier turn's call back the way the model would.
   objects separated by `;`, after an optional `<|python_tag|>`.
 - mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`; the content is the text
   before it.
+- pythonic (Llama 3.2 and 4, ToolACE): the whole reply is a Python list of calls with keyword
+  arguments of literal values, `[get_weather(city="Paris"), get_time()]`, inside an optional
+  `<|python_start|>` ... `<|python_end|>`.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -139,5 +143,56 @@ class MistralJson(ToolCallFormat):
         return self.TAG + json.dumps([{"name": name, "arguments": arguments}])
 
 
+class Pythonic(ToolCallFormat):
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def found(self, text):
+        body = text.strip()
+        body = body[len(self.START):] if body.startswith(self.START) else body
+        body = body[:-len(self.END)] if body.endswith(self.END) else body
+        try:
+            tree = ast.parse(body.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) \
+                    or node.args or any(k.arg is None for k in node.keywords):
+                return None
+            try:
+                calls.append((node.func.id, {k.arg: ast.literal_eval(k.value)
+                                             for k in node.keywords}))
+            except ValueError:  # not a literal
+                return None
+        return calls, None
+
+    def held_from(self, text):
+        lead = text.lstrip()
+        if not lead or lead.startswith(("[", self.START)) or self.START.startswith(lead):
+            return 0  # a reply that is (or may be) calls is all calls
+        return len(text)
+
+    def write(self, name, arguments):
+        args = arguments if isinstance(arguments, dict) else {}
+        return f"[{name}(" + ", ".join(f"{k}={_python_literal(v)}" for k, v in args.items()) \
+            + ")]"
+
+
+def _python_literal(value) -> str:
+    """A JSON value as Python source (true -> True, null -> None; strings as JSON writes
+    them, which Python reads alike)."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_python_literal(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    return json.dumps(value)
+
+
 TOOL_CALL_PARSERS: dict[str, ToolCallFormat] = {
-    f.name: f for f in (Hermes(), Llama3Json(), MistralJson())}
+    f.name: f for f in (Hermes(), Llama3Json(), MistralJson(), Pythonic())}
