@@ -49,3 +49,13 @@ def test_a_written_call_reads_back(fmt):
     text = fmt.write("f", {"x": [1, 2]})
     calls, _ = fmt.found(text)
     assert calls == [("f", {"x": [1, 2]})] and json.dumps(calls[0][1])
+
+
+def test_the_cli_offers_every_format():
+    """`api-server --tool-call-parser` (whose --help loads no server code) names each one."""
+    from tierserve.deploy.cli_parser import build_parser
+    parser = build_parser()
+    api = next(a for a in parser._subparsers._group_actions[0].choices.values()
+               if any("--tool-call-parser" in o.option_strings for o in a._actions))
+    option = next(o for o in api._actions if "--tool-call-parser" in o.option_strings)
+    assert set(option.choices) == set(TOOL_CALL_PARSERS)
