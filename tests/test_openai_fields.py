@@ -2,7 +2,7 @@
 model dumps it, sent back in the next turn, and request fields (store, metadata, service_tier,
 ...) that change nothing this server answers. Each is taken and changes nothing; what the
 server cannot do (audio, web search, the deprecated functions) is a 400 naming the field;
-a typo is still a 400."""
+a typo is still a 400. And SageMaker's /ping and /invocations, which such clients call too."""
 import httpx
 import openai
 import pytest
@@ -89,3 +89,30 @@ def test_responses_and_messages_take_their_inert_fields(server, client):
     m = httpx.post(server.base + "/v1/messages", timeout=30, json={
         "model": MODEL, "max_tokens": 4, "messages": HI, "service_tier": "auto"})
     assert m.status_code == 200 and m.json()["type"] == "message", m.text
+
+
+def test_sagemakers_ping_and_invocations_route_by_the_bodys_shape(server, client):
+    """SageMaker's contract as vLLM serves it: /ping is /health; /invocations answers a chat,
+    completion or embedding body as its own endpoint does."""
+    assert httpx.get(server.base + "/ping").status_code == 200
+    assert httpx.post(server.base + "/ping").status_code == 200
+    greedy = dict(model=MODEL, max_tokens=5, temperature=0)
+    def answer(r: dict):
+        if r["object"] == "list":
+            return r["data"][0]["embedding"]
+        choice = r["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    for path, body in (("/v1/chat/completions", dict(greedy, messages=HI)),
+                       ("/v1/completions", dict(greedy, prompt="hello")),
+                       ("/v1/embeddings", {"model": MODEL, "input": "hello"})):
+        direct = httpx.post(server.base + path, json=body, timeout=30)
+        via = httpx.post(server.base + "/invocations", json=body, timeout=30)
+        assert direct.status_code == via.status_code == 200, via.text
+        assert via.json()["object"] == direct.json()["object"]
+        assert answer(via.json()) == answer(direct.json())
+    for body, param in (({"messages": HI, "max_tokens": -1}, "max_tokens"),
+                        ({"prompt": "x", "temprature": 0}, "temprature"),
+                        ({"nothing": 1}, None)):
+        bad = httpx.post(server.base + "/invocations", json=body, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

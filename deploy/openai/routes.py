@@ -56,6 +56,7 @@ from tierserve.deploy.openai.responses import Fold, Responder, sse
 from tierserve.deploy.openai.responses_endpoint import ResponsesEndpoint
 from tierserve.deploy.openai.responses_protocol import ResponsesRequest
 from tierserve.deploy.openai.responses_store import ResponseStore
+from tierserve.deploy.openai.sagemaker import sagemaker_routes
 from tierserve.deploy.openai.server_config import ServerConfig
 from tierserve.deploy.openai.streaming import (
     ClientGone, EngineStream, fold_pieces, fold_whole, until_disconnect,
@@ -368,6 +369,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig):
 
     if config.allow_runtime_lora_updating:
         lora_admin_routes(app, server, auth)
+    sagemaker_routes(app, server, auth)
 
     @app.get("/health")
     async def health():
