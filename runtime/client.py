@@ -32,7 +32,7 @@ from tierserve.runtime.pooling import (
     EmbeddingRequestOutput, PoolingParams, embed_params, embedding_of,
 )
 from tierserve.runtime.outputs import (
-    CompletionOutput, RequestOutput, floats_of, logprob_dict, prompt_logprobs_of,
+    CompletionOutput, RequestOutput, StreamInterval, floats_of, logprob_dict, prompt_logprobs_of,
 )
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import (
@@ -230,6 +230,9 @@ class AsyncLLM:
         view = None if kind == RequestOutputKind.DELTA else RequestOutput.start(
             name, done.prompt, params.logprobs is not None, params.n)
         stream = self.engine.generate([request])
+        interval = params.stream_interval or 1
+        batcher = StreamInterval(interval) if interval > 1 else None
+        fresh, shown = 0, False  # tokens since the cumulative view was last yielded
         try:
             async for batch in stream:
                 batch, stopped = outputs.process(batch)
@@ -239,12 +242,17 @@ class AsyncLLM:
                 if view is None:
                     for o in batch:
                         delta = to_delta(request, o, name, done.prompt, decode)
+                        if batcher is not None and (delta := batcher.push(delta)) is None:
+                            continue
                         delta.finished = finished  # every sample has finished
                         yield delta
                 else:
                     for o in batch:
                         view.add(o, decode)
-                    if batch and (finished or kind == RequestOutputKind.CUMULATIVE):
+                        fresh += len(o.new_token_ids)
+                    if batch and (finished or kind == RequestOutputKind.CUMULATIVE
+                                  and (fresh >= interval or not shown)):
+                        fresh, shown = 0, True
                         yield view.snapshot()
                 if finished:
                     return

@@ -10,7 +10,7 @@ from tierserve.scheduler.messages import EngineCoreOutput
 from tierserve.scheduler.params import ErrorKind, FinishReason
 
 __all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict", "prompt_logprobs_of",
-           "Outstanding"]
+           "Outstanding", "StreamInterval"]
 
 
 @dataclass(slots=True)
@@ -106,6 +106,43 @@ class RequestOutput:
             completion.stop_reason = delta.stop_reason
             self.finished = bool(delta.error) or all(c.finish_reason is not None
                                                      for c in self.outputs)
+
+
+class StreamInterval:
+    """stream_interval for a stream of one-sample deltas (RequestOutput, one completion
+    each): a sample's deltas are held and joined until they carry `interval` new tokens; its
+    first delta, its last and an error go at once."""
+
+    __slots__ = ("interval", "_held", "_started")
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: dict[int, RequestOutput] = {}
+        self._started: set[int] = set()
+
+    def push(self, delta: RequestOutput) -> RequestOutput | None:
+        """The delta to send now (None: held)."""
+        index = delta.outputs[0].index
+        held = self._held.pop(index, None)
+        out = delta if held is None else _joined(held, delta)
+        c = out.outputs[0]
+        if index in self._started and c.finish_reason is None and not out.error and \
+                len(c.token_ids) < self.interval:
+            self._held[index] = out
+            return None
+        self._started.add(index)
+        return out
+
+
+def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Delta a then delta b of one sample, as one delta."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    logprobs = None if ca.logprobs is None else ca.logprobs + (cb.logprobs or [])
+    completion = dataclasses.replace(cb, text=ca.text + cb.text,
+                                     token_ids=ca.token_ids + cb.token_ids, logprobs=logprobs)
+    return dataclasses.replace(b, prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
+                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
+                               outputs=[completion])
 
 
 def floats_of(raw: bytes) -> list[float]:

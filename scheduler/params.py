@@ -158,6 +158,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # What AsyncLLM.generate yields (LLM returns finished requests whatever it says); vLLM's
     # AsyncLLM defaults to CUMULATIVE, ours to the deltas a stream is made of.
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # vLLM's: a stream's outputs carry this many new tokens each (a sample's first and last
+    # go at once); None or 1: every step's.
+    stream_interval: int | None = None
     # vLLM's: at most this many tokens of reasoning; past them the closing tag is forced
     # (workers/token_rules.py). `thinking` is set from it by the input processor.
     thinking_token_budget: int | None = None
@@ -301,6 +304,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 self.repetition_detection, RepetitionDetection):
             raise ValueError("SamplingParams.repetition_detection must be a "
                              "RepetitionDetectionParams or a dict of its fields")
+        if self.stream_interval is not None:
+            _check_int(self.stream_interval, "stream_interval", lambda v: 1 <= v <= 1 << 20,
+                       "must be >= 1")
         if type(self.skip_reading_prefix_cache) is not bool:
             raise ValueError("SamplingParams.skip_reading_prefix_cache must be True or False")
         if type(self.include_stop_str_in_output) is not bool:

@@ -208,6 +208,35 @@ def test_repetition_detection_ends_a_looping_output(checkpoints):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_stream_interval_joins_a_samples_deltas(checkpoints):
+    """vLLM's stream_interval: each sample's deltas carry that many tokens, its first and
+    last at once; joined they are the same tokens and text; a cumulative stream is yielded as
+    often."""
+    base = dict(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, n=2)
+
+    async def deltas(llm, **extra):
+        return [d async for d in llm.generate([5, 6, 7, 8], SamplingParams(**base, **extra))]
+
+    with AsyncLLM(str(checkpoints["llama"]), block_size=4) as llm:
+        every = asyncio.run(deltas(llm))
+        joined = asyncio.run(deltas(llm, stream_interval=4))
+        cumulative = asyncio.run(deltas(llm, stream_interval=4,
+                                        output_kind=RequestOutputKind.CUMULATIVE))
+    for index in (0, 1):
+        mine = [d.outputs[0] for d in joined if d.outputs[0].index == index]
+        assert [len(c.token_ids) for c in mine] == [1, 4, 4, 1]
+        assert mine[-1].finish_reason == "length" and mine[-1].stop_reason is None
+        alone = [d.outputs[0] for d in every if d.outputs[0].index == index]
+        assert sum((c.token_ids for c in mine), []) == sum((c.token_ids for c in alone), [])
+    assert joined[-1].finished and not any(d.finished for d in joined[:-1])
+    assert len(cumulative) < len(every) and cumulative[-1].finished
+    assert [c.token_ids for c in cumulative[-1].outputs] == [
+        sum((d.outputs[0].token_ids for d in every if d.outputs[0].index == i), [])
+        for i in (0, 1)]
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        SamplingParams(stream_interval=0)
+
+
 def test_async_llm_in_process_streams_concurrent_requests(checkpoints, references):
     """AsyncLLM without Ray: the same EngineCore on its own step-loop thread; concurrent
     streams get the same tokens as LLM, and leaving a stream early frees its blocks."""

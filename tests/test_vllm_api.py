@@ -437,3 +437,16 @@ def test_repetition_detection_over_http_as_vllm_reports_it(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection"
     metrics = httpx.get(server.base + "/metrics", timeout=30).text
     assert 'finished_reason="repetition"' in metrics
+
+
+def test_stream_interval_over_http_sends_fewer_larger_chunks(client):
+    kwargs = dict(model=MODEL, prompt="tell", max_tokens=9, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    for interval, sizes in ((1, [1] * 9), (4, [1, 4, 4])):
+        body = dict(kwargs, extra_body=dict(kwargs["extra_body"], stream_interval=interval))
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **body)
+                  if c.choices]
+        assert [len(c.model_extra["token_ids"]) for c in chunks] == sizes
+        assert "".join(c.text for c in chunks) == whole.text
+        assert chunks[-1].finish_reason == "length"

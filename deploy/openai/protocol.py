@@ -74,6 +74,8 @@ class _Common(BaseModel):
     thinking_token_budget: int | None = None
     # vLLM's: {max_pattern_size, min_pattern_size, min_count}; a looping output ends.
     repetition_detection: dict | None = None
+    # vLLM's: a stream's chunks carry this many new tokens each (the first and last at once).
+    stream_interval: int | None = None
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -213,7 +215,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs, logprob_token_ids=req.logprob_token_ids,
         thinking_token_budget=req.thinking_token_budget,
-        repetition_detection=req.repetition_detection)
+        repetition_detection=req.repetition_detection, stream_interval=req.stream_interval)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
