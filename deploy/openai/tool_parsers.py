@@ -32,6 +32,15 @@ def _tail_may_begin(text: str, tag: str) -> int:
     return len(text)
 
 
+def _held_if_calls(text: str, opener: str, tag: str) -> int:
+    """held_from of a format whose reply is all calls when it is any: held whole once it
+    opens with `opener` or `tag` (or may still be opening the tag)."""
+    lead = text.lstrip()
+    if not lead or lead.startswith((opener, tag)) or tag.startswith(lead):
+        return 0
+    return len(text)
+
+
 def _call_of(obj, arg_keys: tuple[str, ...]) -> tuple[str, object] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -107,10 +116,7 @@ class Llama3Json(ToolCallFormat):
         return (calls, None) if calls else None
 
     def held_from(self, text):
-        lead = text.lstrip()
-        if not lead or lead.startswith(("{", self.TAG)) or self.TAG.startswith(lead):
-            return 0  # a reply that is (or may be) calls is all calls
-        return len(text)
+        return _held_if_calls(text, "{", self.TAG)
 
     def write(self, name, arguments):
         return json.dumps({"name": name, "parameters": arguments})
@@ -170,10 +176,7 @@ class Pythonic(ToolCallFormat):
         return calls, None
 
     def held_from(self, text):
-        lead = text.lstrip()
-        if not lead or lead.startswith(("[", self.START)) or self.START.startswith(lead):
-            return 0  # a reply that is (or may be) calls is all calls
-        return len(text)
+        return _held_if_calls(text, "[", self.START)
 
     def write(self, name, arguments):
         args = arguments if isinstance(arguments, dict) else {}
