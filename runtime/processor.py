@@ -169,9 +169,10 @@ class InputProcessor:
                                                   for m in fields.messages))
                 text = tok.render_chat(fields.messages, **(fields.chat or {}))
                 self._check_bytes("messages", len(text.encode()))
-                return tok.encode(text, add_special_tokens=False)
+                return tok.encode(text, add_special_tokens=bool(fields.add_special_tokens))
             self._check_bytes("prompt", len(fields.text.encode()))
-            return tok.encode(fields.text)
+            return tok.encode(fields.text, add_special_tokens=fields.add_special_tokens
+                              is not False)
         except ValueError:
             raise
         except Exception as e:

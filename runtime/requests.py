@@ -56,6 +56,9 @@ class Prompt:
     chat: dict | None = None
     # vLLM's prompt-dict key (TokensPrompt / TextPrompt): the request's cache salt.
     cache_salt: str | None = None
+    # Whether the tokenizer adds its special tokens (BOS) to a text or a rendered chat; None:
+    # yes for text, no for chat (whose template writes them), as vLLM encodes each.
+    add_special_tokens: bool | None = None
 
 
 # What a chat prompt may say about its rendering, beside its messages (vLLM's LLM.chat
@@ -71,11 +74,11 @@ def prompt_fields(prompt) -> Prompt:
         return Prompt(text=prompt)
     if isinstance(prompt, dict):
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", "cache_salt",
-                                 *CHAT_OPTIONS}
+                                 "add_special_tokens", *CHAT_OPTIONS}
         if unknown or not prompt:
             raise ValueError(f"a prompt dict takes prompt, prompt_token_ids or messages (with "
-                             f"{', '.join(CHAT_OPTIONS)}), and cache_salt; got "
-                             f"{sorted(map(str, prompt)) or 'nothing'}")
+                             f"{', '.join(CHAT_OPTIONS)}), cache_salt and add_special_tokens; "
+                             f"got {sorted(map(str, prompt)) or 'nothing'}")
         given = [k for k in ("prompt", "prompt_token_ids", "messages") if prompt.get(k) is not None]
         if len(given) != 1:
             raise ValueError("a request takes exactly one of prompt, prompt_token_ids and "
@@ -83,8 +86,11 @@ def prompt_fields(prompt) -> Prompt:
         chat = {k: prompt[k] for k in CHAT_OPTIONS if prompt.get(k) is not None}
         if chat and given != ["messages"]:
             raise ValueError(f"{', '.join(chat)} go with messages only")
+        special = prompt.get("add_special_tokens")
+        if special is not None and (type(special) is not bool or given == ["prompt_token_ids"]):
+            raise ValueError("add_special_tokens is true or false, for a prompt or messages")
         return Prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("messages"),
-                      chat or None, prompt.get("cache_salt"))
+                      chat or None, prompt.get("cache_salt"), special)
     if isinstance(prompt, (list, tuple)):
         if prompt and all(isinstance(m, dict) for m in prompt):
             return Prompt(messages=list(prompt))

@@ -306,11 +306,12 @@ _CORPUS = [
 ] * 20
 
 
-def add_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
+def add_tiny_tokenizer(path: Path, vocab_size: int = 384, bos: bool = False) -> Path:
     """A byte-level BPE trained here (nothing downloaded) on a few sentences, with a chat
     template, saved beside a tiny checkpoint: ids 0-2 are pad, bos, eos as in its config.
-    Every string encodes (the 256 byte tokens are in the vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    Every string encodes (the 256 byte tokens are in the vocabulary). With `bos`, encoding
+    with special tokens puts <s> first, as Llama's tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -321,6 +322,9 @@ def add_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>")
     fast.chat_template = _CHAT_TEMPLATE

@@ -450,3 +450,32 @@ def test_stream_interval_over_http_sends_fewer_larger_chunks(client):
         assert [len(c.model_extra["token_ids"]) for c in chunks] == sizes
         assert "".join(c.text for c in chunks) == whole.text
         assert chunks[-1].finish_reason == "length"
+
+
+def test_add_special_tokens_as_vllm_encodes_text_and_chat(tmp_path):
+    """A tokenizer that puts <s> first: a text prompt gets it unless add_special_tokens is
+    false; a chat (whose template writes its own) only when it is true; over HTTP alike."""
+    from tests.checkpoints import add_tiny_tokenizer, make_tiny_llama
+    from tierserve import LLM, AsyncLLM, SamplingParams
+    ckpt = add_tiny_tokenizer(make_tiny_llama(tmp_path / "llama"), bos=True)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    chat = [{"role": "user", "content": "hi"}]
+    with LLM(str(ckpt), block_size=4, max_model_len=128) as llm:
+        text, bare, plain, special = (o.prompt_token_ids for o in llm.generate(
+            ["hi", {"prompt": "hi", "add_special_tokens": False}, {"messages": chat},
+             {"messages": chat, "add_special_tokens": True}], one, use_tqdm=False))
+    assert text[0] == 1 and text[1:] == bare and bare[0] != 1
+    assert plain[0] != 1 and special == [1] + plain
+    engine = AsyncLLM(str(ckpt), block_size=4, max_model_len=128)
+    try:
+        with Server(engine) as srv:
+            def ids(path, **body):
+                r = httpx.post(srv.base + path, timeout=30, json=dict(
+                    model=MODEL, max_tokens=1, return_token_ids=True, **body)).json()
+                return r.get("prompt_token_ids") or r["choices"][0]["prompt_token_ids"]
+            assert ids("/v1/completions", prompt="hi") == text
+            assert ids("/v1/completions", prompt="hi", add_special_tokens=False) == bare
+            assert ids("/v1/chat/completions", messages=chat) == plain
+            assert ids("/v1/chat/completions", messages=chat, add_special_tokens=True) == special
+    finally:
+        engine.shutdown()

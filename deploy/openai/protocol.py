@@ -76,6 +76,9 @@ class _Common(BaseModel):
     repetition_detection: dict | None = None
     # vLLM's: a stream's chunks carry this many new tokens each (the first and last at once).
     stream_interval: int | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) added; default yes for completions' text,
+    # no for chat (its template writes them).
+    add_special_tokens: bool | None = None
     # vLLM's beam search (deploy/openai/beam.py): n beams, ranked with this length penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -267,9 +270,14 @@ def _refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
                              f"send those")
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """A completions body's prompts."""
-    return prompts_of(req.prompt, "prompt")
+def completion_prompts(req: CompletionRequest) -> list[str | list[int] | dict]:
+    """A completions body's prompts; a text one as a prompt dict where the body says whether
+    its special tokens are added."""
+    prompts = prompts_of(req.prompt, "prompt")
+    if req.add_special_tokens is None:
+        return prompts
+    return [{"prompt": p, "add_special_tokens": req.add_special_tokens}
+            if isinstance(p, str) else p for p in prompts]
 
 
 def prompts_of(value, field: str) -> list[str | list[int]]:
@@ -307,7 +315,9 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
         check_chat_options(options)
     except ValueError as e:  # its message opens with the option's name
         raise BadField(param_of(str(e)) or "messages", str(e)) from None
-    return {"messages": chat_messages(req, fmt), **options}
+    special = getattr(req, "add_special_tokens", None)
+    return {"messages": chat_messages(req, fmt), **options,
+            **({"add_special_tokens": special} if special is not None else {})}
 
 
 def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest,

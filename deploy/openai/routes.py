@@ -214,7 +214,8 @@ class OpenAIServer:
         prompts = completion_prompts(body)
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else token_text(self, p) for p in prompts]
+            echo = [p if isinstance(p, str) else p["prompt"] if isinstance(p, dict)
+                    else token_text(self, p) for p in prompts]
         return await self.generate("completion", prompts, body, request, tenant, echo=echo)
 
     def check_prompts(self, kind: str, prompts: list, tenant: Tenant | None) -> None:
@@ -234,6 +235,8 @@ class OpenAIServer:
         if self.tokenizer is None or self.max_model_len is None:
             return
         for p in prompts:
+            if isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                p = p["prompt"]  # a text prompt with its add_special_tokens
             if isinstance(p, str):
                 field = "input" if kind == "embedding" else "prompt"
                 nbytes = len(p.encode())

@@ -38,6 +38,7 @@ async def tokenize_response(server, body) -> dict:
 def rendered(server, prompt: dict) -> str:
     """A chat prompt dict (chat_prompt) as the engine's template writes it."""
     options = dict(prompt)
+    options.pop("add_special_tokens", None)  # the encoding's, not the template's
     try:
         return _tokenizer(server).render_chat(options.pop("messages"), **options)
     except ValueError:
@@ -49,9 +50,10 @@ def rendered(server, prompt: dict) -> str:
 
 async def chat_prompt_tokens(server, prompt: dict) -> int:
     """How many tokens the engine prefills for a chat prompt dict: its rendered text encoded
-    without special tokens, as the engine's input processor encodes chat."""
+    as the engine's input processor encodes chat (special tokens only where it asks)."""
     text = rendered(server, prompt)
-    return len(await asyncio.to_thread(_tokenizer(server).encode, text, False))
+    special = bool(prompt.get("add_special_tokens"))
+    return len(await asyncio.to_thread(_tokenizer(server).encode, text, special))
 
 
 async def detokenize_response(server, body: DetokenizeRequest) -> dict:
