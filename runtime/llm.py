@@ -80,7 +80,8 @@ class LLM:
                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                 ) -> list[str]:
         """vLLM's: generate()'s prompts checked and tokenized now, run by the next
-        wait_for_completion() with every other prompt enqueued before it; their request ids."""
+        wait_for_completion() with every other prompt enqueued before it; their request ids.
+        use_tqdm is vLLM's argument; queueing is too quick here to show a bar for."""
         requests = self._requests(prompts, sampling_params, priority, cache_salt, lora_request)
         self._queued += requests
         return [r.request_id if isinstance(r, RequestOutput) else r.request.req_id

@@ -160,9 +160,8 @@ def logprob_dict(lp, decode: Callable[[int], str] | None = None) -> dict[int, Lo
     logprob_token_ids (with their own ranks); `decode` (a token's text) fills decoded_token."""
     text = decode or (lambda tid: None)
     out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, text(lp.token_ids[0]))}
-    chosen = getattr(lp, "chosen_ranks", None) or []
-    top = len(lp.token_ids) - 1 - len(chosen)
-    ranks = list(range(1, top + 1)) + list(chosen)
+    top = len(lp.token_ids) - 1 - len(lp.chosen_ranks)
+    ranks = list(range(1, top + 1)) + list(lp.chosen_ranks)
     for rank, tid, value in zip(ranks, lp.token_ids[1:], lp.logprobs[1:]):
         if tid not in out:
             out[tid] = Logprob(value, rank, text(tid))

@@ -538,6 +538,9 @@ def test_a_thinking_budget_forces_the_closing_tag_once_spent():
         [None, None, None, None, None, 7, 8, None]
     assert run(SamplingParams(thinking_token_budget=0, thinking=tags), [1, 1, 1]) == \
         [7, 8, None]
+    # The budget spent on the closing tag's first token: only the rest of it is forced.
+    assert run(SamplingParams(thinking_token_budget=2, thinking=tags), [1, 7, 9, 9]) == \
+        [None, None, 8, None]
     assert not TokenRules.needed(SamplingParams(thinking_token_budget=3))  # no tags yet
     with pytest.raises(ValueError, match="thinking_token_budget must be >= 0"):
         SamplingParams(thinking_token_budget=-1)

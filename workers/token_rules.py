@@ -30,9 +30,11 @@ class ThinkingLimit:
 
     def __init__(self, budget: int, tags: ThinkingTags) -> None:
         self.budget, self.start, self.end = budget, list(tags.start), list(tags.end)
-        self.inside, self.count, self.done = tags.open, 0, False
+        self.inside, self.count, self.done = False, 0, False
         self.forced: int | None = None  # tokens of the closing tag forced so far
         self.recent: deque[int] = deque(maxlen=max(len(self.start), len(self.end)))
+        if tags.open:
+            self._open()
 
     def push(self, token: int) -> None:
         self.recent.append(token)
@@ -46,20 +48,28 @@ class ThinkingLimit:
                 self.done = True  # closed within the budget
             else:
                 self.count += 1
+                self._spent()
         elif _ends_with(self.recent, self.start):
-            self.inside = True
+            self._open()
 
     def forced_token(self) -> int | None:
         """The token this step must be (None: any)."""
-        if self.done or not self.inside:
-            return None
-        if self.forced is None and self.count >= self.budget:
-            self.forced = 0
-        return None if self.forced is None else self.end[self.forced]
+        return None if self.forced is None or self.done else self.end[self.forced]
+
+    def _open(self) -> None:
+        self.inside = True
+        self._spent()
+
+    def _spent(self) -> None:
+        """Once the budget is spent, the closing tag is forced, from what of its start the
+        model has just written."""
+        if self.count >= self.budget:
+            self.forced = next(k for k in range(len(self.end) - 1, -1, -1)
+                               if _ends_with(self.recent, self.end[:k]))
 
 
 def _ends_with(recent: deque[int], seq: list[int]) -> bool:
-    return len(recent) >= len(seq) and list(recent)[len(recent) - len(seq):] == seq
+    return not seq or (len(recent) >= len(seq) and list(recent)[len(recent) - len(seq):] == seq)
 
 
 class TokenRules:

@@ -302,15 +302,9 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
     if options["chat_template"] is None:
         options["chat_template"] = template
     effort = getattr(req, "reasoning_effort", None)
-    if effort is not None and not thinks:
-        raise BadField("reasoning_effort", "reasoning_effort needs a reasoning model (a server "
-                                           "started with --reasoning-parser); this one answers "
-                                           "directly")
-    if effort is not None and (options["chat_template_kwargs"] is None
-                               or isinstance(options["chat_template_kwargs"], dict)):
-        given = options["chat_template_kwargs"] or {}
-        options["chat_template_kwargs"] = {"reasoning_effort": effort,
-                                           "enable_thinking": effort != "none", **given}
+    if effort is not None:
+        options["chat_template_kwargs"] = _effort_kwargs(effort, thinks,
+                                                         options["chat_template_kwargs"])
     try:
         check_chat_options(options)
     except ValueError as e:  # its message opens with the option's name
@@ -320,18 +314,31 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
             **({"add_special_tokens": special} if special is not None else {})}
 
 
+def _effort_kwargs(effort: str, thinks: bool, given):
+    """The template variables of a reasoning_effort, as vLLM passes them: reasoning_effort,
+    and enable_thinking (off for "none") unless the body's chat_template_kwargs set them."""
+    if not thinks:
+        raise BadField("reasoning_effort", "reasoning_effort needs a reasoning model (a server "
+                                           "started with --reasoning-parser); this one answers "
+                                           "directly")
+    if given is not None and not isinstance(given, dict):
+        return given  # check_chat_options refuses it
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none", **(given or {})}
+
+
 def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest,
                   fmt: ToolCallFormat = HERMES) -> list[dict[str, str]]:
     """Messages as the engine takes them: content parts of type text joined, others refused;
     an assistant's tool calls written out as the model writes them (structured.py)."""
     out = []
     for i, m in enumerate(req.messages):
-        for name in ("audio", "function_call"):
-            if getattr(m, name, None) is not None:
-                raise BadField(f"messages[{i}].{name}", f"a message's {name} cannot be read "
-                               f"back here" + (": send tool_calls" * (name == "function_call")))
+        if m.audio is not None:
+            raise BadField(f"messages[{i}].audio", "a message's audio cannot be read back here")
+        if m.function_call is not None:
+            raise BadField(f"messages[{i}].function_call", "a message's function_call is "
+                           "OpenAI's deprecated form of tool_calls: send those")
         content = m.content
-        if not content and getattr(m, "refusal", None):
+        if not content and m.refusal:
             content = m.refusal
         if content is None:
             content = ""
