@@ -17,6 +17,7 @@ from tierserve.runtime.beam_search import (
 from tierserve.runtime.client import SyncEngineClient, deployments
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.lora import LoRARequest
+from tierserve.runtime.metrics import Metric, engine_families, snapshot
 from tierserve.runtime.outputs import RequestOutput
 from tierserve.runtime.pooling import (
     EmbeddingRequestOutput, PoolingParams, ScoringRequestOutput, as_prompt_list, embed_params,
@@ -244,6 +245,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, as `/metrics` names them (`tierserve:...`), as vLLM's
+        records: Counter, Gauge, Histogram, Vector (tierserve.runtime.metrics)."""
+        return snapshot(engine_families(self.stats()))
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -175,3 +175,12 @@ def test_metrics_report_acceptance_per_request():
     assert 'tierserve:spec_decode_request_acceptance_rate_bucket{le="0.5"} 2.0' in text
     assert 'tierserve:spec_decode_request_acceptance_rate_bucket{le="0.4"} 0.0' in text
     assert "tierserve:spec_decode_request_acceptance_rate_count 2.0" in text
+    # LLM.get_metrics' records of the same families, as vLLM's reader shapes them.
+    from tierserve.runtime.metrics import Histogram, Vector, engine_families, snapshot
+    records = {m.name: m for m in snapshot(engine_families(stats))}
+    per_pos = records["tierserve:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == stats["spec_accepted_per_position"]
+    assert sum(per_pos.values) == records["tierserve:spec_decode_num_accepted_tokens"].value == 6
+    rate = records["tierserve:spec_decode_request_acceptance_rate"]
+    assert isinstance(rate, Histogram) and (rate.count, rate.sum) == (2, 1.0)
+    assert rate.buckets["0.4"] == 0 and rate.buckets["0.5"] == rate.buckets["+Inf"] == 2

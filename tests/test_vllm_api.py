@@ -400,6 +400,31 @@ def test_enqueue_then_wait_for_completion_as_vllm_does(checkpoint):
             llm.enqueue_chat(chat, greedy, templat="x")
 
 
+def test_get_metrics_reads_the_engines_counters_as_vllm_records(checkpoint):
+    """LLM.get_metrics: /metrics' engine families as vLLM's reader gives them: a Counter per
+    counter, a Gauge per gauge sample (the KV usage one per tier), read from the engine now."""
+    from tierserve import LLM, SamplingParams
+    from tierserve.runtime.metrics import Counter, Gauge
+    with LLM(str(checkpoint), block_size=4, max_model_len=128) as llm:
+        def by_name():
+            return {(m.name, tuple(sorted(m.labels.items()))): m for m in llm.get_metrics()}
+        before = by_name()
+        prompt = list(range(5, 25))
+        for _ in range(2):
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        after, stats = by_name(), llm.stats()
+    queries = after[("tierserve:prefix_cache_queries", ())]
+    assert isinstance(queries, Counter) and queries.value == 40
+    assert before[("tierserve:prefix_cache_queries", ())].value == 0
+    # The second run's prompt hit its first's full blocks (the last token is always computed).
+    assert after[("tierserve:prefix_cache_hits", ())].value == 16
+    running = after[("tierserve:num_requests_running", ())]
+    assert isinstance(running, Gauge) and running.value == 0
+    assert after[("tierserve:kv_cache_total_blocks", ())].value == stats["num_total_blocks"] > 0
+    assert {labels for name, labels in after if name == "tierserve:kv_cache_usage_perc"} == \
+        {(("tier", t),) for t in ("device", "cpu", "ssd")}
+
+
 def test_thinking_token_budget_closes_the_reasoning_in_time(checkpoint):
     """vLLM's thinking_token_budget: a prompt that leaves <think> open gets that many tokens
     of reasoning, the same the model writes without a budget, then </think>; 0 closes it at
