@@ -45,12 +45,14 @@ class EngineActor:
             self.engine.set_kv_event_sink(self._publisher.put)
         self._stopping = False
 
-    async def generate(self, requests: list[EngineCoreRequest], owner: str | None = None):
+    async def generate(self, requests: list[EngineCoreRequest], owner: str | None = None,
+                       hold: bool = False):
         """Streams msgspec-encoded EngineCoreOutputs batches until every request finished. The
         requests are leased: the client renews them while it streams (`renew`); `owner` is the
-        client's token, which its aborts and stops carry."""
+        client's token, which its aborts and stops carry. hold: an offline batch, queued whole
+        (AsyncEngine.generate)."""
         async for batch in self.engine.generate(requests, lease_s=CLIENT_LEASE_S,
-                                                owner=owner):
+                                                owner=owner, hold=hold):
             yield self._codec.encode(EngineCoreOutputs(batch))
 
     async def renew(self, request_ids: list[str]) -> bool:

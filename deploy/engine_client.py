@@ -95,9 +95,10 @@ class RayEngineClient:
         """How long a call may wait: a call waits behind at most a step."""
         return max(_CALL_TIMEOUT_S, self.step_timeout_s + 10.0)
 
-    async def generate(self, requests: list[EngineCoreRequest]):
-        stream = self.actor.generate.options(num_returns="streaming").remote(requests,
-                                                                             self._owner)
+    async def generate(self, requests: list[EngineCoreRequest], *, hold: bool = False):
+        """hold: an offline batch, queued whole (AsyncEngine.generate)."""
+        stream = self.actor.generate.options(num_returns="streaming").remote(
+            requests, self._owner, hold)
         pending = Outstanding(requests)
         alive = Liveness(self.step_timeout_s)
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(pending, alive))
@@ -133,7 +134,7 @@ class RayEngineClient:
         client's: one stream implementation, with generate's heartbeats and liveness watch."""
         if self._loop is None:
             self._loop = LoopThread("tierserve-engine-client")
-        yield from self._loop.iterate(self.generate(requests))
+        yield from self._loop.iterate(self.generate(requests, hold=True))
 
     def abort(self, request_ids: list[str]) -> None:
         self.actor.abort.remote(list(request_ids), self._owner)

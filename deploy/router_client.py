@@ -66,11 +66,12 @@ class RouterClient(RouterControl):
 
     # ------------------------------------------------------------------ streaming
 
-    async def generate(self, requests: list[EngineCoreRequest]
+    async def generate(self, requests: list[EngineCoreRequest], *, hold: bool = False
                        ) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs (of every replica serving these requests) until every request
-        finished; leaving early aborts the rest."""
-        call = Call(self)
+        finished; leaving early aborts the rest. hold: an offline batch, queued whole
+        (AsyncEngine.generate)."""
+        call = Call(self, hold)
         rejected = []
         for r in requests:
             if r.req_id in call.tracked:
@@ -130,7 +131,8 @@ class RouterClient(RouterControl):
                    ereqs: list[EngineCoreRequest]) -> None:
         """Streams these requests from one replica; what its failure leaves unfinished is
         continued elsewhere."""
-        stream = actor.generate.options(num_returns="streaming").remote(ereqs, self._owner)
+        stream = actor.generate.options(num_returns="streaming").remote(ereqs, self._owner,
+                                                                        call.hold)
         left = Outstanding(ereqs)
         alive = Liveness(self.step_timeout_s)
         beat = asyncio.get_running_loop().create_task(_heartbeat(actor, left, alive))
@@ -171,7 +173,7 @@ class RouterClient(RouterControl):
         """generate() for synchronous callers (LLM), driven on a loop of its own."""
         if self._loop is None:
             self._loop = LoopThread("tierserve-router-client")
-        yield from self._loop.iterate(self.generate(requests))
+        yield from self._loop.iterate(self.generate(requests, hold=True))
 
     # ------------------------------------------------------------------ control
 

@@ -95,8 +95,9 @@ class Call:
     """One generate() call: its requests, the legs (one replica stream each) serving them,
     and the queue the caller reads."""
 
-    def __init__(self, client: RouterClient) -> None:
+    def __init__(self, client: RouterClient, hold: bool = False) -> None:
         self.client = client
+        self.hold = hold  # an offline batch: each replica queues its part whole
         self.tracked: dict[str, Tracked] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.legs: set[asyncio.Task] = set()

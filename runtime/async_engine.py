@@ -29,7 +29,7 @@ from typing import AsyncIterator, Callable
 from tierserve.runtime.config import EngineConfig
 from tierserve.runtime.engine_core import EngineCore, rejection
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor
-from tierserve.runtime.outputs import Outstanding
+from tierserve.runtime.outputs import BatchFeed, Outstanding
 from tierserve.scheduler.kv_events import KVEventBatch, KVSnapshot
 from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
 from tierserve.scheduler.params import ErrorKind, FinishReason
@@ -86,6 +86,8 @@ _LEASE_CHECK_S = 0.5
 # A gap this long between two loop iterations means the engine itself was not running (its
 # process stopped, or a step that long): leases are extended by the gap.
 _STALL_S = 1.0
+# How long a held batch (generate's hold) waits to send again what a full queue refused.
+_REFUSED_RETRY_S = 0.05
 # How often an idle step loop checks that its workers are alive.
 _WORKER_CHECK_S = 1.0
 
@@ -301,11 +303,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ callers
 
     async def generate(self, requests: list[EngineCoreRequest], *, lease_s: float | None = None,
-                       owner: object = None) -> AsyncIterator[list[EngineCoreOutput]]:
+                       owner: object = None, hold: bool = False
+                       ) -> AsyncIterator[list[EngineCoreOutput]]:
         """Each step's outputs for these requests until every one has finished. Leaving the
         iteration early (break, cancel, an error) aborts what is left and frees its blocks.
         With lease_s, requests not renewed (`renew`) for that long are aborted. A request whose
-        id is taken gets one error output and touches nothing of the request holding it."""
+        id is taken gets one error output and touches nothing of the request holding it.
+        hold: an offline batch, queued whole: past the queue's bound its requests wait in this
+        stream and go in as it drains, where a server's are refused (overloaded)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -321,8 +326,9 @@ class AsyncEngine:
                     f"request_id {rid!r} is already in use" if isinstance(rid, str) and rid
                     else f"request_id must be a non-empty string, got {rid!r}")))
         pending = Outstanding(mine)
+        feed = BatchFeed(mine, self.config.max_queued_requests) if hold else None
         if mine:
-            self._submit(AddRequests(mine, lease_s))
+            self._submit(AddRequests(feed.release() if feed else mine, lease_s))
         try:
             if refused:
                 yield refused
@@ -330,14 +336,28 @@ class AsyncEngine:
                 batch = await sink.queue.get()
                 if self._dead is not None:
                     raise EngineDeadError(self._dead)
+                if feed is not None:
+                    batch = await self._feed(feed, batch, lease_s)
                 pending.update(batch)
-                yield batch
+                if batch:
+                    yield batch
         finally:
             if pending:  # the caller went away or cancelled: free the blocks now
                 self._submit(AbortRequests(list(pending)))
             for r in mine:
                 self._sinks.pop(r.req_id, None)
                 self._owners.pop(r.req_id, None)
+
+    async def _feed(self, feed: BatchFeed, batch: list[EngineCoreOutput],
+                    lease_s: float | None) -> list[EngineCoreOutput]:
+        """A held batch's outputs to deliver; its next requests sent as room opens."""
+        batch = feed.update(batch)
+        if feed.stalled:  # other clients hold the queue: wait for them to drain it
+            await asyncio.sleep(_REFUSED_RETRY_S)
+        more = feed.release()
+        if more:
+            self._submit(AddRequests(more, lease_s))
+        return batch
 
     def _own(self, request_ids, owner: object) -> list:
         """The ids among these that `owner` started (all of them for owner None)."""

@@ -84,7 +84,8 @@ class EngineConfig:
     max_num_seqs: int = _opt(256, "requests in one step at most", low=1)
     max_queued_requests: int = _opt(
         256, "requests waiting for a first token at most (the HTTP server's and the engine's "
-        "queue); more are refused at once (HTTP 503) so admitted ones keep a bounded TTFT",
+        "queue); more are refused at once (HTTP 503) so admitted ones keep a bounded TTFT; an "
+        "offline batch (LLM.generate) is queued whole, its requests going in as the queue drains",
         low=1)
     max_num_batched_tokens: int = _opt(2048, "tokens (prefill and decode) in one step at most",
                                        low=1)

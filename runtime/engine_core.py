@@ -122,10 +122,14 @@ class EngineCore:
         self._reporter.count_request()
         return self._requests.add(request)
 
+    def has_queue_room(self) -> bool:
+        """Whether add_request finds room in the waiting queue (max_queued_requests)."""
+        return self.scheduler.has_queue_room()
+
     def stream_batch(self, requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
-        """Adds the requests and steps until all have finished, yielding each step's outputs.
-        A request that fails validation yields one error output; closing the iterator early
-        aborts what is left."""
+        """Queues the whole batch (past the queue's bound, requests join it as it drains) and
+        steps until all have finished, yielding each step's outputs. A request that fails
+        validation yields one error output; closing the iterator early aborts what is left."""
         return stream_batch(self, requests)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from tierserve.runtime.errors import EngineDeadError
@@ -181,23 +182,20 @@ class RequestBook:
 def stream_batch(core: EngineCore,
                  requests: list[EngineCoreRequest]) -> Iterator[list[EngineCoreOutput]]:
     """Adds the requests and steps until all have finished, yielding each step's outputs.
-    A request that fails validation yields one error output; closing the iterator early
-    aborts what is left."""
-    added, failed = [], []
+    The whole batch is the caller's, as vLLM's offline batches are: requests past the queue's
+    bound (max_queued_requests) wait here, in order, and join it as steps drain it. A request
+    that fails validation yields one error output; closing the iterator early aborts what is
+    left."""
+    held = deque(requests)
     pending = Outstanding(())
     try:
-        for request in requests:
-            try:
-                core.add_request(request)
-                added.append(request)
-            except EngineDeadError:
-                raise
-            except Exception as e:  # this request alone fails
-                failed.append(rejection(request, e))
-            pending = Outstanding(added)
-        if failed:
-            yield failed
-        while pending:
+        while True:
+            failed = _admit(core, held, pending)
+            if failed:
+                yield failed
+            if not pending:
+                assert not held, "the engine's queue is full of requests of another batch"
+                return
             outputs = core.step()
             pending.update(outputs)
             yield outputs
@@ -206,3 +204,20 @@ def stream_batch(core: EngineCore,
             core.abort_requests(list(pending))
         if core.dead_reason is None:
             core.drain()  # a finished request's step in flight (none: a no-op)
+
+
+def _admit(core: EngineCore, held: deque, pending: Outstanding) -> list[EngineCoreOutput]:
+    """Moves held requests into the engine while its queue has room; the rejections of those
+    that fail validation."""
+    failed = []
+    while held and core.has_queue_room():
+        request = held.popleft()
+        try:
+            core.add_request(request)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # this request alone fails
+            failed.append(rejection(request, e))
+        else:
+            pending.add(request)
+    return failed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -10,7 +11,7 @@ from tierserve.scheduler.messages import EngineCoreOutput
 from tierserve.scheduler.params import ErrorKind, FinishReason
 
 __all__ = ["CompletionOutput", "RequestOutput", "Logprob", "logprob_dict", "prompt_logprobs_of",
-           "Outstanding", "StreamInterval"]
+           "Outstanding", "BatchFeed", "StreamInterval"]
 
 
 @dataclass(slots=True)
@@ -177,6 +178,9 @@ class Outstanding:
     def __init__(self, requests) -> None:
         self._left = {r.req_id: getattr(r.sampling_params, "n", 1) for r in requests}
 
+    def add(self, request) -> None:
+        self._left[request.req_id] = getattr(request.sampling_params, "n", 1)
+
     def update(self, outputs) -> None:
         left = self._left
         for o in outputs:
@@ -195,3 +199,49 @@ class Outstanding:
 
     def __len__(self) -> int:
         return len(self._left)
+
+
+class BatchFeed:
+    """An offline batch (LLM.generate's) fed to an engine whose queue is bounded
+    (max_queued_requests): at most `window` of its requests wait for a first output at a time;
+    the rest are held here, in order, and go in as those start. One the engine refused as
+    overloaded (other clients filled its queue) is held again, ahead of the rest."""
+
+    __slots__ = ("_held", "_waiting", "_window", "_refused")
+
+    def __init__(self, requests, window: int) -> None:
+        assert window >= 1
+        self._held = deque(requests)
+        self._waiting: dict[str, object] = {}  # released, no output yet: req_id -> request
+        self._window = window
+        self._refused = False  # the last update had refusals
+
+    def release(self) -> list:
+        """The held requests that fit the window now, to be added to the engine."""
+        out = []
+        while self._held and len(self._waiting) < self._window:
+            request = self._held.popleft()
+            self._waiting[request.req_id] = request
+            out.append(request)
+        return out
+
+    def update(self, outputs) -> list:
+        """The outputs to deliver: all but the overloaded refusals, whose requests are held
+        again."""
+        keep, again = [], []
+        for o in outputs:
+            request = self._waiting.pop(o.req_id, None)
+            if request is not None and o.error_kind == ErrorKind.OVERLOADED:
+                again.append(request)
+            else:
+                keep.append(o)
+        self._held.extendleft(reversed(again))
+        self._refused = bool(again)
+        return keep
+
+    @property
+    def stalled(self) -> bool:
+        """The engine refused requests just now and none released waits: other clients fill
+        its queue, so sending again at once would be refused again."""
+        return self._refused and not self._waiting
+

@@ -125,6 +125,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
 
+    def has_queue_room(self) -> bool:
+        """Whether the waiting queue takes another request (max_queued_requests)."""
+        return self.max_queued_requests is None or len(self.waiting) < self.max_queued_requests
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, eos_token_id: int | None = None,
                     priority: int = 0, cache_salt: str | None = None,
@@ -135,7 +139,7 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(request_id, prompt_token_ids, sampling_params, self.max_model_len,
                       self.vocab_size)
-        if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
+        if not self.has_queue_room():
             raise QueueFullError(f"the engine's queue is full ({self.max_queued_requests} "
                                  f"requests waiting); try again later")
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=eos_token_id,

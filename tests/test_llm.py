@@ -10,6 +10,7 @@ from tests.checkpoints import (
     TINY_LLAMA3_ROPE, hf_greedy, load_hf, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3,
 )
 from tierserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from tierserve.scheduler.params import ErrorKind
 
 MAX_NEW = 10
 
@@ -122,6 +123,58 @@ def test_bad_requests_fail_alone_and_leak_nothing(checkpoints, references):
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_a_batch_past_the_queue_bound_is_queued_whole(checkpoints, references):
+    """vLLM's offline batches queue whole: past max_queued_requests, LLM's requests wait in
+    its stream and join the queue as it drains (a bad one still fails alone); a server's
+    stream (AsyncEngine.generate without hold) is refused at the bound instead."""
+    from tierserve.runtime.async_engine import AsyncEngine
+    from tierserve.runtime.config import EngineConfig
+    from tierserve.scheduler.messages import EngineCoreRequest
+    with LLM(str(checkpoints["llama"]), block_size=4, max_queued_requests=2) as llm:
+        prompts = _prompts(llm.engine.vocab_size)
+        outs = llm.generate(prompts * 3 + [[]] + prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:18] + outs[19:]] == references["llama"] * 4
+        assert "empty" in outs[18].error
+        llm.engine.scheduler.check_integrity()
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_waiting"] == 0
+    engine = AsyncEngine(EngineConfig.from_kwargs(model=str(checkpoints["llama"]), block_size=4,
+                                                  max_queued_requests=2))
+
+    async def run(hold: bool, tag: str):
+        tokens, kinds = {}, {}
+        reqs = [EngineCoreRequest(f"{tag}{i}", GREEDY, prompt_token_ids=p)
+                for i, p in enumerate(prompts)]
+        async for batch in engine.generate(reqs, hold=hold):
+            for o in batch:
+                tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+                kinds[o.req_id] = o.error_kind
+        return [tokens[r.req_id] for r in reqs], [kinds[r.req_id] for r in reqs]
+    try:
+        held, kinds = asyncio.run(run(True, "h"))
+        assert held == references["llama"] and not any(kinds)
+        _, kinds = asyncio.run(run(False, "s"))
+        assert kinds.count(ErrorKind.OVERLOADED) == len(prompts) - 2
+    finally:
+        engine.shutdown()
+
+
+def test_batch_feed_holds_what_the_engine_refused_ahead_of_the_rest():
+    from tierserve.runtime.outputs import BatchFeed
+    from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
+    reqs = [EngineCoreRequest(f"r{i}", GREEDY, prompt_token_ids=[3]) for i in range(5)]
+    feed = BatchFeed(reqs, window=2)
+    assert [r.req_id for r in feed.release()] == ["r0", "r1"] and feed.release() == []
+    refused = EngineCoreOutput("r0", finish_reason=1, error="full",
+                               error_kind=ErrorKind.OVERLOADED)
+    token = EngineCoreOutput("r1", new_token_ids=[4])
+    assert feed.update([refused]) == [] and not feed.stalled  # r1 still waits
+    assert feed.update([token]) == [token] and not feed.stalled
+    assert [r.req_id for r in feed.release()] == ["r0", "r2"]
+    feed.update([msgspec.structs.replace(refused, req_id=r) for r in ("r0", "r2")])
+    assert feed.stalled and [r.req_id for r in feed.release()] == ["r0", "r2"]
 
 
 def test_unknown_engine_option_is_an_error(checkpoints):

@@ -89,9 +89,10 @@ def test_tp_on_ray_equals_tp1_in_process(tiny, reference, name, tp):
 
 def test_async_scheduling_on_ray_tp2_equals_tp1_in_process(tiny, reference):
     """Every rank appends rank 0's sampled tokens itself (a broadcast): a rank that fed its
-    placeholder the wrong token would change the logits, and so the greedy tokens."""
+    placeholder the wrong token would change the logits, and so the greedy tokens. A queue of
+    one request: LLM's batches are held in the engine actor's stream and go in as it drains."""
     with LLM(tiny["llama"], tensor_parallel_size=2, block_size=4,
-             async_scheduling=True) as llm:
+             async_scheduling=True, max_queued_requests=1) as llm:
         assert tokens(llm, PROMPTS) == reference["llama"]
         seeded = SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=9,
                                 ignore_eos=True)
