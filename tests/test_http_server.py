@@ -528,6 +528,12 @@ def test_regex_and_choice_outputs_match(client):
         model=MODEL, messages=[{"role": "user", "content": "well?"}], n=6, max_tokens=10,
         temperature=1.0, seed=3, extra_body={"guided_choice": options})
     assert all(c.message.content in options for c in chat.choices)
+    # A grammar in GBNF (llama.cpp's, as vLLM takes it) or in Lark.
+    for grammar in ('root ::= "yes" | "no" | "maybe" " " [0-9]', 'start: "yes" | "no"'):
+        out = client.completions.create(model=MODEL, prompt="well?", n=4, max_tokens=10,
+                                        temperature=1.0, seed=5,
+                                        extra_body={"guided_grammar": grammar})
+        assert all(re.fullmatch(r"yes|no|maybe [0-9]", c.text) for c in out.choices), out
 
 
 def test_a_mixed_batch_gives_free_requests_the_tokens_they_get_alone(client):
@@ -549,6 +555,7 @@ def test_a_mixed_batch_gives_free_requests_the_tokens_they_get_alone(client):
      "response_format"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ({"guided_grammar": "start: (("}, "guided_grammar"),
+    ({"guided_grammar": 'root ::= "yes | '}, "guided_grammar"),
 ])
 def test_a_schema_that_cannot_compile_is_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:

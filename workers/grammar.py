@@ -56,8 +56,17 @@ def grammar_of(spec: StructuredOutputs) -> str:
         return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
     grammar = spec.grammar
     if "::=" in grammar:  # GBNF (llama.cpp's), as vLLM's guided_grammar takes it
-        grammar = llguidance_module().gbnf_to_lark(grammar)
+        grammar = _gbnf_to_lark(grammar)
     return matcher.grammar_from_lark(grammar)
+
+
+def _gbnf_to_lark(grammar: str) -> str:
+    llguidance_module()
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+    try:
+        return gbnf_to_lark(grammar)
+    except GbnfToLarkError as e:
+        raise ValueError(f"structured_outputs.grammar is not valid GBNF: {e}") from None
 
 
 def _lark_answer(spec: StructuredOutputs) -> str:
