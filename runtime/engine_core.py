@@ -26,7 +26,7 @@ from tierserve.runtime.engine_setup import (
     check_model, make_request_log, make_scheduler, make_worker_spec, start_tokenizer,
 )
 from tierserve.runtime.executor import EngineDeadError, Executor, InProcessExecutor, WorkerInfo
-from tierserve.runtime.generation_config import generation_defaults
+from tierserve.runtime.generation_config import generation_defaults, generation_eos_ids
 from tierserve.runtime.lora import adapter_catalog
 from tierserve.runtime.request_log import RequestLog
 from tierserve.runtime.requests import rejection
@@ -59,6 +59,7 @@ class EngineCore:
         spec = make_worker_spec(config)
         self.generation_defaults = generation_defaults(config.generation_config, spec.model,
                                                       config.override_generation_config)
+        self._generation_eos = generation_eos_ids(config.generation_config, spec.model)
         self.tokenizer_path = config.tokenizer or spec.model
         spec, tokenizer = start_tokenizer(spec, self.tokenizer_path)
         self.executor = executor_factory(spec)
@@ -83,7 +84,8 @@ class EngineCore:
         self._describe(info)
         self._reporter = LoadReporter(self.scheduler, self.kv_events)
         self.adapters = loras  # the LoRA door (None: enable_lora is off)
-        self._requests = RequestBook(self.scheduler, self.eos_token_id, loras)
+        self._requests = RequestBook(self.scheduler, self.eos_token_id, loras,
+                                     self.extra_eos_ids)
         self._healer = WorkerHealer(config, self.executor, self.scheduler)
         self._dead: str | None = None
         # Steps submitted and not yet collected, oldest first, with their submission times:
@@ -113,6 +115,10 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else (
             info.eos_token_ids[0] if info.eos_token_ids else None)
+        # The model's other end-of-sequence ids (generation_config.json's, else config.json's),
+        # which requests stop at as stop_token_ids.
+        named = self._generation_eos if self._generation_eos is not None else info.eos_token_ids
+        self.extra_eos_ids = tuple(i for i in dict.fromkeys(named) if i != self.eos_token_id)
 
     # ------------------------------------------------------------------ requests
 

@@ -13,6 +13,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterator
 
+import msgspec
+
 from tierserve.runtime.errors import EngineDeadError
 from tierserve.runtime.lora import AdapterCatalog
 from tierserve.runtime.outputs import Outstanding
@@ -37,9 +39,12 @@ class RequestBook:
     neither pays nothing; `staged` is read, and changed only here."""
 
     def __init__(self, scheduler: Scheduler, eos_token_id: int | None,
-                 loras: AdapterCatalog | None = None) -> None:
+                 loras: AdapterCatalog | None = None, extra_eos_ids: tuple[int, ...] = ()
+                 ) -> None:
         self._scheduler = scheduler
         self._eos_token_id = eos_token_id
+        # The model's other end-of-sequence ids: a request not ignoring eos stops at them too.
+        self._extra_eos_ids = extra_eos_ids
         # The LoRA adapters' door (None: LoRA is not enabled).
         self._loras = loras
         # The caller's label of each unfinished request that has one.
@@ -57,6 +62,8 @@ class RequestBook:
         """Queues a request; bad input raises ValueError and changes nothing."""
         prompt_ids = check_request(request)
         params = request.sampling_params
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = _stopping_at(params, self._extra_eos_ids)
         lora = request.lora
         if lora is not None:
             if self._loras is None:
@@ -177,6 +184,15 @@ class RequestBook:
                     self.labels.pop(rid, None)
                     self.prompt_logprobs.pop(rid, None)
                     self.pooled.pop(rid, None)
+
+
+def _stopping_at(params, ids: tuple[int, ...]):
+    """The parameters with `ids` among their stop_token_ids (vLLM's
+    update_from_generation_config)."""
+    missing = [i for i in ids if i not in params.stop_token_ids]
+    if not missing:
+        return params
+    return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *missing])
 
 
 def stream_batch(core: EngineCore,

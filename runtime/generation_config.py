@@ -20,7 +20,7 @@ from tierserve.scheduler.params import SamplingParams
 from tierserve.workers.model.config_files import read_json_object
 
 __all__ = ["generation_defaults", "generation_overrides", "sampling_params_with",
-           "GENERATION_CONFIG_HELP"]
+           "generation_eos_ids", "GENERATION_CONFIG_HELP"]
 
 GENERATION_CONFIG_HELP = (
     "where unset sampling parameters come from: auto: the model's generation_config.json "
@@ -61,6 +61,25 @@ def generation_defaults(source: str, model_path: str, overrides: dict | None = N
     if overrides:
         defaults.update(_typed({_HF_FIELDS[k]: v for k, v in overrides.items()}))
     return defaults
+
+
+def generation_eos_ids(source: str, model_path: str) -> tuple[int, ...] | None:
+    """The end-of-sequence ids the generation config names (an instruct model's end of turn
+    beside the tokenizer's eos), which every request stops at, as vLLM's do; None where no
+    generation_config.json names any (then config.json's count). "vllm" still reads the
+    model's, as vLLM does: it sets sampling defaults aside, not the model's special tokens."""
+    folder = model_path if source in ("auto", "vllm") else source
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isdir(folder) or not os.path.isfile(path):
+        return None
+    value = read_json_object(path, "generation_config").get("eos_token_id")
+    if value is None:
+        return None
+    ids = [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise ValueError(f"generation_config: eos_token_id must be a token id or a list of "
+                         f"them, got {value!r}")
+    return tuple(ids)
 
 
 def _source_defaults(source: str, model_path: str) -> dict:

@@ -10,7 +10,7 @@ from tests.checkpoints import make_tiny_llama
 from tierserve import LLM, SamplingParams
 from tierserve.deploy.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.deploy.openai.protocol import sampling_params as http_sampling_params
-from tierserve.runtime.generation_config import generation_defaults
+from tierserve.runtime.generation_config import generation_defaults, generation_eos_ids
 from tierserve.workers.model.loader import default_model_path
 
 HF_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
@@ -49,6 +49,28 @@ def test_unset_fields_take_the_defaults_in_the_python_api(tiny):
         assert len(out.outputs[0].token_ids) == 5  # max_new_tokens
     with LLM(str(tiny), generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_every_eos_id_the_generation_config_names_stops_a_request(tmp_path):
+    """An instruct model's end of turn beside the tokenizer's eos: vLLM adds the generation
+    config's eos ids to every request's stop_token_ids (none with ignore_eos); min_tokens
+    holds them back as it does eos."""
+    path = make_tiny_llama(tmp_path / "llama")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    greedy = dict(temperature=0, max_tokens=5, logit_bias={7: 100.0})
+    assert generation_eos_ids("auto", str(path)) == generation_eos_ids("vllm", str(path)) == (2, 7)
+    with LLM(str(path)) as llm:
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(**greedy), use_tqdm=False)[0].outputs
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([7], "stop", 7)
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(**greedy, min_tokens=3),
+                              use_tqdm=False)[0].outputs
+        assert len(out.token_ids) == 4 and out.token_ids[-1] == 7 and 7 not in out.token_ids[:3]
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True),
+                              use_tqdm=False)[0].outputs
+        assert (out.token_ids, out.finish_reason) == ([7] * 5, "length")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        generation_eos_ids("auto", str(path))
 
 
 def test_unset_body_fields_take_the_defaults_on_the_http_server():
