@@ -215,7 +215,7 @@ class EngineCore:
         self._last_collect = now
         book = self._requests
         if reply.prompt_logprobs:
-            book.gather(out.scheduled_req_ids(), reply.prompt_logprobs)
+            book.gather(out, reply.prompt_logprobs)
         if reply.pooled:
             book.gather_pooled(out.scheduled_req_ids(), reply.pooled)
         outputs = self.scheduler.update_from_output(out, reply)

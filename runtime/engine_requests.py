@@ -20,7 +20,7 @@ from tierserve.runtime.lora import AdapterCatalog
 from tierserve.runtime.outputs import Outstanding
 from tierserve.runtime.requests import check_request, rejection
 from tierserve.scheduler import (
-    EngineCoreOutput, EngineCoreRequest, FinishReason, RequestStatus, Scheduler,
+    EngineCoreOutput, EngineCoreRequest, FinishReason, RequestStatus, Scheduler, SchedulerOutput,
 )
 from tierserve.scheduler.params import ErrorKind
 from tierserve.scheduler.request import seq_id
@@ -105,11 +105,20 @@ class RequestBook:
         staged, self.staged = self.staged, []
         return staged
 
-    def gather(self, req_ids, chunks: list) -> None:
-        """A step's prompt logprobs, one chunk per scheduled request (in req_ids' order)."""
-        for rid, lps in zip(req_ids, chunks):
+    def gather(self, out: SchedulerOutput, chunks: list) -> None:
+        """A step's prompt logprobs, one chunk per scheduled request (in scheduled_req_ids'
+        order). A chunk from the prompt's start (a preempted request's prefill begun again)
+        replaces what was gathered."""
+        cached = out.scheduled_cached_reqs
+        from_start = {r.req_id for r in out.scheduled_new_reqs if r.num_computed_tokens == 0}
+        from_start.update(cached.req_ids[i] for i, n in zip(cached.resumed,
+                                                            cached.resumed_num_computed) if n == 0)
+        for rid, lps in zip(out.scheduled_req_ids(), chunks):
             if lps and rid in self.prompt_logprobs:  # not a recompute's, after the first
-                self.prompt_logprobs[rid].extend(lps)
+                partial = self.prompt_logprobs[rid]
+                if rid in from_start:
+                    partial.clear()
+                partial.extend(lps)
 
     def gather_pooled(self, req_ids, pooled: list[bytes]) -> None:
         """A step's pooled hidden states, one per scheduled request (in req_ids' order)."""

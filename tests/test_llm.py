@@ -161,6 +161,26 @@ def test_a_batch_past_the_queue_bound_is_queued_whole(checkpoints, references):
         engine.shutdown()
 
 
+def test_prompt_logprobs_survive_preemption_during_chunked_prefill(checkpoints):
+    """A request preempted before its first output computes its prompt again from the start:
+    its prompt logprobs are the prompt's, once each, as without preemption."""
+    prompts = [[(5 * i + j) % 380 + 3 for i in range(25)] for j in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+
+    def run(**options):
+        with LLM(str(checkpoints["llama"]), block_size=4, max_model_len=80,
+                 max_num_batched_tokens=16, long_prefill_token_threshold=8, **options) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return outs, llm.stats()["num_preemptions"]
+    tight, preemptions = run(num_kv_blocks=30)
+    roomy, none = run()
+    assert preemptions > 0 and none == 0
+    for t, r, p in zip(tight, roomy, prompts):
+        assert len(t.prompt_logprobs) == len(p) and t.prompt_logprobs[0] is None
+        for a, b, token in zip(t.prompt_logprobs[1:], r.prompt_logprobs[1:], p[1:]):
+            assert token in a and abs(a[token].logprob - b[token].logprob) < 1e-4
+
+
 def test_batch_feed_holds_what_the_engine_refused_ahead_of_the_rest():
     from tierserve.runtime.outputs import BatchFeed
     from tierserve.scheduler.messages import EngineCoreOutput, EngineCoreRequest
