@@ -170,14 +170,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     pooling: Pooling = Pooling.NONE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
-        _check(self.temperature, "temperature", lambda v: 0.0 <= v < math.inf,
-               "must be finite and >= 0")
+        self._normalize()
+        _check(self.temperature, "temperature", lambda v: 0.0 <= v <= 2.0, "must be in [0, 2]")
         _check(self.top_p, "top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
         _check_int(self.top_k, "top_k", lambda v: -1 <= v < 2**63,
                    "must be -1, 0 (disabled) or >= 1")
@@ -188,7 +182,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                "must be in [-2, 2]")
         _check(self.frequency_penalty, "frequency_penalty", lambda v: -2.0 <= v <= 2.0,
                "must be in [-2, 2]")
-        _check(self.repetition_penalty, "repetition_penalty", lambda v: v > 0.0, "must be > 0")
+        _check(self.repetition_penalty, "repetition_penalty", lambda v: 0.0 < v < math.inf,
+               "must be finite and > 0")
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
         if self.prompt_logprobs is not None:
@@ -221,6 +216,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got "
                              f"{self.ignore_eos!r}")
         self._check_text_fields()
+
+    def _normalize(self) -> None:
+        """vLLM's spellings of the defaults: None lists, seed -1 (none), logprobs True (1)."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.seed == -1 and type(self.seed) is int:
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
 
     def _check_text_fields(self) -> None:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
@@ -314,7 +328,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
-        """vLLM's constructor whose None arguments take their defaults."""
+        """vLLM's constructor whose None arguments take their defaults; as vLLM's, it takes
+        logit_bias keys as strings of token ids and clamps the biases to [-100, 100]."""
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            kwargs["logit_bias"] = _clamped_bias(bias)
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def clone(self) -> "SamplingParams":
@@ -342,6 +360,20 @@ def _check_token(value, name: str) -> None:
 def _check_int(value, name: str, ok, requirement: str) -> None:
     if type(value) is not int or not ok(value):
         raise ValueError(f"SamplingParams.{name} {requirement} (an int), got {value!r}")
+
+
+def _clamped_bias(bias: dict) -> dict[int, float]:
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id = int(token) if not isinstance(token, bool) else None
+        except (TypeError, ValueError):
+            token_id = None
+        if token_id is None:
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {token!r}")
+        _check(value, "logit_bias", lambda v: True, "must be a number")
+        out[token_id] = min(100.0, max(-100.0, float(value)))
+    return out
 
 
 def _check(value, name: str, ok, requirement: str) -> None:

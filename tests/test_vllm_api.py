@@ -217,6 +217,19 @@ def test_vllm_prompt_dicts_and_sampling_params_helpers(checkpoint):
     assert params.stop == ["x"] and copy.stop == ["x", "y"]
     assert SamplingParams.from_optional(temperature=None, max_tokens=3) == \
         SamplingParams(max_tokens=3)
+    # vLLM's spellings of the defaults, and its from_optional's logit_bias (string keys,
+    # clamped); what vLLM refuses is refused.
+    assert SamplingParams(stop=None, stop_token_ids=None, seed=-1) == SamplingParams()
+    assert (SamplingParams(logprobs=True).logprobs,
+            SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+    assert SamplingParams.from_optional(logit_bias={"5": 200, 6: -1.5}).logit_bias == \
+        {5: 100.0, 6: -1.5}
+    for bad, message in ((dict(temperature=2.5), "temperature must be in"),
+                         (dict(repetition_penalty=float("inf")), "must be finite")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="keys must be token ids"):
+        SamplingParams.from_optional(logit_bias={"five": 1.0})
     with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
         ids = llm.get_tokenizer().encode("one two three four five six seven eight nine")
         first = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0]
