@@ -90,7 +90,8 @@ def test_decode_step_costs_a_few_bytes_per_request():
     ("max_tokens", 0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("temperature", float("nan")),
     ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 1.5), ("seed", True), ("seed", 2**64),
-    ("seed", -1), ("temperature", float("inf"))])
+    ("seed", -2), ("temperature", float("inf")), ("temperature", 2.5),
+    ("repetition_penalty", float("inf"))])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
