@@ -9,6 +9,7 @@ and decoded by the workers. Token ids are checked against the vocabulary by the 
 """
 from __future__ import annotations
 
+import json
 import logging
 import operator
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ def check_prompt(prompt: Prompt) -> None:
             raise ValueError(f"prompt must be a string, got {type(prompt.text).__name__}")
         _check_text("prompt", prompt.text)
     elif prompt.messages is not None:
-        check_messages(prompt.messages)
+        prompt.messages = check_messages(prompt.messages)
         check_chat_options(prompt.chat or {})
 
 
@@ -140,25 +141,73 @@ def check_request(request: EngineCoreRequest) -> list[int]:
     return token_ids(request.prompt_token_ids)
 
 
-def check_messages(messages) -> None:
+def check_messages(messages) -> list[dict]:
+    """The messages as the chat template takes them, from the shapes vLLM's LLM.chat takes
+    (OpenAI's): content a string, text parts (joined) or None (a tool-call turn's); an
+    assistant's tool_calls (their arguments as dicts, as templates read them) and a tool
+    reply's tool_call_id go to the template. ValueError names the first bad field."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in _CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, "
-                             f"got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got "
-                             f"{type(content).__name__}")
-        _check_text(f"messages[{i}].content", content)
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise ValueError(f"messages[{i}] has unknown keys: {', '.join(sorted(map(str, extra)))}")
-        if "name" in m and not isinstance(m["name"], str):
-            raise ValueError(f"messages[{i}].name must be a string")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m) -> dict:
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+    role = m.get("role")
+    if role not in _CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, "
+                         f"got {role!r}")
+    extra = set(m) - _MESSAGE_KEYS
+    if extra:
+        raise ValueError(f"messages[{i}] has unknown keys: {', '.join(sorted(map(str, extra)))}")
+    out = {"role": role, "content": _content(i, m.get("content"))}
+    for key in ("name", "tool_call_id"):
+        if key in m:
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+            out[key] = m[key]
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(i, m["tool_calls"])
+    return out
+
+
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
+def _content(i: int, content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise ValueError(f"messages[{i}].content: only text content parts "
+                             f"({{'type': 'text', 'text': ...}}) are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or text parts, got "
+                         f"{type(content).__name__}")
+    _check_text(f"messages[{i}].content", content)
+    return content
+
+
+def _tool_calls(i: int, calls) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be {{'function': {{'name', 'arguments'}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments is not JSON") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def check_chat_options(chat: dict) -> None:

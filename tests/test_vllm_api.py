@@ -2,6 +2,7 @@
 with a schema dict, SamplingParams' text options, logprobs' decoded tokens, chat template
 options; over an in-process engine on a tiny checkpoint with a tokenizer trained here."""
 import json
+import re
 
 import httpx
 import openai
@@ -157,6 +158,37 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
             "<user>hi there<assistant>ok<assistant>")
         body["chat_template"] = "{{ messages[0]['content'] }}"
         assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids("hi there")
+
+
+def test_chat_takes_openai_message_shapes_as_vllm_does(checkpoint):
+    """LLM.chat's messages as OpenAI clients write them: text content parts, a tool-call
+    turn with no content (its arguments a JSON string, which the template reads as a dict)
+    and the tool's reply; anything else is the request's error."""
+    from tierserve import LLM, SamplingParams
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.name }}:"
+                "{{ c.function.arguments.city }}]{% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "weather "},
+                                             {"type": "text", "text": "in Oslo?"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with LLM(str(checkpoint), block_size=4, max_model_len=256) as llm:
+        out = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
+        want = llm.get_tokenizer().encode("<user>weather in Oslo?<assistant>[weather:Oslo]"
+                                          "<tool>sunny#c1", add_special_tokens=False)
+        assert out.error is None and out.prompt_token_ids == want
+        for bad, field in (({"role": "user", "content": [{"type": "image_url"}]},
+                            "only text content parts"),
+                           ({"role": "assistant", "content": "", "tool_calls": [
+                               {"function": {"name": "f", "arguments": "{oops"}}]},
+                            r"tool_calls\[0\].function.arguments is not JSON"),
+                           ({"role": "user", "content": "x", "audio": {}}, "unknown keys")):
+            (failed,) = llm.chat([bad], params, chat_template=template, use_tqdm=False)
+            assert re.search(field, failed.error), failed.error
 
 
 def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
