@@ -133,9 +133,9 @@ class InputProcessor:
     def tokenize(self, req_id: str, fields: Prompt, params: SamplingParams, priority: int,
                  label: str, lora: LoRARef | None = None) -> Processed:
         """The engine request of checked fields (check(): its cache salt resolved there)."""
-        ids = fields.token_ids
+        ids, shown = fields.token_ids, fields.text
         if ids is None:
-            ids = self._encode(fields)
+            ids, shown = self._encode(fields)
         keep = self._kept(params)
         if keep is not None:
             ids = ids[-keep:]
@@ -149,7 +149,7 @@ class InputProcessor:
             params = msgspec.structs.replace(params, thinking=thinking_tags(ids, self.tokenizer))
         request = EngineCoreRequest(req_id, params, prompt_token_ids=ids, priority=priority,
                                     cache_salt=fields.cache_salt, label=label, lora=lora)
-        return Processed(request, fields.text)
+        return Processed(request, shown)
 
     def _kept(self, params: SamplingParams) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all)."""
@@ -161,7 +161,9 @@ class InputProcessor:
                              f"{self.max_model_len}")
         return self.max_model_len if k == -1 else k
 
-    def _encode(self, fields: Prompt) -> list[int]:
+    def _encode(self, fields: Prompt) -> tuple[list[int], str]:
+        """The prompt's token ids and its text (a chat's as its template rendered it, which
+        RequestOutput.prompt reports, as vLLM's does)."""
         tok = self.tokenizer
         try:
             if fields.messages is not None:
@@ -169,10 +171,10 @@ class InputProcessor:
                                                   for m in fields.messages))
                 text = tok.render_chat(fields.messages, **(fields.chat or {}))
                 self._check_bytes("messages", len(text.encode()))
-                return tok.encode(text, add_special_tokens=bool(fields.add_special_tokens))
+                return tok.encode(text, add_special_tokens=bool(fields.add_special_tokens)), text
             self._check_bytes("prompt", len(fields.text.encode()))
             return tok.encode(fields.text, add_special_tokens=fields.add_special_tokens
-                              is not False)
+                              is not False), fields.text
         except ValueError:
             raise
         except Exception as e:

@@ -68,12 +68,21 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
                 "chat_template_kwargs", "tools")
 
 
+# vLLM's prompt-dict keys of images, audio and their processors.
+_MULTI_MODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
+
+
 def prompt_fields(prompt) -> Prompt:
     """A prompt as text, token ids, chat messages, or a dict of prompt / prompt_token_ids /
-    messages; ValueError for anything else (check_prompt checks the values)."""
+    messages (prompt_token_ids may come with `prompt`, their text, which the output reports);
+    ValueError for anything else (check_prompt checks the values)."""
     if isinstance(prompt, str):
         return Prompt(text=prompt)
     if isinstance(prompt, dict):
+        media = sorted(set(prompt) & _MULTI_MODAL_KEYS)
+        if media:
+            raise ValueError(f"{', '.join(media)}: multi-modal inputs are not supported; the "
+                             f"models served here (Llama family) take text only")
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", "cache_salt",
                                  "add_special_tokens", *CHAT_OPTIONS}
         if unknown or not prompt:
@@ -81,6 +90,8 @@ def prompt_fields(prompt) -> Prompt:
                              f"{', '.join(CHAT_OPTIONS)}), cache_salt and add_special_tokens; "
                              f"got {sorted(map(str, prompt)) or 'nothing'}")
         given = [k for k in ("prompt", "prompt_token_ids", "messages") if prompt.get(k) is not None]
+        if given == ["prompt", "prompt_token_ids"]:  # vLLM's TokensPrompt with the ids' text
+            given = ["prompt_token_ids"]
         if len(given) != 1:
             raise ValueError("a request takes exactly one of prompt, prompt_token_ids and "
                              f"messages; got {', '.join(given) if given else 'none'}")

@@ -181,6 +181,7 @@ def test_chat_takes_openai_message_shapes_as_vllm_does(checkpoint):
         want = llm.get_tokenizer().encode("<user>weather in Oslo?<assistant>[weather:Oslo]"
                                           "<tool>sunny#c1", add_special_tokens=False)
         assert out.error is None and out.prompt_token_ids == want
+        assert out.prompt == "<user>weather in Oslo?<assistant>[weather:Oslo]<tool>sunny#c1"
         for bad, field in (({"role": "user", "content": [{"type": "image_url"}]},
                             "only text content parts"),
                            ({"role": "assistant", "content": "", "tool_calls": [
@@ -271,10 +272,17 @@ def test_vllm_prompt_dicts_and_sampling_params_helpers(checkpoint):
         text = llm.generate(TextPrompt(prompt="one two"), params, use_tqdm=False)[0]
         clash = llm.generate(TextPrompt(prompt="one", cache_salt="a"), params,
                              cache_salt="b", use_tqdm=False)[0]
+        # vLLM's TokensPrompt may carry its ids' text: the ids run, the text is reported.
+        both = llm.generate(TokensPrompt(prompt_token_ids=ids, prompt="the text"), params,
+                            use_tqdm=False)[0]
+        media = llm.generate({"prompt": "x", "multi_modal_data": {"image": None}}, params,
+                             use_tqdm=False)[0]
     assert again.num_cached_tokens > 0 and salted.num_cached_tokens == 0
     assert salted.outputs[0].token_ids == first.outputs[0].token_ids
     assert text.error is None and len(text.outputs[0].token_ids) == 4
     assert "cache_salt differs" in clash.error
+    assert both.prompt == "the text" and both.outputs[0].token_ids == first.outputs[0].token_ids
+    assert "multi-modal inputs are not supported" in media.error
 
 
 def test_vllm_engine_arguments_are_taken_or_refused_with_the_reason(checkpoint):
