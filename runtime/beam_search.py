@@ -34,8 +34,14 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    # A sequence's text: whether a final EOS's text is in it, and special tokens' (vLLM's).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
                 or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be an int in [1, {MAX_BEAM_WIDTH}], got "
@@ -127,14 +133,18 @@ class BeamSearch:
 
     def result(self, decode=None) -> list[BeamSearchSequence]:
         """The best beam_width of the finished and live sequences, best first; with
-        `decode` (token ids -> text), each one's generated text."""
+        `decode` (the tokenizer's), each one's generated text (a final EOS's only with
+        include_stop_str_in_output)."""
         for beam in self.beams:
             beam.finish_reason = beam.finish_reason or "length"
         ranked = sorted(self.finished + self.beams, key=self._score, reverse=True)
         best = ranked[:self.params.beam_width]
         if decode is not None:
             for seq in best:
-                seq.text = decode(seq.tokens[self.prompt_len:])
+                end = len(seq.tokens) - (seq.finish_reason == "stop"
+                                         and not self.params.include_stop_str_in_output)
+                seq.text = decode(seq.tokens[self.prompt_len:end],
+                                  skip_special_tokens=self.params.skip_special_tokens)
         return best
 
 

@@ -303,8 +303,7 @@ class AsyncLLM:
             if not live:
                 break
             take_round(live, await asyncio.gather(*(last(q) for q in seqs)))
-        return BeamSearchOutput(search.result(
-            (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None))
+        return BeamSearchOutput(search.result(tok.decode if tok else None))
 
     async def abort(self, request_id: str) -> None:
         """Aborts this client's unfinished request of that request_id, if there is one."""

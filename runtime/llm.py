@@ -181,8 +181,7 @@ class LLM:
             take_round(live, self.generate([{"prompt_token_ids": q} for q in seqs], step,
                                            use_tqdm=False, cache_salt=cache_salt,
                                            lora_request=lora_request))
-        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None
-        return [BeamSearchOutput(s.result(decode)) for s in searches]
+        return [BeamSearchOutput(s.result(tok.decode if tok else None)) for s in searches]
 
     def _prompt_ids(self, prompt: PromptType, cache_salt: str | None,
                     lora_request: LoRARequest | None) -> list[int]:

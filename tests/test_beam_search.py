@@ -46,6 +46,24 @@ def test_extensions_are_ranked_and_eos_finishes_a_hypothesis():
     assert [b.finish_reason for b in best] == ["stop", "length"]
 
 
+def test_a_sequences_text_leaves_its_eos_out_unless_asked_as_vllms():
+    def decode(ids, skip_special_tokens=True):
+        return " ".join(f"<{t}>" if t == EOS else str(t) for t in ids
+                        if not (skip_special_tokens and t == EOS))
+
+    def texts(**options):
+        s = BeamSearch([7, 8], BeamSearchParams(beam_width=1, max_tokens=2, length_penalty=0,
+                                                **options), EOS)
+        s.advance([_cands(t0=-0.1, t1=-0.5)])
+        s.advance([_cands(t2=-0.1)])
+        return [b.text for b in s.result(decode)]
+    assert texts() == [""]  # the finished hypothesis [7, 8, EOS] leads by sum
+    assert texts(include_stop_str_in_output=True) == [""]  # a special token is skipped
+    assert texts(include_stop_str_in_output=True, skip_special_tokens=False) == [f"<{EOS}>"]
+    with pytest.raises(ValueError, match="skip_special_tokens must be True or False"):
+        BeamSearchParams(beam_width=1, max_tokens=2, skip_special_tokens=None)
+
+
 def test_length_penalty_and_ignore_eos():
     assert beam_score([1, 2, 3, EOS], -3.0, EOS, 1.0) == -1.0
     assert beam_score([1, 2, 3, EOS], -3.0, EOS, 0.0) == -3.0

@@ -37,7 +37,9 @@ def beam_params(body, defaults: dict) -> BeamSearchParams:
     try:
         return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens,
                                 ignore_eos=body.ignore_eos, temperature=body.temperature or 0.0,
-                                length_penalty=body.length_penalty)
+                                length_penalty=body.length_penalty,
+                                include_stop_str_in_output=body.include_stop_str_in_output,
+                                skip_special_tokens=body.skip_special_tokens)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise BadField("n" if name == "beam_width" else name,
