@@ -228,7 +228,8 @@ class AsyncLLM:
         kind = params.output_kind
         # The request so far, for outputs other than deltas.
         view = None if kind == RequestOutputKind.DELTA else RequestOutput.start(
-            name, done.prompt, params.logprobs is not None, params.n)
+            name, done.prompt, params.logprobs is not None, params.n,
+            params.prompt_logprobs is not None)
         stream = self.engine.generate([request])
         interval = params.stream_interval or 1
         batcher = StreamInterval(interval) if interval > 1 else None
@@ -377,5 +378,6 @@ def to_delta(request: EngineCoreRequest, o: EngineCoreOutput, request_id: str,
                          error_kind=str(ErrorKind(o.error_kind or ErrorKind.INTERNAL))
                          if o.error else None,
                          prompt_logprobs=prompt_logprobs_of(o.prompt_logprobs, decode)
-                         if o.prompt_logprobs else None,
+                         if o.prompt_logprobs or (o.prompt_token_ids and request.sampling_params
+                                                  .prompt_logprobs is not None) else None,
                          embedding=floats_of(o.pooled) if o.pooled else None)

@@ -219,7 +219,8 @@ class LLM:
     def _run(self, items: list, progress: bool) -> list[RequestOutput]:
         results = [r if isinstance(r, RequestOutput) else RequestOutput.start(
             r.request.req_id, r.prompt, r.request.sampling_params.logprobs is not None,
-            r.request.sampling_params.n) for r in items]
+            r.request.sampling_params.n, r.request.sampling_params.prompt_logprobs is not None)
+            for r in items]
         by_id = {r.request_id: r for r in results if not r.finished}
         requests = [r.request for r in items if isinstance(r, Processed)]
         processor = self.processors[1]

@@ -59,10 +59,12 @@ class RequestOutput:
 
     @classmethod
     def start(cls, request_id: str, prompt: str | None, want_logprobs: bool,
-              n: int = 1) -> "RequestOutput":
+              n: int = 1, want_prompt_logprobs: bool = False) -> "RequestOutput":
         completions = [CompletionOutput(i, "", [], 0.0 if want_logprobs else None,
                                         [] if want_logprobs else None) for i in range(n)]
-        return cls(request_id, prompt, [], completions)
+        # A one-token prompt's are [None]: its first output brings no others.
+        return cls(request_id, prompt, [], completions,
+                   prompt_logprobs=[None] if want_prompt_logprobs else None)
 
     @classmethod
     def failed(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -108,9 +108,16 @@ def test_logprobs_carry_each_tokens_text_as_vllm_does(checkpoint, engine):
         out = llm.generate("the cat sat", params, use_tqdm=False)[0]
         quiet = llm.generate("the cat sat", SamplingParams(
             temperature=0, max_tokens=2, logprobs=1, detokenize=False), use_tqdm=False)[0]
+        one = llm.generate([[5]], params, use_tqdm=False)[0]
     assert texts(out.outputs[0].logprobs) == expected(out.outputs[0].logprobs) == texts(lps)
     assert texts(out.prompt_logprobs) == expected(out.prompt_logprobs)
     assert all(lp.decoded_token is None for e in quiet.outputs[0].logprobs for lp in e.values())
+    assert one.prompt_logprobs == [None]  # a one-token prompt's, as vLLM's
+
+    async def first_delta():
+        async for d in engine.generate([5], params):
+            return d.prompt_logprobs
+    assert asyncio.run(first_delta()) == [None]
 
 
 TEMPLATE = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
