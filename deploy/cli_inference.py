@@ -114,6 +114,7 @@ def cmd_api_server(args: argparse.Namespace) -> int:
                               max_queued_requests=info["max_queued_requests"],
                               max_body_bytes=args.max_body_bytes, keys=keys,
                               chat_template=chat_template,
+                              trust_request_chat_template=args.trust_request_chat_template,
                               response_store_bytes=args.response_store_bytes,
                               reasoning_parser=args.reasoning_parser,
                               tool_call_parser=args.tool_call_parser,

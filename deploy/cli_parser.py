@@ -81,6 +81,10 @@ def _api_server_parser(sub) -> None:
                      help="a Jinja chat template (its file, or the template itself) for chat "
                           "requests that send none, in place of the model's (default: the "
                           "model's)")
+    api.add_argument("--trust-request-chat-template", action="store_true",
+                     help="take a chat_template sent in a request (vLLM's flag; a template is "
+                          "code the server runs, so by default a request's is refused with "
+                          "400)")
     api.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="larger request bodies are answered 413 (default: 1048576)")
     api.add_argument("--allow-runtime-lora-updating", action="store_true",

@@ -96,10 +96,11 @@ class InputProcessor:
                             priority: int = 0, cache_salt: str | None = None,
                             label: str = "", lora_request: LoRARequest | None = None
                             ) -> Processed:
-        """process(), with a long text's bound check and tokenization on the text pool."""
+        """process(), with a long text's bound check and tokenization on the text pool, as a
+        chat's with a template given to it (the caller's: its run time is not the model's)."""
         fields = self.check(prompt, params, priority, cache_salt)
         lora = lora_ref(lora_request)
-        if _text_bytes(fields) <= INLINE_BYTES:
+        if _text_bytes(fields) <= INLINE_BYTES and not (fields.chat or {}).get("chat_template"):
             return self.tokenize(req_id, fields, params, priority, label, lora)
         return await asyncio.get_running_loop().run_in_executor(
             text_pool(), self.tokenize, req_id, fields, params, priority, label, lora)

@@ -65,7 +65,8 @@ def test_streamed_reasoning_joins_to_the_full_response(prompt_tail):
 
 @pytest.fixture(scope="module")
 def thinking_client(engine):
-    with Server(engine, reasoning_parser="qwen3", chat_template=THINKING) as srv:
+    with Server(engine, reasoning_parser="qwen3", chat_template=THINKING,
+                trust_request_chat_template=True) as srv:
         yield openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
 
 

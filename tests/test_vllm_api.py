@@ -163,7 +163,14 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
         body = dict(model=MODEL, messages=messages)
         assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids(
             "<user>hi there<assistant>ok<assistant>")
+        # A request's own template is code the server would run: refused unless trusted
+        # (vLLM's --trust-request-chat-template), on every route that renders one.
         body["chat_template"] = "{{ messages[0]['content'] }}"
+        for route in ("/tokenize", "/v1/chat/completions"):
+            r = httpx.post(own.base + route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+            assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    with Server(engine, chat_template=TEMPLATE, trust_request_chat_template=True) as own:
         assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids("hi there")
 
 

@@ -293,12 +293,17 @@ def prompts_of(value, field: str) -> list[str | list[int]]:
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest,
                 template: str | None = None, fmt: ToolCallFormat = HERMES,
-                thinks: bool = False) -> dict:
+                thinks: bool = False, trust_template: bool = False) -> dict:
     """The body's conversation as a prompt dict: its messages and how to render them (with
-    `template`, the server's, where the body sends no chat_template). A reasoning_effort
-    needs a model that `thinks` (the server parses its reasoning), as OpenAI refuses it for
-    models that answer directly."""
+    `template`, the server's, where the body sends no chat_template; the body's own only
+    where the server trusts request templates). A reasoning_effort needs a model that
+    `thinks` (the server parses its reasoning), as OpenAI refuses it for models that answer
+    directly."""
     options = {name: getattr(req, name, None) for name in CHAT_OPTIONS}
+    if options["chat_template"] is not None and not trust_template:
+        raise BadField("chat_template", "a request's chat_template is refused: a template is "
+                       "code the server runs (start it with --trust-request-chat-template "
+                       "to take them)")
     if options["chat_template"] is None:
         options["chat_template"] = template
     effort = getattr(req, "reasoning_effort", None)

@@ -40,7 +40,8 @@ class ResponsesEndpoint:
             tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                               server.tool_format)
             prompt = chat_prompt(chat, server.config.chat_template, server.tool_format,
-                                 thinks=server.config.reasoning_parser is not None)
+                                 thinks=server.config.reasoning_parser is not None,
+                                 trust_template=server.config.trust_request_chat_template)
             params = sampling_params(chat, tools, server.generation_defaults)
         except BadField as e:
             raise BadField(renamed(e.param), str(e)) from None

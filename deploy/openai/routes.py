@@ -256,7 +256,8 @@ class OpenAIServer:
         tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
                           self.tool_format)
         prompt = chat_prompt(body, self.config.chat_template, self.tool_format,
-                             thinks=self.config.reasoning_parser is not None)
+                             thinks=self.config.reasoning_parser is not None,
+                             trust_template=self.config.trust_request_chat_template)
         return await self.generate("chat", [prompt], body, request, tenant, tools)
 
     async def metrics_text(self) -> bytes:

@@ -24,6 +24,9 @@ class ServerConfig:
     connections: ConnectionLimits = ConnectionLimits()
     # The chat template of chat requests that send none (None: the model's).
     chat_template: str | None = None
+    # Whether a request may send a chat_template of its own (vLLM's flag): a template is code
+    # the server runs, so by default a request's is refused.
+    trust_request_chat_template: bool = False
     # Stored responses (Responses API, `store: true`) kept in memory, least recently used out.
     response_store_bytes: int = 64 << 20
     # Chat's reasoning apart from its answer (deploy/openai/reasoning.py), or None.

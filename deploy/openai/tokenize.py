@@ -26,8 +26,9 @@ async def tokenize_response(server, body) -> dict:
     server.check_model(body.model)
     tok = _tokenizer(server)
     if isinstance(body, TokenizeChatRequest):
-        text = rendered(server, chat_prompt(body, server.config.chat_template,
-                                            server.tool_format))
+        text = rendered(server, chat_prompt(
+            body, server.config.chat_template, server.tool_format,
+            trust_template=server.config.trust_request_chat_template))
     else:
         text = body.prompt
     ids = await asyncio.to_thread(tok.encode, text, body.add_special_tokens)
