@@ -85,6 +85,20 @@ def test_tool_use_blocks_and_their_results_go_on(claude):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                       "content": "sunny"}]}])
     assert follow.stop_reason in ("end_turn", "max_tokens")
+    # A forced call cut short by max_tokens is the text so far, never a failed request.
+    short = dict(base, max_tokens=3)
+    cut = claude.messages.create(tool_choice={"type": "tool", "name": "get_weather"}, **short)
+    assert cut.stop_reason == "max_tokens" and [b.type for b in cut.content] == ["text"]
+    with claude.messages.stream(tool_choice={"type": "tool", "name": "get_weather"},
+                                **short) as s:
+        assert s.get_final_message().content[0].text == cut.content[0].text
+
+
+def test_a_tool_uses_input_is_an_object_whatever_the_arguments():
+    from tierserve.deploy.openai.anthropic import _tool_input
+    assert _tool_input('{"city": "Oslo"}') == {"city": "Oslo"} and _tool_input("") == {}
+    assert _tool_input('"Rome"') == {"arguments": "Rome"}
+    assert _tool_input('{"city": "Os') == {"arguments": '{"city": "Os'}
 
 
 def test_count_tokens_is_what_the_message_prefills(claude, server):
@@ -101,7 +115,11 @@ def test_count_tokens_is_what_the_message_prefills(claude, server):
     for conv in convs:
         counted = claude.messages.count_tokens(model=MODEL, **conv).input_tokens
         used = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, **conv)
-        assert counted == used.usage.input_tokens > 0
+        again = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, **conv)
+        # Anthropic's usage: input_tokens leave out what was read from the cache.
+        assert again.usage.cache_read_input_tokens > 0
+        for u in (used.usage, again.usage):
+            assert counted == u.input_tokens + u.cache_read_input_tokens and u.input_tokens > 0
     bad = httpx.post(server.base + "/v1/messages/count_tokens", timeout=30, json={
         "model": MODEL, "messages": [{"role": "system", "content": "x"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"

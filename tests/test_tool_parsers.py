@@ -51,6 +51,17 @@ def test_a_written_call_reads_back(fmt):
     assert calls == [("f", {"x": [1, 2]})] and json.dumps(calls[0][1])
 
 
+@pytest.mark.parametrize("args", [{"city": "Rome"}, "Rome", ["a", 1], "{\"x\": 1}"])
+def test_auto_calls_arguments_are_json_text_whatever_the_model_wrote(args):
+    """A client json.loads a call's arguments: a bare value the model wrote comes encoded,
+    as vLLM's parsers give it (a string that holds JSON stays that string)."""
+    from tierserve.deploy.openai.structured import ToolPlan, parse_tool_calls
+    plan = ToolPlan("auto", {"f": {}})
+    text = H.write("f", args)
+    (call,), _ = parse_tool_calls(plan, text)
+    assert json.loads(call["function"]["arguments"]) == args
+
+
 def test_the_cli_offers_every_format():
     """`api-server --tool-call-parser` (whose --help loads no server code) names each one."""
     from tierserve.deploy.cli_parser import build_parser

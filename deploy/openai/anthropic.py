@@ -177,11 +177,15 @@ class MessageBuilder:
         text, stop = self._split_stop(c)
         if self.tools is not None:
             calls, content = parse_tool_calls(self.tools, text)
+            if calls and c.finish_reason == "length" and not all(
+                    isinstance(_json_or_none(call["function"]["arguments"]), dict)
+                    for call in calls):
+                calls = []  # a call cut short by max_tokens: the text as it is
             if calls:
                 head = [{"type": "text", "text": content}] if content else []
                 return head + [{"type": "tool_use", "id": f"toolu_{call['id'][5:]}",
                                 "name": call["function"]["name"],
-                                "input": json.loads(call["function"]["arguments"] or "{}")}
+                                "input": _tool_input(call["function"]["arguments"])}
                                for call in calls], "tool_use", None
         reason = "stop_sequence" if stop is not None else _STOP.get(c.finish_reason,
                                                                     "end_turn")
@@ -191,7 +195,9 @@ class MessageBuilder:
         content, reason, stop = self.blocks(fold) if final else ([], None, None)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": reason, "stop_sequence": stop,
-                "usage": {"input_tokens": sum(fold.prompt_tokens),
+                # Anthropic's input_tokens leave the cache reads out (total input is
+                # input_tokens + cache_read_input_tokens), as vLLM's do.
+                "usage": {"input_tokens": sum(fold.prompt_tokens) - sum(fold.cached_tokens),
                           "output_tokens": fold.completion_tokens if final else 0,
                           "cache_read_input_tokens": sum(fold.cached_tokens)}}
 
@@ -264,7 +270,8 @@ async def messages_response(server, body: MessagesRequest, request: Request,
 
 
 async def count_tokens_response(server, body: CountTokensRequest) -> dict:
-    """`input_tokens`: what a message of these fields prefills (its usage.input_tokens)."""
+    """`input_tokens`: the prompt tokens a message of these fields has (its usage's
+    input_tokens + cache_read_input_tokens)."""
     server.check_model(body.model)
     chat = _chat(MessagesRequest(max_tokens=1, **body.model_dump()))
     prompt = chat_prompt(chat, server.config.chat_template, server.tool_format)
@@ -292,3 +299,20 @@ async def _events(stream: EngineStream, fold: Fold, builder: MessageBuilder):
             yield event
     finally:
         await stream.aclose()
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return None
+
+
+def _tool_input(arguments: str) -> dict:
+    """A tool_use block's input: Anthropic's is an object, so arguments that are not one (a
+    forced call cut short by max_tokens, a model writing a bare value) come as
+    {"arguments": <the text>}, never as the request's failure."""
+    value = _json_or_none(arguments)
+    if value is None:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}

@@ -148,7 +148,9 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[list[dict], str | None]
         return [_call(it["name"], json.dumps(it["parameters"])) for it in items], None
     if plan.mode == "auto":
         found = plan.format.found(text)
-        calls = [_call(name, args if isinstance(args, str) else json.dumps(args))
+        # Arguments are JSON text whatever the model wrote (a bare string too), as vLLM's
+        # parsers give them: a client json.loads them.
+        calls = [_call(name, json.dumps(args, ensure_ascii=False))
                  for name, args in (found[0] if found else ()) if name in plan.tools]
         if calls:
             return calls if plan.parallel else calls[:1], found[1]
