@@ -105,6 +105,18 @@ def test_n_samples_and_seeds(client):
     assert {p.choices[0].index for p in stream} == {0, 1, 2, 3}
 
 
+def test_completions_top_logprobs_hold_the_sampled_token_as_openais(client):
+    """The legacy API's top_logprobs: the sampled token, then the top k (k + 1 at most, as
+    vLLM gives them); logprobs=0 the sampled token alone."""
+    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.5, seed=7,
+                extra_body={"ignore_eos": True})
+    for k in (0, 1, 3):
+        lp = client.completions.create(logprobs=k, **base).choices[0].logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == value and 1 <= len(top) <= k + 1
+            assert k or len(top) == 1
+
+
 def test_stop_strings_end_the_text(client):
     base = dict(model=MODEL, prompt="The capital of Italy", max_tokens=24, temperature=0,
                 extra_body={"ignore_eos": True})
@@ -712,9 +724,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for i in range(1, len(prompt)):
         assert abs(lp.token_logprobs[i] - ref[i - 1, prompt[i]].item()) < 1e-4
-        want = {}  # keyed by token text, as OpenAI's shape is (rank order: the last kept)
-        for t in ref[i - 1].topk(2).indices.tolist():
-            want[tok.decode([t], skip_special_tokens=False)] = ref[i - 1, t].item()
+        # Keyed by token text, as OpenAI's shape is: the token itself, then the top 2 (of
+        # tokens reading the same, the first keeps the key).
+        want = {}
+        for t in [prompt[i], *ref[i - 1].topk(2).indices.tolist()]:
+            want.setdefault(tok.decode([t], skip_special_tokens=False), ref[i - 1, t].item())
         assert lp.top_logprobs[i].keys() == want.keys()
         assert all(abs(lp.top_logprobs[i][t] - v) < 1e-4 for t, v in want.items())
     made = tok.decode([int(ref[-1].argmax())], skip_special_tokens=False)

@@ -350,6 +350,23 @@ def _top(entries: dict[int, Logprob], k: int, ids=()) -> list[tuple[int, Logprob
     return top
 
 
+def _legacy_top(entries: dict[int, Logprob], tid: int, k: int, ids=()) -> dict[int, Logprob]:
+    """Completions' top_logprobs (OpenAI's legacy API): the token itself, then the top k, so
+    up to k + 1 entries, as vLLM gives them (chat's top_logprobs are the top k alone)."""
+    out = {tid: entries[tid]}
+    out.update((t, lp) for t, lp in _top(entries, k, ids) if t not in out)
+    return out
+
+
+def _by_text(entries: dict[int, Logprob], decode) -> dict[str, float]:
+    """Keyed by each token's text (OpenAI's legacy shape); of tokens that read the same, the
+    first (the chosen one) keeps the key."""
+    out: dict[str, float] = {}
+    for i, lp in entries.items():
+        out.setdefault(decode(i), lp.logprob)
+    return out
+
+
 def chat_logprobs(completion: CompletionOutput, decode, k: int, ids=()) -> dict | None:
     if completion.logprobs is None:
         return None
@@ -372,8 +389,7 @@ def prompt_logprobs_json(ids: list[int], lps: list | None, decode, k: int) -> di
         entries = lps[pos] if lps is not None else None
         tokens.append(token)
         token_lps.append(None if entries is None else entries[tid].logprob)
-        tops.append(None if entries is None else
-                    {decode(i): lp.logprob for i, lp in _top(entries, k)})
+        tops.append(None if entries is None else _by_text(_legacy_top(entries, tid, k), decode))
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -389,7 +405,7 @@ def completion_logprobs(completion: CompletionOutput, decode, k: int,
         token = decode(tid)
         tokens.append(token)
         token_lps.append(entries[tid].logprob)
-        tops.append({decode(i): lp.logprob for i, lp in _top(entries, k, ids)})
+        tops.append(_by_text(_legacy_top(entries, tid, k, ids), decode))
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
