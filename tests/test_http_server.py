@@ -185,15 +185,20 @@ def test_a_two_megabyte_body_is_413(server):
     assert r.status_code == 413
 
 
+ABORTED = ("tierserve:request_success_total", (("finished_reason", "abort"), ("tenant", "")))
+
+
 def test_disconnect_mid_stream_frees_the_request(server, engine):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": 2}
+    before = _metrics(server.base)[ABORTED]
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-        assert engine.stats()["num_running"] == 1
+        assert engine.stats()["num_running"] == 2
     wait_idle(engine)  # the server aborted it: its blocks are back
+    assert _metrics(server.base)[ABORTED] - before == 2  # each sample, finished "abort"
 
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, engine):
@@ -207,12 +212,17 @@ def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server, 
     engine.engine.run_on_loop(pause)
     assert held.wait(10)
     try:
+        before = _metrics(server.base)[ABORTED]
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.base + "/v1/completions", json=body,
                        timeout=httpx.Timeout(30, read=0.3))
     finally:
         hold.set()
     wait_idle(engine)
+    deadline = time.monotonic() + 10
+    while _metrics(server.base)[ABORTED] - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metrics(server.base)[ABORTED] - before == 1
 
 
 NO_TENANT = (("tenant", ""),)

@@ -151,5 +151,10 @@ class Tracker:
         if self.charge is not None:
             self.charge(n)
 
+    def aborted(self, samples: int) -> None:
+        """Samples that ended because the client went away (no finishing output reached it)."""
+        if samples > 0:
+            self.metrics.finished.labels("abort", self.tenant).inc(samples)
+
     def done(self) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.start)

@@ -48,17 +48,18 @@ class EngineStream:
         self.tenant = tenant
         admission.admit(len(prompts))
         self.tasks = [asyncio.ensure_future(self._pump(
-            i, engine.generate(p, params, request_id=id_prefix + (
+            i, params.n, engine.generate(p, params, request_id=id_prefix + (
                 f"{base_id}-{i}" if len(prompts) > 1 else base_id), priority=priority,
                 cache_salt=cache_salt, lora_request=lora_request)))
             for i, p in enumerate(prompts)]
         self.remaining = len(prompts)
         self.head: tuple[int, RequestOutput] | None = None
 
-    async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, i: int, n: int, gen: AsyncIterator[RequestOutput]) -> None:
         t = self.tenant
         tracker = Tracker(self.metrics, t.name if t else "", t.charge if t else None)
         started = False
+        finished: set[int] = set()  # the samples whose finishing delta came
         try:
             async for delta in gen:
                 if not started and (delta.prompt_token_ids or delta.error):
@@ -66,8 +67,12 @@ class EngineStream:
                     self.admission.started()
                     tracker.prompt(delta)
                 tracker.outputs(delta)
+                finished.update(c.index for c in delta.outputs if c.finish_reason is not None)
                 await self.queue.put((i, delta))
             tracker.done()
+        except asyncio.CancelledError:  # the client left: its unfinished samples are aborted
+            tracker.aborted(n - len(finished))
+            raise
         except DuplicateRequestError as e:  # this client's request_id is taken: 409
             failed = RequestOutput.failed("", None, [], str(e))
             failed.error_kind = "conflict"
