@@ -179,7 +179,10 @@ class InputProcessor:
         except ValueError:
             raise
         except Exception as e:
-            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from e
+            # Opens with the field, as every request error does (the server's `param`).
+            field = "messages" if fields.messages is not None else "prompt"
+            raise ValueError(f"{field} cannot be tokenized (the chat template or the tokenizer "
+                             f"failed): {type(e).__name__}: {e}") from e
 
     def _check_bytes(self, field: str, nbytes: int) -> None:
         check_text_bytes(field, nbytes, self.max_model_len, self.tokenizer.max_token_bytes)

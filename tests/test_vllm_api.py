@@ -172,6 +172,10 @@ def test_chat_template_options_render_as_vllm_renders_them(checkpoint, engine, s
             assert "--trust-request-chat-template" in r.json()["error"]["message"]
     with Server(engine, chat_template=TEMPLATE, trust_request_chat_template=True) as own:
         assert httpx.post(own.base + "/tokenize", json=body).json()["tokens"] == ids("hi there")
+        # A template that fails is the request's 400, naming its messages.
+        body["chat_template"] = "{{ foo.bar }}"
+        r = httpx.post(own.base + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_chat_takes_openai_message_shapes_as_vllm_does(checkpoint):
