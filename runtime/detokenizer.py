@@ -10,7 +10,13 @@ sequence and nothing is produced until a later token completes it.
 Stop strings: text produced by decoding lands in `_pending`; the longest tail of it that could
 still begin a stop string is held back and the rest is streamed. Hence a stop string can only
 start inside `_pending`: searching it finds every match, streamed text is never retracted, and
-`_pending` stays shorter than the longest stop string between updates.
+`_pending` stays shorter than the longest stop string between updates. As in vLLM, a match
+counts only if it ends in text of the tokens after the first min_tokens (it may begin before),
+and among several matches the one that ends first wins (ties: the earlier in the stop list),
+which is what feeding the tokens one at a time would give.
+
+A stop token or EOS that ends the request (update(..., ended_by_token=True)) is counted but
+its text is left out unless include_stop, as vLLM's detokenizer leaves it out.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._include_stop = include_stop
         self._skip_special = skip_special_tokens
@@ -43,7 +49,13 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context  # decode window: context, then undecoded tokens
         self._read_offset = len(context)
         self._emitted: list[str] = []   # streamed text, in pieces (joined on demand)
+        self._emitted_len = 0
         self._pending = ""              # decoded, not yet streamed (held back for stops)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        # Where the text of the tokens after the first min_tokens begins (None: not reached);
+        # a stop string must end beyond it.
+        self._stop_from: int | None = 0 if min_tokens <= 0 else None
         self._stopped = False
         self.stop_reason: str | None = None  # the stop string that ended the text
 
@@ -59,14 +71,23 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stopped
 
-    def update(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
+    def update(self, new_token_ids: Sequence[int],
+               ended_by_token: bool = False) -> tuple[str, bool]:
         """Add generated tokens; returns (text safe to stream now, whether a stop string hit).
+        ended_by_token: the last of them is the stop token or EOS that ended the request.
 
         After a stop, further calls return ("", True)."""
         if self._stopped:
             return "", True
-        self._ids.extend(new_token_ids)
-        self._pending += self._decode_window(force=False)
+        ids = list(new_token_ids)
+        silent = int(ended_by_token and bool(ids) and not self._include_stop)
+        if silent:
+            del ids[-1]
+        exempt = min(len(ids), self._min_tokens - self._num_tokens)
+        if exempt > 0:  # the boundary may fall inside this update: decode up to it first
+            self._add(ids[:exempt])
+            ids = ids[exempt:]
+        self._add(ids, silent)
         if self._cut_at_stop():
             return self._release(len(self._pending)), True
         return self._release(len(self._pending) - self._held_back()), False
@@ -78,6 +99,15 @@ class IncrementalDetokenizer:
             self._pending += self._decode_window(force=True)
             self._cut_at_stop()
         return self._release(len(self._pending))
+
+    def _add(self, ids: list[int], silent: int = 0) -> None:
+        """Decodes ids into the pending text, then counts `silent` more tokens that add none;
+        notes where min_tokens is reached."""
+        self._ids.extend(ids)
+        self._num_tokens += len(ids) + silent
+        self._pending += self._decode_window(force=False)
+        if self._stop_from is None and self._num_tokens >= self._min_tokens:
+            self._stop_from = self._emitted_len + len(self._pending)
 
     def _decode_window(self, force: bool) -> str:
         """Text of the tokens after read_offset; '' while they end mid-character (unless forced).
@@ -96,15 +126,19 @@ class IncrementalDetokenizer:
 
     def _cut_at_stop(self) -> bool:
         """On a match of any stop string in the pending text, keep only the text before the
-        earliest one (through it, with include_stop) and mark the detokenizer stopped."""
-        best = -1
-        for stop in self._stop:
-            pos = self._pending.find(stop)
-            if pos != -1 and (best == -1 or pos < best):
-                best, self.stop_reason = pos, stop
-        if best == -1:
+        first to end (through it, with include_stop) and mark the detokenizer stopped."""
+        if self._stop_from is None:
             return False
-        self._pending = self._pending[:best + (len(self.stop_reason) if self._include_stop else 0)]
+        # Offset in _pending where the text a stop string must end in begins.
+        rel_from = self._stop_from - self._emitted_len
+        best_end, best_pos = -1, -1
+        for stop in self._stop:
+            pos = self._pending.find(stop, max(0, rel_from - len(stop) + 1))
+            if pos != -1 and (best_end == -1 or pos + len(stop) < best_end):
+                best_end, best_pos, self.stop_reason = pos + len(stop), pos, stop
+        if best_end == -1:
+            return False
+        self._pending = self._pending[:best_end if self._include_stop else best_pos]
         self._stopped = True
         return True
 
@@ -122,4 +156,5 @@ class IncrementalDetokenizer:
         delta, self._pending = self._pending[:end], self._pending[end:]
         if delta:
             self._emitted.append(delta)
+            self._emitted_len += len(delta)
         return delta

@@ -320,12 +320,16 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, state.prompt_ids,
                                       skip_special_tokens=params.skip_special_tokens,
                                       stop=params.stop,
-                                      include_stop=params.include_stop_str_in_output)
+                                      include_stop=params.include_stop_str_in_output,
+                                      min_tokens=params.min_tokens)
 
     @staticmethod
     def _detokenize(o: EngineCoreOutput, detok: IncrementalDetokenizer) -> bool:
         """Fills o's text; True where a stop string ended the sample here."""
-        text, hit_stop = detok.update(o.new_token_ids)
+        # The engine finishes with STOP only on a stop token or EOS, which is then the last
+        # new token (a stop string is matched here, and its finishing output has no tokens).
+        by_token = o.finish_reason == FinishReason.STOP
+        text, hit_stop = detok.update(o.new_token_ids, ended_by_token=by_token)
         stopped = hit_stop and o.finish_reason is None
         if hit_stop:  # the text ends at the stop string, whatever else ended the tokens
             o.finish_reason, o.stop_reason = FinishReason.STOP, detok.stop_reason

@@ -247,6 +247,50 @@ def test_finish_flushes_held_back_text(tok):
     assert detok.finish() == ""
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 10])
+def test_min_tokens_defers_stop_strings_to_the_text_after_them(tok, chunk):
+    """vLLM's rule: a stop string counts only where it ends in the text of the tokens after
+    the first min_tokens (it may begin before), however many tokens an update brings."""
+    ids = tok.encode("Hello world, hello world, and the world.")
+    assert len(ids) == 10 and tok.decode(ids[:2]) == "Hello world"
+
+    def cut(stop, min_tokens):
+        deltas, flags, detok = stream(tok, ids, chunk=chunk, stop=[stop], min_tokens=min_tokens)
+        return "".join(deltas) + detok.finish(), any(flags)
+    assert cut(" world", 1) == ("Hello", True)
+    # The first " world" ends where the first two tokens' text does: not after them.
+    assert cut(" world", 2) == ("Hello world, hello", True)
+    assert cut(" world", 5) == ("Hello world, hello world, and the", True)
+    assert cut(" world", 9) == (tok.decode(ids), False)
+    assert cut("d, h", 2) == ("Hello worl", True)  # begins in " world", ends in " hello"
+
+
+def test_the_stop_that_ends_first_wins_as_one_token_at_a_time_gives(tok):
+    ids = tok.encode("Hello world, this is fine.")
+    for chunk in (1, len(ids)):
+        deltas, flags, detok = stream(tok, ids, chunk=chunk, stop=["Hello world", "lo"])
+        assert "".join(deltas) == "Hel" and detok.stop_reason == "lo"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_ending_stop_token_adds_no_text_unless_included(tok, skip):
+    """As vLLM's detokenizer.update(ids, stop_terminated): the last token, a stop token or
+    EOS that ended the request, is left out of the text unless include_stop_str_in_output."""
+    done = tok.encode("done", add_special_tokens=False) + [tok.eos_token_id]
+    ids = tok.encode("Hello world,")  # ["Hello", " world", ","]
+    for include in (False, True):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip, include_stop=include)
+        text = detok.update(done, ended_by_token=True)[0] + detok.finish()
+        assert text == "done" + ("<|im_end|>" if include and not skip else "")
+        detok = IncrementalDetokenizer(tok, [], include_stop=include, stop=[","])
+        text, hit = detok.update(ids[:1])[0], False
+        delta, hit = detok.update(ids[1:], ended_by_token=True)
+        text += delta if hit else delta + detok.finish()
+        # Kept, the stop token's text is searched for stop strings too (vLLM: its stop_reason
+        # is then the string).
+        assert (text, hit) == (("Hello world,", True) if include else ("Hello world", False))
+
+
 PIECES = ["a", " the", "ö", "😀", "你好", "\n", "👍🏽", "12", "!", "é", " 世界"]
 
 

@@ -259,6 +259,104 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(engine, server,
         assert final.choices[0].model_extra["stop_reason"] == reason
 
 
+REPEATS = "The capital of France is Paris. The capital"
+
+
+def _repeating(engine) -> tuple[dict, str, list[int], list[str]]:
+    """Greedy options under which REPEATS' output repeats itself (words of two letters or
+    more only), with that output's text, tokens and each token's text."""
+    from tierserve import SamplingParams
+    tok = engine.tokenizer
+    words = [t for t in range(3, 384) if (w := tok.decode([t])).replace(" ", "").isalpha()
+             and len(w.strip()) >= 2]
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=words)
+    text, ids, _ = _stream(engine, REPEATS, SamplingParams(**greedy))
+    pieces = [tok.decode([t]) for t in ids]
+    assert "".join(pieces) == text
+    return greedy, text, ids, pieces
+
+
+def _final(engine, prompt, params) -> list:
+    """Each sample's final output, once checked against the deltas streamed of it."""
+    import asyncio
+
+    import msgspec
+
+    from tierserve import RequestOutputKind
+
+    async def run(kind):
+        samples: dict[int, list] = {}
+        async for d in engine.generate(prompt, msgspec.structs.replace(params, output_kind=kind)):
+            for c in d.outputs:
+                samples.setdefault(c.index, []).append(c)
+        return samples
+    deltas = asyncio.run(run(RequestOutputKind.DELTA))
+    final = {i: cs[-1] for i, cs in asyncio.run(run(RequestOutputKind.FINAL_ONLY)).items()}
+    assert deltas.keys() == final.keys()
+    for i, cs in deltas.items():
+        assert "".join(c.text for c in cs) == final[i].text
+        assert [t for c in cs for t in c.token_ids] == final[i].token_ids
+    return [final[i] for i in sorted(final)]
+
+
+def test_min_tokens_defers_stop_strings_as_vllm_does(engine, client):
+    """vLLM's detokenizer: a stop string counts once it ends in the text of the tokens after
+    the first min_tokens (it may begin before); a match ending sooner does not stop."""
+    from tierserve import SamplingParams
+    greedy, text, ids, pieces = _repeating(engine)
+    stop = pieces[0][-2:] + pieces[1][:2]  # spans the first two tokens
+    assert text.count(stop) >= 2, text
+    for min_tokens in (0, 1, 2, 3, len(ids) - 2):
+        boundary = len("".join(pieces[:min_tokens]))
+        end = text.find(stop, max(0, boundary - len(stop) + 1))
+        out, = _final(engine, REPEATS, SamplingParams(**greedy, stop=[stop],
+                                                      min_tokens=min_tokens))
+        if end == -1:
+            assert (out.text, out.finish_reason, out.token_ids) == (text, "length", ids)
+            continue
+        # The output's last token is the one whose text completes the match.
+        n = next(k for k in range(len(ids)) if len("".join(pieces[:k])) >= end + len(stop))
+        assert n > min_tokens and out.token_ids == ids[:n]
+        assert (out.text, out.finish_reason, out.stop_reason) == (text[:end], "stop", stop)
+        chunks = client.completions.create(
+            model=MODEL, prompt=REPEATS, max_tokens=30, temperature=0, stop=[stop], stream=True,
+            extra_body={"min_tokens": min_tokens, "ignore_eos": True,
+                        "allowed_token_ids": greedy["allowed_token_ids"]})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:end]
+
+
+def test_a_stop_token_or_eos_adds_no_text_unless_included_as_vllm_does(engine, server):
+    """vLLM's detokenizer leaves out the text of the stop token or EOS that ended an output
+    (its id stays in token_ids) unless include_stop_str_in_output: in streams, for each of n
+    samples and in the server's answers."""
+    from tierserve import SamplingParams
+    tok = engine.tokenizer
+    greedy, text, ids, pieces = _repeating(engine)
+    stop_id = ids[1]
+    n = ids.index(stop_id) + 1
+    for include in (False, True):
+        outs = _final(engine, REPEATS, SamplingParams(**greedy, stop_token_ids=[stop_id], n=2,
+                                                      include_stop_str_in_output=include))
+        assert len(outs) == 2
+        for out in outs:
+            assert out.token_ids == ids[:n] and out.text == "".join(pieces[:n - 1 + include])
+            assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    eos, eos_text = tok.eos_token_id, tok.decode([tok.eos_token_id], skip_special_tokens=False)
+    raw = dict(temperature=0, max_tokens=8, min_tokens=3, logit_bias={eos: 100},
+               skip_special_tokens=False)
+    for include in (False, True):
+        out, = _final(engine, "the cat", SamplingParams(**raw, include_stop_str_in_output=include))
+        assert len(out.token_ids) == 4 and out.token_ids[-1] == eos and out.stop_reason is None
+        assert out.text == tok.decode(out.token_ids[:3], skip_special_tokens=False) + (
+            eos_text if include else "")
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 8, "temperature": 0,
+            "min_tokens": 3, "logit_bias": {str(eos): 100}, "skip_special_tokens": False}
+    for stream in (False, True):
+        r = httpx.post(server.base + "/v1/completions", json=body | {"stream": stream})
+        assert eos_text in tok.decode(out.token_ids, skip_special_tokens=False)
+        assert eos_text not in r.text, r.text
+
+
 def test_vllm_prompt_dicts_and_sampling_params_helpers(checkpoint):
     """TokensPrompt / TextPrompt with their cache_salt; SamplingParams.clone / from_optional."""
     from tierserve import LLM, SamplingParams, TextPrompt, TokensPrompt
