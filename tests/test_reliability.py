@@ -45,7 +45,8 @@ BAD_PROMPTS = {
     "surrogate": ("\ud800", "not valid Unicode"),
     "bool ids": ([True, 5, 6], "is a bool"),
     "role 1": ({"messages": [{"role": 1, "content": "hi"}]}, "role must be one of"),
-    "both prompts": ({"prompt": "hi", "prompt_token_ids": [5, 6]}, "exactly one of"),
+    "both prompts": ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+                     "exactly one of"),
     "float ids": ([5, 6.5], "must be an int"),
     "huge id": ([5, 2**70], "outside int64"),
 }
