@@ -22,8 +22,8 @@ from tierserve.scheduler.params import (
 )
 from tierserve.workers.grammar import check_structured
 
-__all__ = ["check_request", "check_prompt", "check_messages", "check_params", "token_ids",
-           "prompt_fields", "Prompt", "CHAT_OPTIONS", "check_chat_options", "MAX_INT64",
+__all__ = ["check_request", "check_prompt", "check_messages", "message_content", "check_params",
+           "token_ids", "prompt_fields", "Prompt", "CHAT_OPTIONS", "check_chat_options", "MAX_INT64",
            "rejection", "TextPrompt", "TokensPrompt"]
 
 log = logging.getLogger("tierserve.engine")
@@ -172,7 +172,7 @@ def _message(i: int, m) -> dict:
     extra = set(m) - _MESSAGE_KEYS
     if extra:
         raise ValueError(f"messages[{i}] has unknown keys: {', '.join(sorted(map(str, extra)))}")
-    out = {"role": role, "content": _content(i, m.get("content"))}
+    out = {"role": role, "content": message_content(i, m.get("content"))}
     for key in ("name", "tool_call_id"):
         if key in m:
             if not isinstance(m[key], str):
@@ -186,7 +186,8 @@ def _message(i: int, m) -> dict:
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
-def _content(i: int, content) -> str:
+def message_content(i: int, content) -> str:
+    """messages[i]'s content as one text: a string, text parts joined, or None ("")."""
     if content is None:
         return ""
     if isinstance(content, list):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierserve.deploy.openai.errors import BadField, param_of
 from tierserve.deploy.openai.structured import HERMES, ToolPlan, structured_of, written_call
 from tierserve.deploy.openai.tool_parsers import ToolCallFormat
-from tierserve.runtime.requests import CHAT_OPTIONS, check_chat_options
+from tierserve.runtime.requests import CHAT_OPTIONS, check_chat_options, message_content
 from tierserve.scheduler.params import MAX_N, SamplingParams
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
@@ -342,19 +342,11 @@ def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest,
         if m.function_call is not None:
             raise BadField(f"messages[{i}].function_call", "a message's function_call is "
                            "OpenAI's deprecated form of tool_calls: send those")
-        content = m.content
-        if not content and m.refusal:
-            content = m.refusal
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadField(f"messages[{i}].content",
-                                   "only text content parts are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
+        try:
+            content = message_content(i, m.refusal if not m.content and m.refusal
+                                      else m.content)
+        except ValueError as e:
+            raise BadField(f"messages[{i}].content", str(e)) from None
         if m.tool_calls:
             content = "\n".join([content] * bool(content) + [
                 written_call(call, f"messages[{i}].tool_calls[{j}]", fmt)
